@@ -1,0 +1,3 @@
+from gyre.cli.main import main
+
+main()

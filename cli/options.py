@@ -1,0 +1,22 @@
+"""options.py: every CLI flag's type and help text, written once (typer Annotated aliases)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+CoordinatorOpt = Annotated[str, typer.Option("--coordinator", help="Coordinator address, tcp://HOST:PORT or ipc://PATH.")]
+CellOpt = Annotated[Optional[int], typer.Option("--cell", help="Cell to join (default: the coordinator assigns one).")]
+NodeRankOpt = Annotated[int, typer.Option("--node-rank", help="This node's rank inside its cell.")]
+NodeIdOpt = Annotated[str, typer.Option("--node-id", help="Stable node name (default: HOSTNAME-PID).")]
+DevicesOpt = Annotated[str, typer.Option("--devices", help="Comma-separated devices this node uses, e.g. cpu or 0,1,2,3.")]
+HeartbeatOpt = Annotated[float, typer.Option("--heartbeat", help="Seconds between heartbeats.")]
+ModelDirArg = Annotated[Path, typer.Argument(help="Output model directory.")]
+ModelKindArg = Annotated[str, typer.Argument(help="Which model to write; only 'tiny' is built in.")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed.")]
+StepsOpt = Annotated[int, typer.Option("--steps", help="Optimizer steps to run.")]
+RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", help="Run directory (default: runs/<timestamp>).")]
+ModelOpt = Annotated[Optional[Path], typer.Option("--model", help="Hugging Face model directory (default: the tiny model, written into the run directory).")]
+DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks and debug logs.")]

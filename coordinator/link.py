@@ -1,0 +1,189 @@
+"""link.py: the coordinator's ZeroMQ link to every workerd (one ROUTER socket).
+
+Request/reply by `req_id` (futures), generation streams by `req_id` (queues), and
+lifecycle messages (Register, Ready, Heartbeat, Deregister, WorkerDead) handed to a
+callback. A node that dies fails every pending future for it with `WorkerDeadError`.
+Not a scheduler: it never decides where work goes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+import zmq
+import zmq.asyncio
+
+from gyre.workerd import wire
+
+log = logging.getLogger("gyre.coordinator")
+
+LIFECYCLE = (wire.Register, wire.Ready, wire.Heartbeat, wire.Deregister, wire.WorkerDead)
+
+
+class WorkerDeadError(wire.GyreError):
+    """The node serving a request died or left; the request may be retried elsewhere."""
+
+
+class WorkerError(wire.GyreError):
+    """The workerd answered a command with an Error."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+
+
+@dataclass
+class _Pending:
+    node: str
+    future: asyncio.Future | None = None  # one reply
+    stream: asyncio.Queue | None = None  # many GenerateChunks
+
+
+@dataclass
+class NodeLink:
+    node_id: str
+    last_seen: float = field(default_factory=time.monotonic)
+    alive: bool = True
+
+
+class WorkerLink:
+    def __init__(self, bind: str, on_event: Callable[[Any], None] | None = None):
+        self._bind = bind
+        self._ctx = zmq.asyncio.Context()
+        self._sock: zmq.asyncio.Socket | None = None
+        self._pending: dict[int, _Pending] = {}
+        self._ids = itertools.count(1)
+        self.nodes: dict[str, NodeLink] = {}
+        self.on_event = on_event or (lambda msg: None)
+        self.address = bind
+
+    async def start(self) -> str:
+        """Bind (created here, after uvloop is installed); returns the bound address."""
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable replies raise, never vanish
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(self._bind)
+        self._sock = sock
+        self.address = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        return self.address
+
+    def close(self) -> None:
+        for p in self._pending.values():
+            _fail(p, WorkerDeadError("coordinator link closed"))
+        self._pending.clear()
+        if self._sock is not None:
+            self._sock.close(linger=0)
+        self._ctx.term()
+
+    def new_req_id(self) -> int:
+        return next(self._ids)
+
+    # --- sending ------------------------------------------------------------------------
+
+    async def send(self, node: str, msg: Any, tensors: list[wire.TensorFrame] | None = None) -> None:
+        link = self.nodes.get(node)
+        if link is None or not link.alive:
+            raise WorkerDeadError(f"node {node} is not connected")
+        try:
+            await self._sock.send_multipart([node.encode(), *wire.encode(msg, tensors)], copy=False)
+        except zmq.ZMQError as e:  # EHOSTUNREACH under ROUTER_MANDATORY
+            self.mark_dead(node, f"send failed: {e}")
+            raise WorkerDeadError(f"node {node} unreachable: {e}") from None
+
+    async def call(self, node: str, msg: Any, tensors: list[wire.TensorFrame] | None = None,
+                   timeout: float | None = 120.0) -> tuple[Any, list[wire.TensorFrame]]:
+        """Send a command and wait for its reply; an `Error` reply raises `WorkerError`."""
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[msg.req_id] = _Pending(node, future=fut)
+        try:
+            await self.send(node, msg, tensors)
+            reply, frames = await asyncio.wait_for(fut, timeout)
+        finally:
+            self._pending.pop(msg.req_id, None)
+        if isinstance(reply, wire.Error):
+            raise WorkerError(reply.kind, reply.message)
+        if isinstance(reply, wire.CallResult) and reply.error:
+            raise WorkerError("CallError", reply.error)
+        return reply, frames
+
+    async def generate(self, node: str, msg: wire.Generate) -> AsyncIterator[wire.GenerateChunk]:
+        """Stream a request's chunks until the finished one. The caller aborts on cancel."""
+        q: asyncio.Queue = asyncio.Queue()
+        self._pending[msg.req_id] = _Pending(node, stream=q)
+        try:
+            await self.send(node, msg)
+            while True:
+                item = q.get_nowait() if not q.empty() else await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if isinstance(item, wire.Error):
+                    raise WorkerError(item.kind, item.message)
+                yield item
+                if item.finished:
+                    return
+        finally:
+            self._pending.pop(msg.req_id, None)
+
+    # --- receiving ----------------------------------------------------------------------
+
+    async def serve(self) -> None:
+        """Reader loop: run as a task for the coordinator's lifetime."""
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            node = frames[0].bytes.decode()
+            try:
+                msg, tensors = wire.decode(frames[1:])
+            except wire.WireError as e:
+                log.warning("undecodable message from %s: %s", node, e)
+                continue
+            self._dispatch(node, msg, tensors)
+
+    def _dispatch(self, node: str, msg: Any, tensors: list[wire.TensorFrame]) -> None:
+        link = self.nodes.get(node)
+        if isinstance(msg, wire.Register) or link is None:
+            link = self.nodes[node] = NodeLink(node)
+        link.last_seen = time.monotonic()
+        if isinstance(msg, LIFECYCLE):
+            if isinstance(msg, (wire.Deregister, wire.WorkerDead)):
+                reason = getattr(msg, "reason", "")
+                self.mark_dead(node, f"{type(msg).__name__}: {reason}")
+            else:
+                link.alive = True
+            self.on_event(msg)
+            return
+        pending = self._pending.get(getattr(msg, "req_id", -1))
+        if pending is None:
+            log.debug("reply %s for no pending request", type(msg).__name__)
+            return
+        if pending.stream is not None:
+            pending.stream.put_nowait(msg)
+        elif not pending.future.done():
+            pending.future.set_result((msg, tensors))
+
+    def mark_dead(self, node: str, reason: str) -> None:
+        """Fail everything pending on `node`; called on WorkerDead, Deregister or silence."""
+        link = self.nodes.get(node)
+        if link is not None:
+            link.alive = False
+        err = WorkerDeadError(f"node {node} died: {reason}")
+        for p in self._pending.values():
+            if p.node == node:
+                _fail(p, err)
+
+    def silent_nodes(self, timeout_s: float) -> list[str]:
+        now = time.monotonic()
+        return [n for n, l in self.nodes.items() if l.alive and now - l.last_seen > timeout_s]
+
+
+def _fail(p: _Pending, err: Exception) -> None:
+    if p.stream is not None:
+        p.stream.put_nowait(err)
+    elif p.future is not None and not p.future.done():
+        p.future.set_exception(err)

@@ -1,0 +1,69 @@
+"""engines/base.py: the rollout-engine interface every backend implements (CPU, SGLang).
+
+The workerd drives an engine with `add_request` / `abort` and calls `step()` whenever
+it has work; each call advances running requests and returns the tokens produced since
+the last call. Not a scheduler of executions: that is the coordinator's job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol
+
+import torch
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass(slots=True, kw_only=True)
+class TokenOutput:
+    """Tokens one request produced in one `step()`; `finished` on its last output.
+
+    `logprobs` are behaviour log-probs of the sampled tokens under the model's own
+    distribution (temperature 1, before top-p), the quantity the trainer recomputes.
+    """
+
+    rid: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    version: int = 0
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    prompt_tokens: int = 0
+
+
+class RolloutEngine(Protocol):
+    version: int
+
+    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None: ...
+
+    def abort(self, rid: str) -> TokenOutput | None:
+        """Stop `rid` now; returns its final (finish_reason="abort") output if it was known."""
+
+    def step(self) -> list[TokenOutput]: ...
+
+    @property
+    def running(self) -> int: ...
+
+    def release_memory(self) -> int:
+        """Free KV caches (and, on GPUs, weights) for a role change; returns bytes freed."""
+
+    def resume_memory(self) -> None: ...
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
+        """Load HF-named tensors; returns bytes loaded. Called between steps only."""

@@ -1,0 +1,142 @@
+"""engines/cpu.py: the embedded rollout engine, a real batched sampler on CPU.
+
+Each `step()` first prefills the requests that arrived since the last step, then runs
+one batched decode step over every other running request (continuous batching: requests
+join and leave between steps). Behaviour log-probs come from the same `CausalLM` the
+trainer uses. Not thread-safe: the workerd's main loop is its only caller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+from gyre.workerd.engines.base import SamplingParams, TokenOutput
+from gyre.workerd.model import CausalLM, SeqCache
+
+
+class EngineReleased(RuntimeError):
+    """The engine's memory was released for training; it takes no requests until resumed."""
+
+
+@dataclass(slots=True)
+class _Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    cache: SeqCache = field(default_factory=SeqCache)
+    output_ids: list[int] = field(default_factory=list)
+    last_token: int = -1
+
+
+class CpuEngine:
+    """Rollout engine over a `CausalLM` on CPU; see engines/base.py for the contract."""
+
+    def __init__(self, model: CausalLM, *, version: int = 0, max_running: int = 64, seed: int = 0):
+        self.model = model.eval()
+        self.version = version
+        self.max_running = max_running
+        self.max_context = model.config.max_position_embeddings
+        self._generator = torch.Generator().manual_seed(seed)
+        self._waiting: dict[str, _Request] = {}
+        self._running: dict[str, _Request] = {}
+        self._released = False
+
+    @property
+    def running(self) -> int:
+        return len(self._waiting) + len(self._running)
+
+    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        if self._released:
+            raise EngineReleased("engine memory is released (cell is training)")
+        if rid in self._waiting or rid in self._running:
+            raise ValueError(f"request id {rid!r} is already running")
+        if not prompt_ids:
+            raise ValueError("prompt_ids is empty")
+        vocab = self.model.config.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise ValueError(f"prompt_ids outside the vocabulary [0, {vocab})")
+        if len(prompt_ids) >= self.max_context:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens exceeds the context {self.max_context}")
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self._waiting[rid] = _Request(rid, list(prompt_ids), params, gen)
+
+    def abort(self, rid: str) -> TokenOutput | None:
+        req = self._waiting.pop(rid, None) or self._running.pop(rid, None)
+        if req is None:
+            return None
+        return self._out(req, [], [], finished=True, reason="abort")
+
+    def step(self) -> list[TokenOutput]:
+        outputs: list[TokenOutput] = []
+        # 1) Requests already decoding advance by one token together.
+        if self._running:
+            reqs = list(self._running.values())[: self.max_running]
+            ids = torch.tensor([r.last_token for r in reqs])
+            logits = self.model.decode(ids, [r.cache for r in reqs])
+            outputs += self._sample(reqs, logits)
+        # 2) New requests are prefilled and sample their first token.
+        while self._waiting and len(self._running) < self.max_running:
+            rid, req = next(iter(self._waiting.items()))
+            del self._waiting[rid]
+            logits = self.model.extend(torch.tensor(req.prompt_ids), req.cache)[-1:]
+            self._running[rid] = req
+            outputs += self._sample([req], logits)
+        return outputs
+
+    def _sample(self, reqs: list[_Request], logits: torch.Tensor) -> list[TokenOutput]:
+        logits = logits.float()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        outs = []
+        for i, req in enumerate(reqs):
+            token = self._draw(logits[i], req)
+            req.output_ids.append(token)
+            req.last_token = token
+            p = req.params
+            reason = None
+            if token in p.stop_token_ids:
+                reason = "stop"
+            elif len(req.output_ids) >= p.max_new_tokens or req.cache.length + 1 >= self.max_context:
+                reason = "length"
+            if reason:
+                del self._running[req.rid]
+            outs.append(self._out(req, [token], [logprobs[i, token].item()], finished=reason is not None, reason=reason))
+        return outs
+
+    def _draw(self, logits: torch.Tensor, req: _Request) -> int:
+        p = req.params
+        if p.temperature == 0:
+            return int(logits.argmax())
+        probs = torch.softmax(logits / p.temperature, dim=-1)
+        if p.top_p < 1.0:
+            sorted_p, order = probs.sort(descending=True)
+            keep = sorted_p.cumsum(0) - sorted_p < p.top_p  # always keeps the top token
+            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
+        return int(torch.multinomial(probs, 1, generator=req.generator or self._generator))
+
+    def _out(self, req: _Request, ids, lps, *, finished: bool, reason: str | None) -> TokenOutput:
+        return TokenOutput(rid=req.rid, token_ids=ids, logprobs=lps, version=self.version,
+                           finished=finished, finish_reason=reason, prompt_tokens=len(req.prompt_ids))
+
+    # --- role changes and weights -------------------------------------------------------
+
+    def release_memory(self) -> int:
+        if self.running:
+            raise RuntimeError(f"release_memory with {self.running} requests running: abort them first")
+        self._released = True
+        return 0  # caches die with their requests; weights stay resident on CPU
+
+    def resume_memory(self) -> None:
+        self._released = False
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
+        nbytes = self.model.load_hf_weights(named)
+        self.version = version
+        return nbytes
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(r.cache.nbytes for r in self._running.values())

@@ -1,0 +1,66 @@
+"""loss.py: the execution-level GSPO objective of DESIGN.md ("Loss"), per micro-step.
+
+Returns the *sum* over this micro-step's target tokens of
+    -(1/L_i) * w_t * min(s_it * A_i, clip(s_it) * A_i)
+so that micro-steps add up exactly; the trainer divides the accumulated gradient by the
+number of executions in the batch (the outer `mean_i`). Backend-neutral torch code: the
+CPU and megatron trainers both call it. Not a packer: rows arrive ready.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+IS_CAP = 5.0  # token importance weight cap
+SEQ_CLIP = (0.995, 1.005)  # GSPO clip of the execution-level ratio
+
+
+@dataclass(frozen=True, slots=True)
+class LossOutput:
+    loss_sum: torch.Tensor  # differentiable
+    tokens: int
+    executions: int
+    mismatch: float  # mean(b - sg(l)) over targets
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """logits [B, T, V], input_ids [B, T] -> log p(input_ids[t] | <t) at [B, T]; t=0 is 0."""
+    lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    picked = lp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return torch.nn.functional.pad(picked, (1, 0))
+
+
+def gspo_loss(
+    logp: torch.Tensor,  # [B, T] current log-probs (differentiable)
+    behaviour_logp: torch.Tensor,  # [B, T]
+    advantages: torch.Tensor,  # [B, T]
+    loss_weights: torch.Tensor,  # [B, T] = 1 / L_i on targets
+    target_mask: torch.Tensor,  # [B, T] bool
+    exec_ids: torch.Tensor,  # [B, T] int64, execution index per token
+) -> LossOutput:
+    mask = target_mask.bool()
+    l = logp[mask]
+    b = behaviour_logp[mask].float()
+    a = advantages[mask].float()
+    wts = loss_weights[mask].float()
+    ex = exec_ids[mask].long()
+    if l.numel() == 0:
+        return LossOutput(logp.sum() * 0.0, 0, 0, 0.0)
+    # Token importance weight, no gradient: corrects staleness and engine/trainer mismatch.
+    w = torch.clamp(torch.exp(l.detach() - b), max=IS_CAP)
+    # Execution-level ratio s_i = exp(mean_{t in T_i}(l_t - l_old_t)). With one optimizer
+    # update per batch l_old = sg(l), so s_i == 1 whatever subset of T_i this micro-step
+    # holds: that is what lets a micro-step split an execution. Asserted, not assumed.
+    uniq, inv = torch.unique(ex, return_inverse=True)
+    diff = (l.detach() - l.detach()).double()
+    seg_mean = torch.zeros(len(uniq), dtype=torch.float64).index_add_(0, inv, diff)
+    seg_mean /= torch.bincount(inv, minlength=len(uniq)).double()
+    s_i = torch.exp(seg_mean).float()
+    assert torch.all(s_i == 1.0), "execution ratio != 1: a second update on the same batch?"
+    s_it = s_i[inv] * torch.exp(l - l.detach())
+    clipped = torch.clamp(s_it, *SEQ_CLIP)
+    surrogate = torch.minimum(s_it * a, clipped * a)
+    loss_sum = -(wts * w * surrogate).sum()
+    return LossOutput(loss_sum, int(l.numel()), len(uniq), float((b - l.detach()).mean()))

@@ -1,0 +1,253 @@
+"""modeldir.py: a Hugging Face model directory as gyre's model spec.
+
+Reads config.json into `ModelConfig`, streams safetensors weights by their HF names, and
+writes the embedded default (`gyre init-model tiny DIR`): a seeded random Qwen2 model,
+a byte-level `tokenizers` tokenizer and a ChatML chat template with Hermes tool calls.
+Nothing here downloads; a missing file is a `ModelDirError` naming it. Not the tokenizer
+*runtime*: the proxy loads tokenizer.json itself.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator
+
+from gyre.workerd.wire import GyreError
+
+SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM"}
+
+
+class ModelDirError(GyreError):
+    """The model directory is missing a file or describes an unsupported model."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+
+    @classmethod
+    def from_hf(cls, raw: dict) -> ModelConfig:
+        arch = (raw.get("architectures") or ["?"])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelDirError(
+                f"config.json architecture {arch!r} is not supported "
+                f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})"
+            )
+        if raw.get("rope_scaling"):
+            raise ModelDirError("config.json sets rope_scaling, which gyre does not implement yet")
+        heads = raw["num_attention_heads"]
+        return cls(
+            architecture=arch,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=raw.get("max_position_embeddings", 32768),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases; Llama-family configs say so explicitly.
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
+        )
+
+
+def require(path: Path, what: str) -> Path:
+    if not path.exists():
+        raise ModelDirError(f"model directory {path.parent} has no {path.name} ({what})")
+    return path
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    root = Path(model_dir)
+    if not root.is_dir():
+        raise ModelDirError(f"model directory {root} does not exist")
+    raw = json.loads(require(root / "config.json", "the model config").read_text())
+    return ModelConfig.from_hf(raw)
+
+
+def weight_files(model_dir: str | Path) -> list[Path]:
+    root = Path(model_dir)
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [require(root / n, "a weight shard named by the index") for n in names]
+    return [require(root / "model.safetensors", "the model weights")]
+
+
+def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, "object"]]:
+    """Yield (hf_name, torch.Tensor) for every tensor in the directory's safetensors."""
+    from safetensors import safe_open
+
+    for path in weight_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+# --- the embedded default ---------------------------------------------------------------
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>",
+    "<tool_call>", "</tool_call>", "<think>", "</think>", "<tool_response>", "</tool_response>",
+]
+
+TINY_CONFIG = dict(
+    architectures=["Qwen2ForCausalLM"],
+    model_type="qwen2",
+    vocab_size=272,  # 256 bytes + 9 added tokens, padded to a multiple of 16
+    hidden_size=128,
+    intermediate_size=512,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    hidden_act="silu",
+    max_position_embeddings=32768,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    torch_dtype="float32",
+    use_sliding_window=False,
+    bos_token_id=256,
+    eos_token_id=258,
+)
+
+# ChatML with Hermes tool calls: the structure of Qwen2.5's template, so a real Qwen
+# checkpoint and the tiny model render the same way.
+CHAT_TEMPLATE = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\n<tool_call>\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- message.content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"""
+
+
+def _byte_vocab() -> dict[str, int]:
+    """GPT-2's byte -> printable-char map; token id == byte value."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return {chars[b]: b for b in range(256)}
+
+
+def build_tokenizer():
+    """A byte-level BPE (no merges: one token per byte) plus ChatML/Hermes added tokens."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.BPE(vocab=_byte_vocab(), merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(
+        [AddedToken(t, special=t.startswith("<|"), normalized=False) for t in SPECIAL_TOKENS]
+    )
+    return tok
+
+
+def init_tiny(out_dir: str | Path, *, seed: int = 0) -> Path:
+    """Write the embedded default model directory; returns it."""
+    import torch
+    from safetensors.torch import save_file
+
+    from gyre.workerd.model import CausalLM
+
+    root = Path(out_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer()
+    for i, t in enumerate(SPECIAL_TOKENS):
+        assert tok.token_to_id(t) == 256 + i, t
+    tok.save(str(root / "tokenizer.json"))
+    (root / "tokenizer_config.json").write_text(json.dumps(dict(
+        tokenizer_class="PreTrainedTokenizerFast",
+        model_max_length=TINY_CONFIG["max_position_embeddings"],
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        clean_up_tokenization_spaces=False,
+        chat_template=CHAT_TEMPLATE,
+    ), indent=2))
+    (root / "config.json").write_text(json.dumps(TINY_CONFIG, indent=2))
+    (root / "generation_config.json").write_text(json.dumps(
+        dict(eos_token_id=[258, 256], pad_token_id=256, temperature=1.0, top_p=1.0), indent=2
+    ))
+    config = ModelConfig.from_hf(TINY_CONFIG)
+    torch.manual_seed(seed)
+    model = CausalLM(config)
+    model.init_weights(seed)
+    save_file({k: v.contiguous() for k, v in model.hf_state_dict().items()},
+              str(root / "model.safetensors"), metadata={"format": "pt"})
+    return root
+
+
+def describe(config: ModelConfig) -> dict:
+    return asdict(config)

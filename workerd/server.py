@@ -1,0 +1,204 @@
+"""server.py: `WorkerServer`, the thin ZeroMQ shell around `Worker`.
+
+One I/O thread owns the DEALER socket to the coordinator: it moves incoming frames to
+an inbox queue, forwards outgoing frames that the main thread pushes over an inproc pair,
+and sends heartbeats. The main thread blocks for input only when the engine is idle and
+otherwise steps the engine, so backend calls never wait on the network. Not the logic:
+that is worker.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+import traceback
+
+import zmq
+
+from gyre.workerd import wire
+from gyre.workerd.config import WorkerConfig
+from gyre.workerd.worker import Out, Worker
+
+log = logging.getLogger("gyre.workerd")
+
+
+class HandshakeTimeout(wire.GyreError):
+    """No Welcome from the coordinator within the deadline."""
+
+
+class WorkerServer:
+    def __init__(self, config: WorkerConfig, worker: Worker | None = None):
+        self.config = config
+        self.worker = worker or Worker(config)
+        self.node_id = self.worker.node_id
+        self.should_exit = False
+        self.force_exit = False
+        self.welcomed = False
+        self._inbox: queue.Queue = queue.Queue()
+        self._ctx = zmq.Context()
+        self._io_stop = threading.Event()
+        self._outbox_addr = f"inproc://gyre-outbox-{id(self)}"
+        # The I/O thread binds the PULL end before the main thread connects to it.
+        self._io_ready = threading.Event()
+        self._io = threading.Thread(target=self._io_loop, name="gyre-workerd-io", daemon=True)
+        self._send_to_io: zmq.Socket | None = None
+
+    # --- I/O thread ---------------------------------------------------------------------
+
+    def _io_loop(self) -> None:
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.IDENTITY, self.node_id.encode())
+        dealer.setsockopt(zmq.LINGER, 2000)  # let Deregister/WorkerDead leave on exit
+        dealer.setsockopt(zmq.SNDHWM, 0)
+        dealer.setsockopt(zmq.RCVHWM, 0)
+        dealer.connect(self.config.coordinator)
+        pull = self._ctx.socket(zmq.PULL)
+        pull.bind(self._outbox_addr)
+        self._io_ready.set()
+        poller = zmq.Poller()
+        poller.register(dealer, zmq.POLLIN)
+        poller.register(pull, zmq.POLLIN)
+        next_beat = time.monotonic()
+        try:
+            while not self._io_stop.is_set():
+                timeout = max(0.0, next_beat - time.monotonic()) * 1000
+                events = dict(poller.poll(timeout=min(timeout, 100)))
+                if dealer in events:
+                    self._inbox.put(dealer.recv_multipart(copy=False))
+                if pull in events:
+                    dealer.send_multipart(pull.recv_multipart(copy=False), copy=False)
+                if self.welcomed and time.monotonic() >= next_beat:
+                    dealer.send_multipart(wire.encode(self._heartbeat()))
+                    next_beat = time.monotonic() + self.config.heartbeat_s
+            # Flush what the main thread queued last (Deregister, WorkerDead).
+            while pull.poll(0):
+                dealer.send_multipart(pull.recv_multipart(copy=False), copy=False)
+        finally:
+            pull.close(linger=0)
+            dealer.close()  # keeps LINGER so queued frames still leave
+
+    def _heartbeat(self) -> wire.Heartbeat:
+        w = self.worker
+        return wire.Heartbeat(node_id=self.node_id, role=w.role.value,
+                              running=w.engine.running if w.engine else 0,
+                              version=w.engine.version if w.engine else -1, t=time.time())
+
+    # --- main thread --------------------------------------------------------------------
+
+    def send(self, msg, tensors=None) -> None:
+        self._send_to_io.send_multipart(wire.encode(msg, tensors), copy=False)
+
+    def _send_all(self, outs: list[Out]) -> None:
+        for msg, tensors in outs:
+            self.send(msg, tensors)
+
+    def start(self) -> None:
+        self._io.start()
+        if not self._io_ready.wait(10):
+            raise RuntimeError("workerd I/O thread did not start")
+        self._send_to_io = self._ctx.socket(zmq.PUSH)
+        self._send_to_io.setsockopt(zmq.SNDHWM, 0)
+        self._send_to_io.connect(self._outbox_addr)
+        cfg = self.config
+        self.send(wire.Register(req_id=0, node_id=self.node_id, cell=cfg.cell, node_rank=cfg.node_rank,
+                                host=socket.gethostname(), pid=os.getpid(), devices=list(cfg.devices),
+                                backends={"engine": cfg.engine_backend, "trainer": cfg.trainer_backend}))
+
+    def run_forever(self) -> int:
+        """Serve until Shutdown or a signal; returns the process exit code."""
+        deadline = time.monotonic() + self.config.welcome_timeout_s
+        while not (self.should_exit or self.worker.should_exit):
+            # 1) Block for input only when nothing is running.
+            self._drain_inbox(block=not self.worker.busy)
+            if not self.welcomed and time.monotonic() > deadline:
+                raise HandshakeTimeout(f"no Welcome from {self.config.coordinator} within "
+                                       f"{self.config.welcome_timeout_s:.0f}s")
+            # 2) Advance running work by one step and publish results.
+            if self.worker.busy:
+                self._send_all(self.worker.step())
+        return self._shutdown_gracefully()
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            # A short timeout, not forever: signals set should_exit and must be seen.
+            frames = self._inbox.get(timeout=0.1) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(frames)
+            try:
+                frames = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, frames) -> None:
+        try:
+            msg, tensors = wire.decode(frames)
+        except wire.WireError as e:
+            log.warning("undecodable message: %s", e)
+            req_id = wire.req_id_of(frames)
+            self.send(wire.Error(req_id=-1 if req_id is None else req_id, kind="WireError", message=str(e)))
+            return
+        if type(msg) not in self.worker.handlers:
+            self.send(wire.Error(req_id=getattr(msg, "req_id", -1), kind="WireError",
+                                 message=f"{type(msg).__name__} is not a workerd command"))
+            return
+        outs = self.worker.handle(msg, tensors)
+        if isinstance(msg, wire.Welcome) and not any(isinstance(m, wire.Error) for m, _ in outs):
+            self.welcomed = True
+        self._send_all(outs)
+
+    def _shutdown_gracefully(self) -> int:
+        """Hand back in-flight requests (their streams end with `abort`, so the coordinator
+        reroutes them), deregister, close. Bounded: the I/O thread gets a deadline."""
+        if self.worker.engine is not None:
+            self._send_all(self.worker.abort_all())
+        if self.welcomed:
+            self.send(wire.Deregister(node_id=self.node_id, reason="shutdown"))
+        self._close()
+        return 0
+
+    def report_fatal(self, exc: BaseException) -> None:
+        """Tell the coordinator why we die (best effort), then close."""
+        try:
+            self.send(wire.WorkerDead(node_id=self.node_id, reason=f"{type(exc).__name__}: {exc}",
+                                      traceback="".join(traceback.format_exception(exc))))
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        self._io_stop.set()
+        self._io.join(timeout=self.config.graceful_timeout_s)
+        if self._send_to_io is not None:
+            self._send_to_io.close(linger=0)
+        self._ctx.term() if not self._io.is_alive() else self._ctx.destroy(linger=0)
+
+    def install_signal_handlers(self) -> None:
+        """First SIGTERM/SIGINT: graceful exit. Second SIGINT: exit now."""
+
+        def on_signal(signum, _frame):
+            if self.should_exit and signum == signal.SIGINT:
+                self.force_exit = True
+                os._exit(130)
+            self.should_exit = True
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+
+
+def serve(config: WorkerConfig) -> int:
+    """Entry point of `gyre workerd`: returns the exit code."""
+    server = WorkerServer(config)
+    server.install_signal_handlers()
+    server.start()
+    try:
+        return server.run_forever()
+    except Exception as e:  # noqa: BLE001 - reported to the coordinator, then non-zero exit
+        log.exception("workerd fatal error")
+        server.report_fatal(e)
+        return 1

@@ -1,0 +1,78 @@
+"""trainers/base.py: the trainer interface every backend implements (CPU torch, megatron-core).
+
+A micro-step is a set of right-padded token rows with per-token arrays aligned to the
+input positions: `target_mask[r, t]` says token `input_ids[r, t]` is a trained target
+(predicted from position t-1). Not a packer: the coordinator builds micro-steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Iterable, Protocol
+
+import torch
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MicroBatch:
+    input_ids: torch.Tensor  # [R, T] int64
+    target_mask: torch.Tensor  # [R, T] bool
+    behaviour_logprobs: torch.Tensor  # [R, T] float32
+    advantages: torch.Tensor  # [R, T] float32 (the execution's advantage on its tokens)
+    loss_weights: torch.Tensor  # [R, T] float32 (1 / L_i on targets)
+    exec_ids: torch.Tensor  # [R, T] int64 (execution index, batch-wide)
+
+    def __post_init__(self) -> None:
+        shape = self.input_ids.shape
+        if self.input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [rows, T], got {tuple(shape)}")
+        for f in fields(self):
+            t = getattr(self, f.name)
+            if t.shape != shape:
+                raise ValueError(f"{f.name} has shape {tuple(t.shape)}, input_ids {tuple(shape)}")
+        if bool(self.target_mask[:, 0].any()):
+            raise ValueError("target_mask[:, 0] set: the first token of a row has no context")
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> MicroBatch:
+        names = [f.name for f in fields(cls)]
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise ValueError(f"micro-step lacks tensors: {', '.join(missing)}")
+        return cls(
+            input_ids=tensors["input_ids"].long(),
+            target_mask=tensors["target_mask"].bool(),
+            behaviour_logprobs=tensors["behaviour_logprobs"].float(),
+            advantages=tensors["advantages"].float(),
+            loss_weights=tensors["loss_weights"].float(),
+            exec_ids=tensors["exec_ids"].long(),
+        )
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True, slots=True)
+class MicroStepStats:
+    loss: float
+    tokens: int
+    executions: int
+    mismatch: float
+    seconds: float
+
+
+class Trainer(Protocol):
+    version: int
+
+    def train_micro_step(self, batch: MicroBatch) -> MicroStepStats: ...
+
+    def optimizer_step(self, num_executions: int, reducer=None) -> float:
+        """Reduce, normalise, clip, update; returns the pre-clip gradient norm."""
+
+    def export_weights(self) -> dict[str, torch.Tensor]: ...
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> int: ...
+
+    def save_checkpoint(self, path: str) -> None: ...
+
+    def load_checkpoint(self, path: str) -> None: ...

@@ -1,0 +1,84 @@
+"""trainers/cpu.py: the embedded trainer, plain torch on CPU over the shared `CausalLM`.
+
+Accumulates the GSPO loss's gradients over micro-steps, reduces them over a gloo prefix
+group when cells train together, and applies one AdamW update per step with DESIGN.md's
+settings. Not the packer and not the reducer's owner: both are handed in.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from gyre.workerd.loss import gspo_loss, token_logprobs
+from gyre.workerd.model import CausalLM
+from gyre.workerd.trainers.base import MicroBatch, MicroStepStats
+
+
+class CpuTrainer:
+    def __init__(self, model: CausalLM, *, lr: float = 1e-5, weight_decay: float = 0.01,
+                 grad_clip: float = 1.0, version: int = 0):
+        self.model = model.train()
+        self.version = version
+        self.grad_clip = grad_clip
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-15, weight_decay=weight_decay
+        )
+        self.micro_steps = 0  # accumulated since the last update
+
+    def train_micro_step(self, batch: MicroBatch) -> MicroStepStats:
+        t0 = time.perf_counter()
+        logits = self.model(batch.input_ids)
+        logp = token_logprobs(logits, batch.input_ids)
+        out = gspo_loss(logp, batch.behaviour_logprobs, batch.advantages, batch.loss_weights,
+                        batch.target_mask, batch.exec_ids)
+        out.loss_sum.backward()
+        self.micro_steps += 1
+        return MicroStepStats(out.loss_sum.item(), out.tokens, out.executions, out.mismatch,
+                              time.perf_counter() - t0)
+
+    def current_logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return token_logprobs(self.model(input_ids), input_ids)
+
+    def optimizer_step(self, num_executions: int, reducer=None) -> float:
+        if num_executions < 1:
+            raise ValueError(f"num_executions must be >= 1, got {num_executions}")
+        params = [p for p in self.model.parameters()]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if reducer is not None:
+            reducer.all_reduce([p.grad for p in params])
+        for p in params:
+            p.grad.div_(num_executions)
+        norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.micro_steps = 0
+        self.version += 1
+        return float(norm)
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        return self.model.hf_state_dict()
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
+        nbytes = self.model.load_hf_weights(named)
+        self.version = version
+        return nbytes
+
+    def save_checkpoint(self, path: str) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        tmp = f"{path}.tmp"
+        torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "version": self.version}, tmp)
+        Path(tmp).replace(path)  # atomic: a crash mid-save leaves the previous checkpoint
+
+    def load_checkpoint(self, path: str) -> None:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])

@@ -1,0 +1,265 @@
+"""worker.py: `Worker`, the node's logic: it owns the rollout engine and the trainer.
+
+Plain methods, one per wire command, each returning the replies to send; no sockets
+(server.py owns those). Both backends live for the whole process: a role change releases
+and restores memory, it never rebuilds an engine or a trainer.
+
+    role      Generate      TrainMicroStep/OptimizerStep   SetRole(other)
+    rollout   accepted      refused (RoleError)            abort running, release engine
+    training  refused       accepted                       restore engine memory
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+
+from gyre.workerd import wire
+from gyre.workerd.config import WorkerConfig
+from gyre.workerd.engines.base import SamplingParams
+from gyre.workerd.tensors import from_frames, to_frames
+
+log = logging.getLogger("gyre.workerd")
+
+Out = tuple[Any, list[wire.TensorFrame] | None]
+
+
+class Role(enum.Enum):
+    ROLLOUT = "rollout"
+    TRAINING = "training"
+    SWITCHING = "switching"
+
+
+class RoleError(RuntimeError):
+    """A command that the worker's current role does not allow."""
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig):
+        self.config = config
+        self.node_id = config.resolved_node_id
+        self.role = Role.SWITCHING  # until Welcome
+        self.cell: int | None = config.cell
+        self.engine = None
+        self.trainer = None
+        self.reducer = None
+        self.should_exit = False
+        self._streams: dict[str, int] = {}  # rid -> req_id of its Generate
+        self.handlers: dict[type, Callable[[Any, list[wire.TensorFrame]], list[Out]]] = {
+            wire.Welcome: self.welcome,
+            wire.Generate: self.generate,
+            wire.Abort: self.abort,
+            wire.SetRole: self.set_role,
+            wire.TrainMicroStep: self.train_micro_step,
+            wire.OptimizerStep: self.optimizer_step,
+            wire.ExportWeights: self.export_weights,
+            wire.LoadWeights: self.load_weights,
+            wire.Call: self.call,
+            wire.Shutdown: self.shutdown,
+        }
+        self.calls: dict[str, Callable[..., Any]] = {
+            "echo": lambda **kw: kw,
+            "fail": self._fail,
+            "stats": self.stats,
+            "save_checkpoint": lambda path: self._need_trainer().save_checkpoint(path),
+            "load_checkpoint": self._load_checkpoint,
+            "init_reducer": self._init_reducer,
+            "set_participants": self._set_participants,
+            "logprobs": self._logprobs,
+        }
+
+    # --- dispatch -----------------------------------------------------------------------
+
+    def handle(self, msg: Any, tensors: list[wire.TensorFrame]) -> list[Out]:
+        """Run the handler for `msg`; any exception becomes an `Error` reply, never a crash."""
+        try:
+            return self.handlers[type(msg)](msg, tensors)
+        except Exception as e:  # noqa: BLE001 - reported to the caller, not swallowed
+            log.warning("%s failed: %s", type(msg).__name__, e)
+            return [(wire.Error(req_id=getattr(msg, "req_id", -1), kind=type(e).__name__,
+                                message=str(e) or traceback.format_exc(limit=1)), None)]
+
+    @property
+    def busy(self) -> bool:
+        return self.engine is not None and self.engine.running > 0
+
+    def step(self) -> list[Out]:
+        """Advance running rollout requests by one engine step; stream what they produced."""
+        outs: list[Out] = []
+        for o in self.engine.step():
+            req_id = self._streams[o.rid]
+            if o.finished:
+                del self._streams[o.rid]
+            outs.append((wire.GenerateChunk(
+                req_id=req_id, rid=o.rid, token_ids=o.token_ids, logprobs=o.logprobs,
+                version=o.version, finished=o.finished, finish_reason=o.finish_reason,
+                prompt_tokens=o.prompt_tokens), None))
+        return outs
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    def welcome(self, msg: wire.Welcome, _) -> list[Out]:
+        from gyre.workerd.backends import build_backends
+
+        t0 = time.perf_counter()
+        self.cell = msg.cell
+        self.engine, self.trainer, params = build_backends(
+            msg.model_dir, engine=self.config.engine_backend, trainer=self.config.trainer_backend,
+            engine_options=msg.engine, trainer_options=msg.trainer,
+        )
+        self.role = Role(msg.role)
+        if self.role is Role.TRAINING:
+            self.engine.release_memory()
+        return [(wire.Ready(node_id=self.node_id, role=self.role.value, version=self.engine.version,
+                            params=params, load_seconds=time.perf_counter() - t0), None)]
+
+    def shutdown(self, msg: wire.Shutdown, _) -> list[Out]:
+        self.should_exit = True
+        return [(wire.CallResult(req_id=msg.req_id, result={"exiting": True}), None)]
+
+    def abort_all(self, reason: str = "abort") -> list[Out]:
+        """Abort every running request (role change, shutdown): their streams end now."""
+        outs = []
+        for rid, req_id in list(self._streams.items()):
+            o = self.engine.abort(rid)
+            del self._streams[rid]
+            if o is not None:
+                outs.append((wire.GenerateChunk(req_id=req_id, rid=rid, token_ids=[], logprobs=[],
+                             version=o.version, finished=True, finish_reason=reason,
+                             prompt_tokens=o.prompt_tokens), None))
+        return outs
+
+    # --- rollout ------------------------------------------------------------------------
+
+    def generate(self, msg: wire.Generate, _) -> list[Out]:
+        if self.role is not Role.ROLLOUT:
+            raise RoleError(f"node {self.node_id} is {self.role.value}, not rollout")
+        params = SamplingParams(max_new_tokens=msg.max_new_tokens, temperature=msg.temperature,
+                                top_p=msg.top_p, stop_token_ids=tuple(msg.stop_token_ids), seed=msg.seed)
+        self.engine.add_request(msg.rid, msg.prompt_ids, params)
+        self._streams[msg.rid] = msg.req_id
+        return []
+
+    def abort(self, msg: wire.Abort, _) -> list[Out]:
+        outs: list[Out] = []
+        req_id = self._streams.pop(msg.rid, None)
+        o = self.engine.abort(msg.rid)
+        if o is not None and req_id is not None:
+            outs.append((wire.GenerateChunk(req_id=req_id, rid=msg.rid, token_ids=[], logprobs=[],
+                         version=o.version, finished=True, finish_reason="abort",
+                         prompt_tokens=o.prompt_tokens), None))
+        outs.append((wire.CallResult(req_id=msg.req_id, result={"found": o is not None}), None))
+        return outs
+
+    def set_role(self, msg: wire.SetRole, _) -> list[Out]:
+        target = Role(msg.role)
+        if target is Role.SWITCHING:
+            raise ValueError("SetRole takes 'rollout' or 'training'")
+        t0 = time.perf_counter()
+        outs: list[Out] = []
+        freed = 0
+        if target is not self.role:
+            self.role = Role.SWITCHING
+            if target is Role.TRAINING:
+                outs += self.abort_all()  # the coordinator normally aborted them already
+                freed = self.engine.release_memory()
+            else:
+                self.engine.resume_memory()
+            self.role = target
+        outs.append((wire.RoleChanged(req_id=msg.req_id, role=target.value,
+                                      seconds=time.perf_counter() - t0, freed_bytes=freed), None))
+        return outs
+
+    # --- training -----------------------------------------------------------------------
+
+    def train_micro_step(self, msg: wire.TrainMicroStep, tensors) -> list[Out]:
+        from gyre.workerd.trainers.base import MicroBatch
+
+        trainer = self._need_trainer(training=True)
+        s = trainer.train_micro_step(MicroBatch.from_tensors(from_frames(tensors)))
+        return [(wire.TrainResult(req_id=msg.req_id, loss=s.loss, tokens=s.tokens, executions=s.executions,
+                                  seconds=s.seconds, mismatch_kl=s.mismatch), None)]
+
+    def optimizer_step(self, msg: wire.OptimizerStep, _) -> list[Out]:
+        trainer = self._need_trainer(training=True)
+        t0 = time.perf_counter()
+        norm = trainer.optimizer_step(msg.num_executions, reducer=self.reducer)
+        return [(wire.StepResult(req_id=msg.req_id, version=trainer.version, grad_norm=norm,
+                                 seconds=time.perf_counter() - t0), None)]
+
+    def export_weights(self, msg: wire.ExportWeights, _) -> list[Out]:
+        trainer = self._need_trainer()
+        frames = to_frames(trainer.export_weights())
+        nbytes = sum(f.data.nbytes for f in frames)
+        return [(wire.Weights(req_id=msg.req_id, version=trainer.version, nbytes=nbytes), frames)]
+
+    def load_weights(self, msg: wire.LoadWeights, tensors) -> list[Out]:
+        """Tensors given: load them. None given: copy this node's own trainer (colocated)."""
+        t0 = time.perf_counter()
+        if tensors:
+            named = from_frames(tensors)
+        else:
+            named = self._need_trainer().export_weights()
+        nbytes = self.engine.load_weights(named.items(), msg.version)
+        if msg.trainer and tensors:
+            self._need_trainer().load_weights(named.items(), msg.version)
+        return [(wire.Loaded(req_id=msg.req_id, version=msg.version,
+                             seconds=time.perf_counter() - t0, nbytes=nbytes), None)]
+
+    # --- generic calls ------------------------------------------------------------------
+
+    def call(self, msg: wire.Call, _) -> list[Out]:
+        fn = self.calls.get(msg.method)
+        if fn is None:
+            return [(wire.CallResult(req_id=msg.req_id, error=f"unknown method {msg.method!r}"), None)]
+        try:
+            result = fn(**msg.args)
+        except Exception as e:  # noqa: BLE001 - the caller gets the error text
+            return [(wire.CallResult(req_id=msg.req_id, error=f"{type(e).__name__}: {e}"), None)]
+        return [(wire.CallResult(req_id=msg.req_id, result=result), None)]
+
+    def stats(self) -> dict:
+        return {"node_id": self.node_id, "cell": self.cell, "role": self.role.value,
+                "running": self.engine.running if self.engine else 0,
+                "version": self.engine.version if self.engine else -1,
+                "trainer_version": self.trainer.version if self.trainer else -1}
+
+    def _need_trainer(self, training: bool = False):
+        if self.trainer is None:
+            raise RoleError(f"node {self.node_id} has no trainer yet (no Welcome)")
+        if training and self.role is not Role.TRAINING:
+            raise RoleError(f"node {self.node_id} is {self.role.value}, not training")
+        return self.trainer
+
+    def _load_checkpoint(self, path: str) -> dict:
+        trainer = self._need_trainer()
+        trainer.load_checkpoint(path)
+        return {"version": trainer.version}
+
+    def _init_reducer(self, rank: int, world_size: int, init_method: str) -> dict:
+        from gyre.workerd.reducer import GradReducer
+
+        if self.reducer is not None:
+            raise RuntimeError("reducer already initialised")
+        self.reducer = GradReducer(rank=rank, world_size=world_size, init_method=init_method)
+        return {"rank": rank, "world_size": world_size}
+
+    def _set_participants(self, participants: int) -> dict:
+        if self.reducer is None:
+            raise RuntimeError("no reducer: call init_reducer first")
+        self.reducer.group_for(participants)
+        self.reducer.participants = participants
+        return {"participants": participants}
+
+    def _logprobs(self, input_ids: list[list[int]]) -> list[list[float]]:
+        """Trainer log-probs of given rows (for consistency checks and debugging)."""
+        return self._need_trainer().current_logprobs(torch.tensor(input_ids)).tolist()
+
+    @staticmethod
+    def _fail(message: str = "requested failure") -> None:
+        raise RuntimeError(message)
