@@ -11,7 +11,8 @@ from typing import Annotated, Optional
 import typer
 
 from gyre.cli.options import (CellOpt, CoordinatorOpt, DebugOpt, DevicesOpt, HeartbeatOpt, ModelDirArg,
-                              ModelKindArg, ModelOpt, NodeIdOpt, NodeRankOpt, RunDirOpt, SeedOpt, StepsOpt)
+                              ModelKindArg, ModelOpt, NodeIdOpt, NodeRankOpt, RunDirOpt, SeedOpt, StepsOpt,
+                              WelcomeTimeoutOpt)
 
 app = typer.Typer(name="gyre", no_args_is_help=True, add_completion=False,
                   help="Online RL for LLM agents in black-box harnesses.")
@@ -61,13 +62,15 @@ def workerd(
     node_id: NodeIdOpt = "",
     devices: DevicesOpt = "cpu",
     heartbeat: HeartbeatOpt = 1.0,
+    welcome_timeout: WelcomeTimeoutOpt = 60.0,
 ) -> None:
     """Run this node's worker daemon (rollout engine + trainer) until stopped."""
     from gyre.workerd.config import WorkerConfig
     from gyre.workerd.server import serve
 
     config = WorkerConfig(coordinator=coordinator, cell=cell, node_rank=node_rank, node_id=node_id,
-                          devices=tuple(d for d in devices.split(",") if d), heartbeat_s=heartbeat)
+                          devices=tuple(d for d in devices.split(",") if d), heartbeat_s=heartbeat,
+                          welcome_timeout_s=welcome_timeout)
     raise typer.Exit(serve(config))
 
 

@@ -20,3 +20,4 @@ StepsOpt = Annotated[int, typer.Option("--steps", help="Optimizer steps to run."
 RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", help="Run directory (default: runs/<timestamp>).")]
 ModelOpt = Annotated[Optional[Path], typer.Option("--model", help="Hugging Face model directory (default: the tiny model, written into the run directory).")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks and debug logs.")]
+WelcomeTimeoutOpt = Annotated[float, typer.Option("--welcome-timeout", help="Seconds to wait for the coordinator's answer to registration.")]

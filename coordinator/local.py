@@ -48,6 +48,8 @@ class LocalCluster:
     log_dir: Path | None = None
 
     def __post_init__(self) -> None:
+        # One cell per core at most: oversubscribed torch threads spin and crawl.
+        self.engine = {"threads": max(1, (os.cpu_count() or 1) // self.cells), **self.engine}
         self.link = WorkerLink(self.address, on_event=self._on_event)
         self.nodes: dict[str, NodeInfo] = {}
         self.procs: list[asyncio.subprocess.Process] = []

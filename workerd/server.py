@@ -31,6 +31,10 @@ class HandshakeTimeout(wire.GyreError):
     """No Welcome from the coordinator within the deadline."""
 
 
+class WelcomeFailed(wire.GyreError):
+    """The backends could not be built from the coordinator's Welcome."""
+
+
 class WorkerServer:
     def __init__(self, config: WorkerConfig, worker: Worker | None = None):
         self.config = config
@@ -149,7 +153,10 @@ class WorkerServer:
                                  message=f"{type(msg).__name__} is not a workerd command"))
             return
         outs = self.worker.handle(msg, tensors)
-        if isinstance(msg, wire.Welcome) and not any(isinstance(m, wire.Error) for m, _ in outs):
+        if isinstance(msg, wire.Welcome):
+            errors = [m for m, _ in outs if isinstance(m, wire.Error)]
+            if errors:  # no backends, nothing to serve: die loudly (systemd restarts us)
+                raise WelcomeFailed(f"cannot start from the Welcome: {errors[0].kind}: {errors[0].message}")
             self.welcomed = True
         self._send_all(outs)
 

@@ -1,0 +1,64 @@
+"""The `gyre` command: version, init-model, placeholders, and `gyre up` end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from gyre.cli.main import app
+
+runner = CliRunner()
+
+
+def test_version():
+    r = runner.invoke(app, ["--version"])
+    assert r.exit_code == 0 and r.output.startswith("gyre ")
+
+
+def test_init_model_writes_a_loadable_directory(tmp_path):
+    r = runner.invoke(app, ["init-model", "tiny", str(tmp_path / "m")])
+    assert r.exit_code == 0, r.output
+    names = {p.name for p in (tmp_path / "m").iterdir()}
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"} <= names
+
+
+def test_init_model_unknown_kind_is_one_line_error(tmp_path):
+    r = runner.invoke(app, ["init-model", "huge", str(tmp_path / "m")])
+    assert r.exit_code == 1 and "[error] unknown model kind 'huge'" in r.output
+    assert "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("cmd", ["serve", "inspect", "top", "sim"])
+def test_placeholders_say_what_brings_them(cmd):
+    r = runner.invoke(app, [cmd])
+    assert r.exit_code == 2 and "not built yet" in r.output
+
+
+def test_workerd_passes_its_config(monkeypatch):
+    seen = {}
+    import gyre.workerd.server as server
+
+    monkeypatch.setattr(server, "serve", lambda config: seen.setdefault("config", config) and 0)
+    r = runner.invoke(app, ["workerd", "--coordinator", "tcp://127.0.0.1:5555", "--cell", "2",
+                            "--node-rank", "1", "--devices", "0,1", "--heartbeat", "0.5"])
+    assert r.exit_code == 0, r.output
+    c = seen["config"]
+    assert (c.coordinator, c.cell, c.node_rank, c.devices, c.heartbeat_s) == ("tcp://127.0.0.1:5555", 2, 1, ("0", "1"), 0.5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_gyre_up_runs_the_loop(tmp_path):
+    run = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "gyre.cli", "up", "--steps", "2", "--run-dir", str(run)],
+                       capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [x for x in lines if x["event"] == "step"]
+    assert [s["step"] for s in steps] == [1, 2] and [s["version"] for s in steps] == [1, 2]
+    assert all(0.0 <= s["reward_mean"] <= 1.0 for s in steps)
+    assert [x["version"] for x in lines if x["event"] == "publish"] == [1, 2]

@@ -1,0 +1,174 @@
+"""A real `gyre workerd` process driven over real ZeroMQ by the coordinator's link:
+streamed generation, abort, role changes both ways, a training step, weight export and
+load, the RPC error paths, and start-up and shutdown failures."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+
+import pytest
+import torch
+
+from gyre.coordinator.link import WorkerError, _Pending
+from gyre.coordinator.local import ClusterStartError, LocalCluster
+from gyre.coordinator.bootstrap import build_micro_step
+from gyre.workerd import wire
+
+pytestmark = pytest.mark.timeout(180)
+PROMPT = list(b"<|im_start|>user\nhi")
+
+
+async def collect(link, node, **kw):
+    msg = wire.Generate(req_id=link.new_req_id(), **kw)
+    chunks = [c async for c in link.generate(node, msg)]
+    return chunks, [t for c in chunks for t in c.token_ids], [lp for c in chunks for lp in c.logprobs]
+
+
+async def test_workerd_serves_and_trains_over_zeromq(tiny_dir):
+    async with LocalCluster(tiny_dir, cells=2, trainer={"lr": 1e-3}) as cluster:
+        link = cluster.link
+        rollout, train = cluster.node_of_cell(0), cluster.node_of_cell(1)
+        assert {type(e) for e in cluster.events} >= {wire.Register, wire.Ready}
+
+        # 1) Streamed generation: one chunk per token as the engine produces them.
+        chunks, ids, lps = await collect(link, rollout, rid="a", prompt_ids=PROMPT, max_new_tokens=16, seed=1)
+        assert len(chunks) == 16 and len(ids) == 16 and len(lps) == 16
+        assert chunks[-1].finished and chunks[-1].finish_reason == "length"
+        assert not any(c.finished for c in chunks[:-1]) and chunks[0].prompt_tokens == len(PROMPT)
+
+        # 2) The training cell refuses rollout work (an Error reply, the daemon lives on).
+        with pytest.raises(WorkerError, match="RoleError"):
+            await collect(link, train, rid="b", prompt_ids=PROMPT, max_new_tokens=4)
+
+        # 3) Abort by request id ends the stream with finish_reason "abort".
+        gen = link.generate(rollout, wire.Generate(req_id=link.new_req_id(), rid="long", prompt_ids=PROMPT,
+                                                   max_new_tokens=5000))
+        first = await anext(gen)
+        assert not first.finished
+        reply, _ = await link.call(rollout, wire.Abort(req_id=link.new_req_id(), rid="long"))
+        assert reply.result == {"found": True}
+        rest = [c async for c in gen]
+        assert rest[-1].finish_reason == "abort" and sum(len(c.token_ids) for c in rest) < 5000
+
+        # 4) A training micro-step and an optimizer step on the training cell.
+        frames = _frames(PROMPT, ids, lps)
+        res, _ = await link.call(train, wire.TrainMicroStep(req_id=link.new_req_id(), step=0), frames)
+        assert isinstance(res, wire.TrainResult) and res.tokens == 16 and res.executions == 1
+        assert abs(res.mismatch_kl) < 1e-4  # same initial weights in both cells
+        upd, _ = await link.call(train, wire.OptimizerStep(req_id=link.new_req_id(), num_executions=1))
+        assert upd.version == 1 and upd.grad_norm > 0
+
+        # 5) Export from the trainer, load into the engine: chunks now carry version 1.
+        w, wframes = await link.call(train, wire.ExportWeights(req_id=link.new_req_id()))
+        assert w.version == 1 and w.nbytes == sum(memoryview(f.data).nbytes for f in wframes)
+        loaded, _ = await link.call(rollout, wire.LoadWeights(req_id=link.new_req_id(), version=1), wframes)
+        assert loaded.version == 1 and loaded.nbytes == w.nbytes
+        chunks, ids, lps = await collect(link, rollout, rid="c", prompt_ids=PROMPT, max_new_tokens=24, seed=2)
+        assert {c.version for c in chunks} == {1}
+
+        # 6) Mismatch check across processes: engine behaviour log-probs == trainer log-probs.
+        reply, _ = await link.call(train, wire.Call(req_id=link.new_req_id(), method="logprobs",
+                                                    args={"input_ids": [PROMPT + ids]}))
+        trainer_lps = torch.tensor(reply.result[0][len(PROMPT):])
+        assert torch.allclose(torch.tensor(lps), trainer_lps, atol=1e-4)
+
+        # 7) Role change while a request runs: its stream ends (abort), the cell trains, then
+        #    comes back to rollout and serves again. Nothing is restarted.
+        gen = link.generate(rollout, wire.Generate(req_id=link.new_req_id(), rid="d", prompt_ids=PROMPT,
+                                                   max_new_tokens=5000))
+        await anext(gen)
+        changed, _ = await link.call(rollout, wire.SetRole(req_id=link.new_req_id(), role="training"))
+        assert changed.role == "training"
+        assert [c async for c in gen][-1].finish_reason == "abort"
+        with pytest.raises(WorkerError, match="RoleError"):
+            await collect(link, rollout, rid="e", prompt_ids=PROMPT, max_new_tokens=2)
+        res, _ = await link.call(rollout, wire.TrainMicroStep(req_id=link.new_req_id(), step=1), frames)
+        assert res.tokens == 16
+        back, _ = await link.call(rollout, wire.SetRole(req_id=link.new_req_id(), role="rollout"))
+        assert back.role == "rollout"
+        _, ids2, _ = await collect(link, rollout, rid="f", prompt_ids=PROMPT, max_new_tokens=3)
+        assert len(ids2) == 3
+        stats, _ = await link.call(rollout, wire.Call(req_id=link.new_req_id(), method="stats"))
+        assert stats.result["version"] == 1 and stats.result["role"] == "rollout"
+
+        # 8) The RPC path and its errors: echo, a failing call, an unknown method, a reply
+        #    type that is not a command, an unknown kind. Each gets an answer; none kills it.
+        echo, _ = await link.call(rollout, wire.Call(req_id=link.new_req_id(), method="echo", args={"x": [1, 2]}))
+        assert echo.result == {"x": [1, 2]}
+        with pytest.raises(WorkerError, match="RuntimeError: boom"):
+            await link.call(rollout, wire.Call(req_id=link.new_req_id(), method="fail", args={"message": "boom"}))
+        with pytest.raises(WorkerError, match="unknown method"):
+            await link.call(rollout, wire.Call(req_id=link.new_req_id(), method="nope"))
+        with pytest.raises(WorkerError, match="not a workerd command"):
+            await link.call(rollout, wire.StepResult(req_id=link.new_req_id(), version=0, grad_norm=0, seconds=0))
+        fut = asyncio.get_running_loop().create_future()
+        link._pending[99999] = _Pending(rollout, future=fut)
+        await link._sock.send_multipart([rollout.encode(), b"Bogus", b'{"req_id": 99999}'])
+        err, _ = await asyncio.wait_for(fut, 30)
+        assert isinstance(err, wire.Error) and err.req_id == 99999 and "unknown message kind" in err.message
+        _, ids3, _ = await collect(link, rollout, rid="g", prompt_ids=PROMPT, max_new_tokens=2)
+        assert len(ids3) == 2
+
+        # 9) Heartbeats arrive while idle.
+        beats = sum(isinstance(e, wire.Heartbeat) for e in cluster.events)
+        assert beats >= 1
+
+
+def _frames(prompt, ids, lps):
+    from gyre.workerd.tensors import to_frames
+
+    return to_frames(build_micro_step(prompt, [(ids, lps)], [1.0]))
+
+
+async def test_bad_model_dir_fails_start_up_fast(tmp_path):
+    """The Welcome names a model that is not there: the daemon reports and exits, and the
+    coordinator's start-up fails with a clear error instead of waiting out its deadline."""
+    cluster = LocalCluster(tmp_path / "no-model", cells=1, start_timeout_s=120)
+    with pytest.raises(ClusterStartError, match="exited during start-up"):
+        await cluster.__aenter__()
+    assert any(isinstance(e, wire.WorkerDead) and "does not exist" in e.reason for e in cluster.events)
+
+
+async def test_workerd_without_coordinator_answer_exits_nonzero(tmp_path):
+    """A handshake with a deadline: no Welcome -> exit 1 within the deadline."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gyre.cli", "workerd", "--coordinator", f"ipc://{tmp_path}/nobody",
+        "--welcome-timeout", "1", stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 1 and b"HandshakeTimeout" in err
+
+
+async def test_sigterm_hands_back_requests_and_deregisters(tiny_dir):
+    async with LocalCluster(tiny_dir, cells=1, roles=("rollout",)) as cluster:
+        link, node = cluster.link, cluster.node_of_cell(0)
+        gen = link.generate(node, wire.Generate(req_id=link.new_req_id(), rid="x", prompt_ids=PROMPT,
+                                                max_new_tokens=100000))
+        await anext(gen)
+        cluster.procs[0].send_signal(signal.SIGTERM)
+        rest = [c async for c in gen]
+        assert rest[-1].finished and rest[-1].finish_reason == "abort"
+        assert await asyncio.wait_for(cluster.procs[0].wait(), 30) == 0
+        assert any(isinstance(e, wire.Deregister) for e in cluster.events)
+        assert not link.nodes[node].alive
+
+
+async def test_killed_worker_fails_pending_requests(tiny_dir):
+    """SIGKILL gives no goodbye: the link marks the silent node dead and fails its stream."""
+    async with LocalCluster(tiny_dir, cells=1, roles=("rollout",), heartbeat_s=0.2) as cluster:
+        link, node = cluster.link, cluster.node_of_cell(0)
+        gen = link.generate(node, wire.Generate(req_id=link.new_req_id(), rid="x", prompt_ids=PROMPT,
+                                                max_new_tokens=100000))
+        await anext(gen)
+        os.kill(cluster.procs[0].pid, signal.SIGKILL)
+        await cluster.procs[0].wait()
+        while not link.silent_nodes(timeout_s=1.0):
+            await asyncio.sleep(0.1)  # polling a clock-driven condition, not synchronising on a sleep
+        link.mark_dead(node, "missed heartbeats")
+        from gyre.coordinator.link import WorkerDeadError
+
+        with pytest.raises(WorkerDeadError, match="missed heartbeats"):
+            async for _ in gen:
+                pass
