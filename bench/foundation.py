@@ -5,7 +5,7 @@ against the same 32 requests run one at a time; trainer tokens/s and optimizer-s
 weight export + load, in process and over ZeroMQ with gyre's wire framing; and raw
 ZeroMQ tensor bandwidth (tcp, ipc) against a local memcpy. Every ratio compares figures
 taken in this same run, so they hold across machines where absolute numbers do not.
-Not a test: it asserts nothing beyond fixed output lengths. Run:
+Not a test: it asserts only output lengths and byte counts. Run:
     python bench/foundation.py [--quick] [--json PATH]
 """
 

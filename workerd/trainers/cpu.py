@@ -63,7 +63,9 @@ class CpuTrainer:
         return float(norm)
 
     def export_weights(self) -> dict[str, torch.Tensor]:
-        return self.model.hf_state_dict()
+        # A snapshot, not views: the frames go out zero-copy after this returns, and the next
+        # optimizer step must not change bytes still waiting in a socket.
+        return {k: v.clone() for k, v in self.model.hf_state_dict().items()}
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
         nbytes = self.model.load_hf_weights(named)
