@@ -12,7 +12,7 @@ import typer
 
 from gyre.cli.options import (CellOpt, CoordinatorOpt, DebugOpt, DevicesOpt, HeartbeatOpt, ModelDirArg,
                               ModelKindArg, ModelOpt, NodeIdOpt, NodeRankOpt, RunDirOpt, SeedOpt, StepsOpt,
-                              WelcomeTimeoutOpt)
+                              WelcomeTimeoutOpt, HostOpt, PortOpt, RunDirArg, ExecutionOpt, JsonOpt, JMaxOpt)
 
 app = typer.Typer(name="gyre", no_args_is_help=True, add_completion=False,
                   help="Online RL for LLM agents in black-box harnesses.")
@@ -80,24 +80,60 @@ def up(steps: StepsOpt = 5, run_dir: RunDirOpt = None, model: ModelOpt = None, s
     processes (rollout cell + training cell); the harness-driven loop lands with the coordinator."""
     from gyre.coordinator.bootstrap import run_bootstrap
 
-    _guard(run_bootstrap, steps=steps, run_dir=run_dir, model=model, seed=seed)
+    run_dir = _run_dir(run_dir, "up")
+    _guard(run_bootstrap, steps=steps, run_dir=run_dir, model_dir=_model_dir(model, run_dir, seed), seed=seed)
+
+
+@app.command()
+def serve(model: ModelOpt = None, run_dir: RunDirOpt = None, host: HostOpt = "127.0.0.1", port: PortOpt = 0) -> None:
+    """Run the proxy and a local engine; print one JSON line with base_url and api_key."""
+    from gyre.coordinator.serve import run_serve
+
+    run_dir = _run_dir(run_dir, "serve")
+    _guard(run_serve, model_dir=_model_dir(model, run_dir, 0), run_dir=run_dir, host=host, port=port)
+
+
+@app.command()
+def inspect(run_dir: RunDirArg, execution: ExecutionOpt = None, as_json: JsonOpt = False, j_max: JMaxOpt = 5) -> None:
+    """Show each execution's trajectory tree and admission statistics."""
+    import json
+
+    from rich.console import Console
+
+    from gyre.cli.inspect import inspect_run
+
+    try:
+        out = inspect_run(run_dir, execution=execution, as_json=as_json, j_max=j_max, console=Console())
+    except (FileNotFoundError, ValueError) as e:
+        _fail(e)
+    if as_json:
+        typer.echo(json.dumps(out, indent=2))
+
+
+def _run_dir(run_dir, prefix: str):
+    import time
+    from pathlib import Path
+
+    run_dir = run_dir or Path("runs") / time.strftime(f"{prefix}-%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def _model_dir(model, run_dir, seed: int):
+    """The given model directory, or the tiny default written into the run directory."""
+    from gyre.workerd.modeldir import init_tiny, load_config
+
+    if model is not None:
+        _guard(load_config, model_dir=model)  # fail early, with the missing file named
+        return model
+    if (run_dir / "model" / "config.json").exists():
+        return run_dir / "model"
+    return init_tiny(run_dir / "model", seed=seed)
 
 
 def _not_yet(name: str, issue: str) -> None:
     typer.echo(f"[error] `gyre {name}` is not built yet: it lands with the {issue} issue.", err=True)
     raise typer.Exit(2)
-
-
-@app.command()
-def serve() -> None:
-    """Run the proxy + a local engine for any harness (not built yet)."""
-    _not_yet("serve", "'Proxy and trajectory processor'")
-
-
-@app.command()
-def inspect() -> None:
-    """Show recorded trajectory trees (not built yet)."""
-    _not_yet("inspect", "'Proxy and trajectory processor'")
 
 
 @app.command()

@@ -117,14 +117,9 @@ async def bootstrap(*, steps: int, run_dir: Path, model_dir: Path, seed: int, gr
     return rewards
 
 
-def run_bootstrap(*, steps: int, run_dir: Path | None, model: Path | None, seed: int) -> list[float]:
+def run_bootstrap(*, steps: int, run_dir: Path, model_dir: Path, seed: int) -> list[float]:
     import uvloop
 
-    from gyre.workerd.modeldir import init_tiny
-
-    run_dir = run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    model_dir = model or init_tiny(run_dir / "model", seed=seed)
     print(f"gyre up (bootstrap loop: byte-preference RL on two local workerd processes; "
           f"the harness-driven loop is not built yet) -> {run_dir}", flush=True)
     rewards = uvloop.run(bootstrap(steps=steps, run_dir=run_dir, model_dir=model_dir, seed=seed))

@@ -1,0 +1,64 @@
+"""records.py: reads an execution's recorded files back (nodes.jsonl, calls.jsonl).
+
+The tree is rebuilt node by node in recording order, so `gyre inspect`, admission and the
+coordinator's resume see exactly what the proxy recorded. Not a writer: execution.py
+appends the files as calls happen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+from gyre.proxy.tree import Node, Tree
+
+
+@dataclass
+class Recorded:
+    id: str
+    tree: Tree
+    calls: list[dict]
+    leaf_roles: dict[int, str]
+
+
+def _lines(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_bytes().splitlines():
+        try:
+            out.append(orjson.loads(line))
+        except orjson.JSONDecodeError:
+            break  # a torn last line from a crash: everything before it is whole
+    return out
+
+
+def load_execution(folder: Path) -> Recorded:
+    tree = Tree()
+    for n in _lines(folder / "nodes.jsonl"):
+        if n["id"] != len(tree.nodes):
+            raise ValueError(f"{folder}/nodes.jsonl: node {n['id']} out of order")
+        parent = tree.nodes[n["parent"]] if n["parent"] >= 0 else None
+        key = n["key"]
+        node = Node(id=n["id"], parent=n["parent"], kind=n["kind"], key=key, tokens=n["tokens"],
+                    policy=n["policy"], call_id=n["call_id"], logprobs=n["logprobs"], versions=n["versions"],
+                    end=(parent.end if parent else 0) + len(n["tokens"]),
+                    root=parent.root if parent else len(tree.roots))
+        tree.nodes.append(node)
+        (parent.children if parent else tree.roots)[(node.kind, key)] = node.id
+    calls = _lines(folder / "calls.jsonl")
+    roles: dict[int, str] = {}
+    for c in calls:
+        leaf = c["output_node"] if c["output_node"] is not None else c["prompt_path"][-1]
+        roles[leaf] = c["role"]
+    roles = {k: v for k, v in roles.items() if not tree.nodes[k].children}
+    return Recorded(folder.name, tree, calls, roles)
+
+
+def load_run(run_dir: Path) -> list[Recorded]:
+    root = run_dir / "executions"
+    if not root.is_dir():
+        raise FileNotFoundError(f"{run_dir} has no executions/ folder (is it a gyre run directory?)")
+    return [load_execution(d) for d in sorted(root.iterdir()) if d.is_dir()]

@@ -1,0 +1,345 @@
+"""server.py: the HTTP proxy (aiohttp) that every harness talks to.
+
+One handler path for the three provider APIs: authenticate the per-execution key, parse
+into a ChatRequest, let the execution build the exact prompt ids, stream the engine's
+tokens back through the output parser (SSE token by token, keep-alives while waiting),
+and record the call. Bad input is a provider-shaped 4xx that touches no record. Runs in
+the caller's event loop (the coordinator's, or `gyre serve`'s). Not the engine router:
+a `Backend` is handed in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from gyre.proxy import api_anthropic, api_openai, api_responses
+from gyre.proxy.backend import Backend, BackendUnavailable, GenParams
+from gyre.proxy.chat import ChatTokenizer
+from gyre.proxy.execution import Execution, Prepared, new_key
+from gyre.proxy.parser import OutputParser
+from gyre.proxy.roles import rule
+from gyre.proxy.types import ChatRequest, ChatResult, RequestError, Usage
+
+log = logging.getLogger("gyre.proxy")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProxyConfig:
+    host: str = "127.0.0.1"
+    port: int = 0
+    max_body_bytes: int = 32 * 1024 * 1024
+    default_max_tokens: int = 512  # when a request sets no output limit
+    max_tokens_cap: int = 4096  # whatever a request asks (Claude Code asks 32000+)
+    max_context: int = 32768
+    ping_interval_s: float = 5.0
+    role_rule: str = "generic"
+    served_model: str = "gyre-policy"
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.headers = status, message, headers or {}
+
+
+class ProxyServer:
+    def __init__(self, tokenizer: ChatTokenizer, backend: Backend, config: ProxyConfig | None = None,
+                 run_dir: Path | None = None):
+        self.tokenizer = tokenizer
+        self.backend = backend
+        self.config = config or ProxyConfig()
+        self.run_dir = run_dir
+        self.executions: dict[str, Execution] = {}
+        self._by_key: dict[str, Execution] = {}
+        self._runner: web.AppRunner | None = None
+        self.base_url = ""
+        self.inject_errors: list[tuple[int, dict[str, str]]] = []  # tests: (status, headers) to answer next
+
+    # --- executions ---------------------------------------------------------------------
+
+    def register(self, exec_id: str) -> Execution:
+        """A new execution with a fresh random key; its calls are recorded under run_dir."""
+        if exec_id in self.executions:
+            raise ValueError(f"execution {exec_id!r} already registered")
+        folder = self.run_dir / "executions" / exec_id if self.run_dir else None
+        ex = Execution(exec_id, new_key(), self.tokenizer, rule(self.config.role_rule), dir=folder)
+        self.executions[exec_id] = ex
+        self._by_key[ex.key] = ex
+        return ex
+
+    def revoke(self, exec_id: str) -> Execution:
+        """The execution ended: its key stops working; its records stay."""
+        ex = self.executions[exec_id]
+        self._by_key.pop(ex.key, None)
+        ex.close()
+        return ex
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_body_bytes)
+        app.router.add_post("/v1/chat/completions", lambda r: self._handle(r, api_openai))
+        app.router.add_post("/v1/messages", lambda r: self._handle(r, api_anthropic))
+        app.router.add_post("/v1/messages/count_tokens", self._count_tokens)
+        app.router.add_post("/v1/responses", lambda r: self._handle(r, api_responses))
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/", self._health)
+        return app
+
+    async def start(self) -> str:
+        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        await site.start()
+        host, port = self._runner.addresses[0][:2]
+        self.base_url = f"http://{host}:{port}"
+        return self.base_url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    # --- plain endpoints ----------------------------------------------------------------
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "executions": len(self._by_key)})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        self._auth(request, api_openai)
+        now = int(time.time())
+        return web.json_response({"object": "list", "data": [
+            {"id": self.config.served_model, "object": "model", "created": now, "owned_by": "gyre",
+             "type": "model", "display_name": self.config.served_model, "created_at": "1970-01-01T00:00:00Z"}]})
+
+    async def _count_tokens(self, request: web.Request) -> web.Response:
+        try:
+            self._auth(request, api_anthropic)
+            body = await self._json(request)
+            req = api_anthropic.parse_count_tokens(body, dict(request.headers))
+            text = self.tokenizer.render([_plain(m) for m in req.messages],
+                                         [t.as_template_tool() for t in req.tools], add_generation_prompt=True)
+            return web.json_response({"input_tokens": len(self.tokenizer.encode(text))})
+        except HttpError as e:
+            return _error(api_anthropic, e.status, e.message, e.headers)
+        except RequestError as e:
+            return _error(api_anthropic, e.status, str(e))
+
+    # --- model calls --------------------------------------------------------------------
+
+    def _auth(self, request: web.Request, api: ModuleType) -> Execution:
+        key = request.headers.get("x-api-key")
+        auth = request.headers.get("Authorization", "")
+        if not key and auth.lower().startswith("bearer "):
+            key = auth[7:].strip()
+        ex = self._by_key.get(key or "")
+        if ex is None:
+            raise HttpError(401, "invalid API key: this proxy accepts only per-execution keys")
+        return ex
+
+    async def _json(self, request: web.Request) -> Any:
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise HttpError(413, f"request body over the {self.config.max_body_bytes}-byte limit") from None
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError as e:
+            raise HttpError(400, f"malformed JSON body: {e}") from None
+
+    async def _handle(self, request: web.Request, api: ModuleType) -> web.StreamResponse:
+        try:
+            execution = self._auth(request, api)
+            body = await self._json(request)
+            req = api.parse_request(body, dict(request.headers))
+            if self.inject_errors:
+                status, headers = self.inject_errors.pop(0)
+                raise HttpError(status, "injected error (test)", headers)
+            prep = execution.prepare(req, dict(request.headers))
+        except HttpError as e:
+            return _error(api, e.status, e.message, e.headers)
+        except RequestError as e:
+            return _error(api, e.status, str(e))
+        except ValueError as e:
+            return _error(api, 400, str(e))
+        budget = self.config.max_context - len(prep.prompt_ids)
+        if budget < 1:
+            return _error(api, 400, f"prompt of {len(prep.prompt_ids)} tokens fills the "
+                                    f"{self.config.max_context}-token context")
+        call = _Call(self, request, api, req, execution, prep, min(budget, self._max_tokens(req)))
+        return await call.run()
+
+    def _max_tokens(self, req: ChatRequest) -> int:
+        return min(req.max_tokens or self.config.default_max_tokens, self.config.max_tokens_cap)
+
+
+class _Call:
+    """One model call in flight: generation, parsing, streaming, recording."""
+
+    def __init__(self, server: ProxyServer, request: web.Request, api: ModuleType, req: ChatRequest,
+                 execution: Execution, prep: Prepared, max_new: int):
+        self.s, self.request, self.api, self.req, self.ex, self.prep = server, request, api, req, execution, prep
+        tok = server.tokenizer
+        self.params = GenParams(max_new_tokens=max_new, temperature=1.0 if req.temperature is None else req.temperature,
+                                top_p=1.0 if req.top_p is None else req.top_p,
+                                stop_token_ids=tuple(sorted(tok.stop_token_ids)))
+        self.parser = OutputParser(tok.decode, stop_token_ids=tok.stop_token_ids, tool_open=tok.tool_call_open,
+                                   tool_close=tok.tool_call_close, new_call_id=api.new_tool_call_id,
+                                   stop_strings=req.stop)
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.engine = ""
+        self.finish = "stop"
+        self.response_id = api.new_response_id()
+        self.recorded = False
+
+    async def run(self) -> web.StreamResponse:
+        """The except ladder: each outcome is recorded once, with its status."""
+        queue: asyncio.Queue = asyncio.Queue()
+        pump = asyncio.create_task(self._pump(queue), name=f"gyre-gen-{self.prep.call_id}")
+        try:
+            if self.req.stream:
+                return await self._stream(queue)
+            return await self._whole(queue)
+        except asyncio.CancelledError:
+            # The client went away: stop generating, keep what was produced, marked.
+            self._record("disconnected")
+            raise
+        except (ConnectionResetError, BrokenPipeError):
+            self._record("disconnected")
+            return web.Response(status=499)
+        except BackendUnavailable as e:
+            # No engine at all: 503 (retryable), the call is kept as an error record.
+            self._record("error")
+            return _error(self.api, 503, f"no rollout engine available: {e}")
+        except Exception as e:  # noqa: BLE001 - recorded and answered, never a silent drop
+            log.exception("call %s failed", self.prep.call_id)
+            self._record("error")
+            return _error(self.api, 500, f"internal error: {type(e).__name__}: {e}")
+        finally:
+            if not pump.done():
+                pump.cancel()
+                await self.s.backend.abort(self.prep.call_id)
+
+    async def _pump(self, queue: asyncio.Queue) -> None:
+        try:
+            async for chunk in self.s.backend.generate(self.prep.call_id, self.prep.prompt_ids, self.params):
+                queue.put_nowait(chunk)
+        except Exception as e:  # noqa: BLE001 - handed to the handler
+            queue.put_nowait(e)
+
+    async def _next(self, queue: asyncio.Queue, ping=None):
+        """Next chunk; while waiting, `ping()` every ping interval (keeps SSE alive)."""
+        while True:
+            try:
+                item = await asyncio.wait_for(queue.get(), self.s.config.ping_interval_s)
+            except asyncio.TimeoutError:
+                if ping is not None:
+                    await ping()
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            return item
+
+    def _absorb(self, chunk) -> list:
+        self.ids += chunk.token_ids
+        self.logprobs += chunk.logprobs
+        self.versions += [chunk.version] * len(chunk.token_ids)
+        self.engine = chunk.engine or self.engine
+        deltas = self.parser.feed(chunk.token_ids)
+        if chunk.finished:
+            deltas += self.parser.finish()
+            self.finish = "length" if chunk.finish_reason == "length" else "stop"
+        return deltas
+
+    def _result(self) -> ChatResult:
+        reason = "tool_calls" if self.parser.tool_calls else self.finish
+        return ChatResult(id=self.response_id, model=self.req.model, content=self.parser.content,
+                          tool_calls=list(self.parser.tool_calls), finish_reason=reason,
+                          usage=Usage(len(self.prep.prompt_ids), len(self.ids)))
+
+    async def _stop_early(self) -> bool:
+        """A stop string matched: abort generation; the output ends here."""
+        if self.parser.stopped:
+            await self.s.backend.abort(self.prep.call_id)
+            self.parser.finish()
+            self.finish = "stop"
+            return True
+        return False
+
+    async def _whole(self, queue: asyncio.Queue) -> web.Response:
+        while True:
+            chunk = await self._next(queue)
+            self._absorb(chunk)
+            if chunk.finished or await self._stop_early():
+                break
+        result = self._result()
+        self._record("ok", result)
+        return web.json_response(self.api.render_result(result, self.req), dumps=_dumps)
+
+    async def _stream(self, queue: asyncio.Queue) -> web.StreamResponse:
+        # Errors before the first token are plain HTTP statuses (harnesses retry those);
+        # once the stream has started it is never cut: waits send keep-alives instead.
+        first = await self._next(queue)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(self.request)
+        kwargs = {"input_tokens": len(self.prep.prompt_ids)} if self.api is api_anthropic else {}
+        stream = self.api.Stream(self.req, self.response_id, **kwargs)
+        for event in stream.start():
+            await resp.write(event)
+        chunk = first
+        while True:
+            for d in self._absorb(chunk):
+                for event in stream.delta(d):
+                    await resp.write(event)
+            if chunk.finished or await self._stop_early():
+                break
+            chunk = await self._next(queue, ping=lambda: resp.write(stream.ping()))
+        result = self._result()
+        self._record("ok", result)
+        for event in stream.finish(result):
+            await resp.write(event)
+        await resp.write_eof()
+        return resp
+
+    def _record(self, status: str, result: ChatResult | None = None) -> None:
+        if self.recorded:
+            return
+        self.recorded = True
+        self.ex.complete(self.prep, output_ids=self.ids, logprobs=self.logprobs, versions=self.versions,
+                         finish_reason=self.finish, status=status, engine=self.engine, result=result,
+                         request=self.req, invalid_tool_calls=self.parser.invalid_tool_calls)
+
+
+def _dumps(obj: Any) -> str:
+    return orjson.dumps(obj).decode()
+
+
+def _error(api: ModuleType, status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(api.error_body(status, message)),
+                        content_type="application/json", headers=headers)
+
+
+def _plain(m) -> dict:
+    d: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        d["tool_calls"] = [{"id": c.id, "type": "function",
+                            "function": {"name": c.name, "arguments": _args(c.arguments)}} for c in m.tool_calls]
+    return d
+
+
+def _args(text: str):
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return text

@@ -1,0 +1,90 @@
+"""tree.py: an execution's prefix-sharing trajectory tree.
+
+Each node is one segment of context: a run of external text (system, user, tool results,
+template glue) or one recorded model output. A request's segments are matched from the
+root by key (a dictionary lookup per segment), so the deepest existing path that is a
+prefix of the request supplies its recorded tokens and only the new segments are added;
+a divergent segment starts a branch, an unseen first segment a new root. Nodes are never
+changed once added: a recorded output keeps its conditioning context for ever. Not the
+renderer (chat.py) and not the HTTP layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+
+@dataclass(slots=True)
+class Node:
+    id: int
+    parent: int  # -1 for a root
+    kind: str  # "text" | "output"
+    key: str  # text segment, or the output's call id
+    tokens: list[int]
+    policy: bool  # sampled by our engine in this very context (trainable)
+    call_id: str  # the call that added it
+    logprobs: list[float] | None = None  # behaviour log-probs (policy outputs)
+    versions: list[int] | None = None  # policy version per output token
+    end: int = 0  # tokens from the root through this node
+    children: dict[tuple[str, str], int] = field(default_factory=dict)
+    root: int = 0  # index of its root among roots, in creation order
+
+
+class Tree:
+    def __init__(self) -> None:
+        self.nodes: list[Node] = []
+        self.roots: dict[tuple[str, str], int] = {}
+
+    def _add(self, parent: int, kind: str, key: str, tokens: list[int], policy: bool, call_id: str,
+             logprobs=None, versions=None) -> Node:
+        p = self.nodes[parent] if parent >= 0 else None
+        node = Node(id=len(self.nodes), parent=parent, kind=kind, key=key, tokens=tokens, policy=policy,
+                    call_id=call_id, logprobs=logprobs, versions=versions,
+                    end=(p.end if p else 0) + len(tokens), root=p.root if p else len(self.roots))
+        self.nodes.append(node)
+        (p.children if p else self.roots)[(kind, key)] = node.id
+        return node
+
+    def child(self, parent: int, kind: str, key: str) -> int | None:
+        table = self.nodes[parent].children if parent >= 0 else self.roots
+        return table.get((kind, key))
+
+    def add_text(self, parent: int, text: str, tokens: list[int], call_id: str) -> Node:
+        return self._add(parent, "text", text, tokens, False, call_id)
+
+    def add_output(self, parent: int, call_id: str, tokens: list[int], logprobs: list[float],
+                   versions: list[int]) -> Node:
+        """The model's output of `call_id`, conditioned on the path ending at `parent`."""
+        return self._add(parent, "output", call_id, tokens, True, call_id, logprobs, versions)
+
+    def add_output_copy(self, parent: int, source: Node, call_id: str) -> Node:
+        """A recorded output the harness placed in a different context: its exact tokens,
+        but external here (its log-probs belong to its original context)."""
+        return self._add(parent, "output", source.key, source.tokens, False, call_id)
+
+    def path(self, node_id: int) -> list[int]:
+        out = []
+        while node_id >= 0:
+            out.append(node_id)
+            node_id = self.nodes[node_id].parent
+        return out[::-1]
+
+    def tokens(self, path: list[int]) -> list[int]:
+        out: list[int] = []
+        for n in path:
+            out.extend(self.nodes[n].tokens)
+        return out
+
+    def leaves(self) -> Iterator[Node]:
+        return (n for n in self.nodes if not n.children)
+
+    # --- accounting for `gyre inspect` and the benchmark -------------------------------
+
+    def stats(self) -> dict:
+        unique = sum(len(n.tokens) for n in self.nodes)
+        expanded = sum(n.end for n in self.leaves())
+        policy = sum(len(n.tokens) for n in self.nodes if n.policy)
+        return {"nodes": len(self.nodes), "roots": len(self.roots), "leaves": sum(1 for _ in self.leaves()),
+                "unique_tokens": unique, "expanded_tokens": expanded, "policy_tokens": policy,
+                "external_tokens": unique - policy}

@@ -1,0 +1,108 @@
+"""types.py: the one internal request/response shape all three provider APIs translate onto.
+
+OpenAI Chat Completions, Anthropic Messages and OpenAI Responses each parse into a
+`ChatRequest` and render a `ChatResult` (or a stream of `Delta`s) back; nothing else in
+the proxy knows a provider's field names. Not the token layer: rendering to token IDs is
+chat.py's job, and recording is tree.py's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+
+class RequestError(ValueError):
+    """A request the proxy refuses with 400; `field` names the offending JSON path."""
+
+    def __init__(self, field: str, message: str, status: int = 400):
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
+        self.status = status
+
+
+@dataclass(slots=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text of the arguments object, as emitted by the model or sent back
+
+
+@dataclass(slots=True)
+class Message:
+    """One normalised chat message. `content` is plain text (blocks joined, cache_control
+    and similar annotations dropped); assistant tool calls ride in `tool_calls`."""
+
+    role: str  # "system" | "user" | "assistant" | "tool"
+    content: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_id: str | None = None  # role == "tool": the call this result answers
+    name: str | None = None
+
+
+@dataclass(slots=True)
+class ToolSpec:
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+    def as_template_tool(self) -> dict[str, Any]:
+        """The OpenAI-style tool dict that HF chat templates (Qwen/Hermes) render."""
+        fn: dict[str, Any] = {"name": self.name}
+        if self.description:
+            fn["description"] = self.description
+        fn["parameters"] = self.parameters or {"type": "object", "properties": {}}
+        return {"type": "function", "function": fn}
+
+
+@dataclass(slots=True)
+class ChatRequest:
+    api: str  # "openai" | "anthropic" | "responses"
+    model: str
+    messages: list[Message]
+    tools: list[ToolSpec] = field(default_factory=list)
+    tool_choice: Any = None  # accepted; the policy decides
+    max_tokens: int | None = None  # None: the server's default
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    stream_usage: bool = False  # OpenAI stream_options.include_usage
+    metadata: dict[str, Any] = field(default_factory=dict)  # API-specific extras kept for records
+
+
+@dataclass(slots=True)
+class Usage:
+    input_tokens: int
+    output_tokens: int
+
+
+@dataclass(slots=True)
+class ChatResult:
+    """The parsed model output of one call."""
+
+    id: str  # response id (chatcmpl-..., msg_..., resp_...)
+    model: str
+    content: str
+    tool_calls: list[ToolCall]
+    finish_reason: str  # "stop" | "length" | "tool_calls"
+    usage: Usage
+
+
+# --- streaming deltas, in the order the output parser emits them -------------------------
+
+
+@dataclass(slots=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(slots=True)
+class ToolCallDelta:
+    """A complete tool call, emitted when its `</tool_call>` closes (arguments are whole)."""
+
+    index: int
+    call: ToolCall
+
+
+Delta = Union[TextDelta, ToolCallDelta]
