@@ -51,7 +51,6 @@ class Execution:
     dir: Path | None = None
     tree: Tree = field(default_factory=Tree)
     calls: list[dict] = field(default_factory=list)
-    leaf_roles: dict[int, str] = field(default_factory=dict)
     closed: bool = False
 
     def __post_init__(self) -> None:
@@ -63,6 +62,7 @@ class Execution:
         self._first_root_tools = False
         self._n_calls = 0
         self._files: dict[str, IO[bytes]] = {}
+        self._roles: dict[int, str] = {}  # node -> role of the call that ended there
         if self.dir is not None:
             self.dir.mkdir(parents=True, exist_ok=True)
 
@@ -99,7 +99,6 @@ class Execution:
         if not path:
             raise ValueError("the request renders to an empty prompt")
         role = self._classify(req, headers, self.tree.nodes[path[0]].root)
-        self.leaf_roles.pop(path[-1], None)
         return Prepared(call_id, path, self.tree.tokens(path), new_tokens, role, time.time())
 
     def _resolve_outputs(self, req: ChatRequest) -> dict[int, list[str]]:
@@ -155,8 +154,7 @@ class Execution:
                     self._args[c.id] = c.arguments
                 if not ids:
                     self._by_text.setdefault(result.content.strip(), []).append(prep.call_id)
-        if not self.tree.nodes[leaf].children:
-            self.leaf_roles[leaf] = prep.role
+        self._roles[leaf] = prep.role
         record = {
             "call_id": prep.call_id, "execution": self.id, "api": request.api, "model": request.model,
             "role": prep.role, "status": status, "finish_reason": finish_reason, "engine": engine,
@@ -172,9 +170,13 @@ class Execution:
 
     # --- training data ------------------------------------------------------------------
 
+    @property
+    def leaf_roles(self) -> dict[int, str]:
+        """Role of each current leaf (a node later extended by another call is no leaf)."""
+        return {n: r for n, r in self._roles.items() if not self.tree.nodes[n].children}
+
     def admit(self, j_max: int | None = 5, seed: int = 0) -> tuple[list[Trajectory], Rows]:
-        roles = {leaf: role for leaf, role in self.leaf_roles.items() if not self.tree.nodes[leaf].children}
-        trajectories = admit(self.tree, roles, j_max=j_max, rng=random.Random(seed))
+        trajectories = admit(self.tree, self.leaf_roles, j_max=j_max, rng=random.Random(seed))
         return trajectories, materialise(self.tree, trajectories)
 
     # --- files --------------------------------------------------------------------------
@@ -191,7 +193,7 @@ class Execution:
         f = self._files.get(name)
         if f is None:
             f = self._files[name] = open(self.dir / f"{name}.jsonl", "ab")
-        f.write(orjson.dumps(obj) + b"\n")
+        f.write(orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS) + b"\n")
         f.flush()
 
     def close(self) -> None:

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Callable
 
 import orjson
 from aiohttp import web
@@ -63,6 +63,7 @@ class ProxyServer:
         self._runner: web.AppRunner | None = None
         self.base_url = ""
         self.inject_errors: list[tuple[int, dict[str, str]]] = []  # tests: (status, headers) to answer next
+        self.on_record: Callable[[Execution, dict], None] | None = None  # called as each call is recorded
 
     # --- executions ---------------------------------------------------------------------
 
@@ -80,21 +81,28 @@ class ProxyServer:
         """The execution ended: its key stops working; its records stay."""
         ex = self.executions[exec_id]
         self._by_key.pop(ex.key, None)
-        ex.close()
+        if not ex.closed:
+            ex.close()
         return ex
 
     # --- lifecycle ----------------------------------------------------------------------
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes)
-        app.router.add_post("/v1/chat/completions", lambda r: self._handle(r, api_openai))
-        app.router.add_post("/v1/messages", lambda r: self._handle(r, api_anthropic))
+        for path, api in (("/v1/chat/completions", api_openai), ("/v1/messages", api_anthropic),
+                          ("/v1/responses", api_responses)):
+            app.router.add_post(path, self._handler_for(api))
         app.router.add_post("/v1/messages/count_tokens", self._count_tokens)
-        app.router.add_post("/v1/responses", lambda r: self._handle(r, api_responses))
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/", self._health)
         return app
+
+    def _handler_for(self, api: ModuleType):
+        async def handler(request: web.Request) -> web.StreamResponse:
+            return await self._handle(request, api)
+
+        return handler
 
     async def start(self) -> str:
         self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
@@ -108,6 +116,9 @@ class ProxyServer:
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+        for ex in self.executions.values():
+            if not ex.closed:
+                ex.close()
 
     # --- plain endpoints ----------------------------------------------------------------
 
@@ -316,9 +327,11 @@ class _Call:
         if self.recorded:
             return
         self.recorded = True
-        self.ex.complete(self.prep, output_ids=self.ids, logprobs=self.logprobs, versions=self.versions,
+        record = self.ex.complete(self.prep, output_ids=self.ids, logprobs=self.logprobs, versions=self.versions,
                          finish_reason=self.finish, status=status, engine=self.engine, result=result,
                          request=self.req, invalid_tool_calls=self.parser.invalid_tool_calls)
+        if self.s.on_record is not None:
+            self.s.on_record(self.ex, record)
 
 
 def _dumps(obj: Any) -> str:
