@@ -1,0 +1,53 @@
+"""`gyre serve` + the demo harness + `gyre inspect`: one execution, a branched tree."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from gyre.cli.main import app
+
+
+@pytest.mark.timeout(240)
+def test_serve_demo_harness_inspect(tmp_path):
+    run = tmp_path / "run"
+    serve = subprocess.Popen([sys.executable, "-m", "gyre.cli", "serve", "--run-dir", str(run), "--port", "0"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        info = json.loads(serve.stdout.readline())  # blocks until the proxy is up (or the process died)
+        assert info["api_key"].startswith("gyre-") and info["base_url"].startswith("http://127.0.0.1:")
+        ws = tmp_path / "ws"
+        env = dict(os.environ, OPENAI_BASE_URL=info["openai_base_url"], OPENAI_API_KEY=info["api_key"])
+        h = subprocess.run([sys.executable, "-m", "gyre.proxy.demo_harness", "--workspace", str(ws), "--task",
+                            "Write hello to a.txt", "--force-compaction", "--force-subagent", "--max-turns", "3"],
+                           env=env, capture_output=True, text=True, timeout=180)
+        assert h.returncode == 0, h.stderr
+        stats = json.loads(h.stdout.strip().splitlines()[-1])
+        assert stats["compactions"] == 1 and stats["subagents"] == 1
+        assert (ws / "answer.txt").exists()
+    finally:
+        serve.send_signal(signal.SIGINT)
+        _, err = serve.communicate(timeout=60)
+    assert serve.returncode == 0, err[-2000:]
+
+    r = CliRunner().invoke(app, ["inspect", str(run), "--json"])
+    assert r.exit_code == 0, r.output
+    (ex,) = json.loads(r.output)
+    assert ex["execution"] == "serve" and ex["roots"] == 2  # main + the sub-agent's own root
+    assert ex["leaf_roles"].get("main-summary") == 1 and ex["leaf_roles"].get("sub-agent") == 1
+    assert ex["leaf_roles"].get("main", 0) >= 1
+    assert ex["unique_tokens"] < ex["expanded_tokens"]  # the shared prefix is stored once
+    assert ex["status"] == {"ok": ex["calls"]}
+    text = CliRunner().invoke(app, ["inspect", str(run)])
+    assert text.exit_code == 0 and "main-summary leaf" in text.output and "sub-agent leaf" in text.output
+
+
+def test_inspect_of_a_non_run_is_a_one_line_error(tmp_path):
+    r = CliRunner().invoke(app, ["inspect", str(tmp_path)])
+    assert r.exit_code == 1 and "[error]" in r.output and "executions/" in r.output
