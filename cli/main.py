@@ -6,13 +6,15 @@ from __future__ import annotations
 import logging
 import sys
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from gyre.cli.options import (CellOpt, CoordinatorOpt, DebugOpt, DevicesOpt, HeartbeatOpt, ModelDirArg,
                               ModelKindArg, ModelOpt, NodeIdOpt, NodeRankOpt, RunDirOpt, SeedOpt, StepsOpt,
-                              WelcomeTimeoutOpt, HostOpt, PortOpt, RunDirArg, ExecutionOpt, JsonOpt, JMaxOpt)
+                              WelcomeTimeoutOpt, HostOpt, PortOpt, RunDirArg, ExecutionOpt, JsonOpt, JMaxOpt,
+                              ConfigArg, PolicyOpt, NoLiveOpt)
 
 app = typer.Typer(name="gyre", no_args_is_help=True, add_completion=False,
                   help="Online RL for LLM agents in black-box harnesses.")
@@ -75,13 +77,26 @@ def workerd(
 
 
 @app.command()
-def up(steps: StepsOpt = 5, run_dir: RunDirOpt = None, model: ModelOpt = None, seed: SeedOpt = 0) -> None:
-    """Run RL on the embedded default. For now: a byte-preference loop on two local workerd
-    processes (rollout cell + training cell); the harness-driven loop lands with the coordinator."""
-    from gyre.coordinator.bootstrap import run_bootstrap
+def up(
+    config: ConfigArg = None,
+    steps: StepsOpt = None,
+    policy: PolicyOpt = None,
+    run_dir: RunDirOpt = None,
+    model: ModelOpt = None,
+    seed: SeedOpt = 0,
+    no_live: NoLiveOpt = False,
+) -> None:
+    """Run online RL: the coordinator, local worker daemons, the harness and the tasks
+    (with no CONFIG: the embedded default, tiny model and demo harness)."""
+    from gyre.coordinator.up import build_config, load_config_file, run_up
 
-    run_dir = _run_dir(run_dir, "up")
-    _guard(run_bootstrap, steps=steps, run_dir=run_dir, model_dir=_model_dir(model, run_dir, seed), seed=seed)
+    file_values = _guard(load_config_file, path=config) if config else {}
+    run_dir = _run_dir(run_dir or (Path(file_values["run_dir"]) if "run_dir" in file_values else None), "up")
+    model_dir = _model_dir(model or (Path(file_values["model_dir"]) if "model_dir" in file_values else None),
+                           run_dir, seed)
+    cfg = _guard(build_config, file_values=file_values, overrides=dict(
+        steps=steps, policy=policy, run_dir=run_dir, model_dir=model_dir, seed=seed))
+    _guard(run_up, config=cfg)
 
 
 @app.command()

@@ -1,0 +1,109 @@
+"""buffer.py: executions by group, group readiness and group-relative advantages.
+
+A group is *ready* when every execution in it is closed and at least `min_valid`
+outcomes are valid; one that closes with fewer is *dropped* (its executions never
+train). With oversampling, once N outcomes are valid the still-running surplus is
+returned for cancellation. Rewards that are missing stay missing: an invalid execution
+has `reward=None` and no advantage. Not the packer and not the launcher.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from gyre.coordinator.waterlevel import ExecState, Tracked
+
+FINAL = ("completed", "timed_out", "harness_error", "evaluator_error", "aborted_infra", "cancelled", "placeholder")
+
+
+@dataclass(eq=False)
+class Run:
+    """One execution as the coordinator tracks it."""
+
+    id: str
+    group: int
+    index: int
+    task: Any
+    tracked: Tracked
+    version_dispatched: int
+    status: str | None = None
+    reward: float | None = None
+    valid: bool = False
+    ref: str = ""
+    t_start: float | None = None
+    t_end: float | None = None
+    recorder: Any = None  # the proxy's Execution (tree, calls)
+
+    @property
+    def closed(self) -> bool:
+        return self.tracked.state is ExecState.CLOSED
+
+
+@dataclass(eq=False)
+class Group:
+    id: int
+    task: Any
+    version: int  # published policy version at dispatch
+    size: int  # N valid outcomes wanted
+    runs: list[Run] = field(default_factory=list)
+    state: str = "open"  # open | ready | dropped | consumed
+
+    @property
+    def valid_runs(self) -> list[Run]:
+        return [r for r in self.runs if r.closed and r.valid]
+
+
+class TrajectoryBuffer:
+    def __init__(self, min_valid: int):
+        self.min_valid = min_valid
+        self.groups: dict[int, Group] = {}
+        self._ready: dict[int, Group] = {}  # kept apart: a long run holds thousands of groups
+
+    def _settle(self, g: Group, state: str) -> None:
+        g.state = state
+        if state == "ready":
+            self._ready[g.id] = g
+
+    def add(self, group: Group) -> None:
+        self.groups[group.id] = group
+
+    def on_closed(self, run: Run) -> list[Run]:
+        """Update the run's group; returns surplus runs to cancel (oversampling)."""
+        g = self.groups[run.group]
+        if g.state != "open":
+            return []
+        valid = g.valid_runs
+        if len(valid) >= g.size:
+            surplus = [r for r in g.runs if not r.closed]
+            if not surplus:
+                self._settle(g, "ready")
+            return surplus
+        if all(r.closed for r in g.runs):
+            self._settle(g, "ready" if len(valid) >= self.min_valid else "dropped")
+        return []
+
+    def ready(self) -> list[Group]:
+        """Ready groups, oldest policy version first (then dispatch order)."""
+        return sorted(self._ready.values(), key=lambda g: (g.version, g.id))
+
+    def take(self) -> Group | None:
+        if not self._ready:
+            return None
+        g = min(self._ready.values(), key=lambda g: (g.version, g.id))
+        del self._ready[g.id]
+        g.state = "consumed"
+        return g
+
+
+def advantages(group: Group) -> dict[str, float]:
+    """Group-relative: (r - mean) / (std + eps) over the group's valid rewards only
+    (the first N valid, when oversampling produced more)."""
+    runs = group.valid_runs[: group.size]
+    rewards = [r.reward for r in runs]
+    if not rewards:
+        return {}
+    mean = sum(rewards) / len(rewards)
+    std = math.sqrt(sum((x - mean) ** 2 for x in rewards) / len(rewards))
+    return {r.id: (r.reward - mean) / (std + 1e-6) for r in runs}

@@ -1,0 +1,74 @@
+"""config.py: `CoordinatorConfig`, the whole run's settings as one frozen dataclass.
+
+Written to the run directory as resolved JSON at start. Derived values are properties.
+Not a parser: the CLI builds it (flags and config files come later, in one place).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+POLICIES = ("colocate", "async")
+
+
+def demo_harness_argv() -> tuple[str, ...]:
+    return (sys.executable, "-m", "gyre.proxy.demo_harness", "--max-turns", "2", "--max-tokens", "24",
+            "--compact-at", "100000", "--max-retries", "2", "--timeout", "120")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CoordinatorConfig:
+    run_dir: Path
+    model_dir: Path
+    steps: int = 5
+    policy: str = "colocate"
+    phi: float = 0.0  # boundary-dispatch lead, in batches
+    mu: int = 1  # steps per burst (between weight publications)
+    groups_per_step: int = 2  # B
+    group_size: int = 4  # N executions per query
+    oversample: int = 0  # k extra executions per group, cancelled once N are valid
+    min_valid: int = 2  # valid outcomes a group needs to train
+    cells: int = 2
+    async_training_cells: int = 1  # async: cells [0, t) train, the rest roll out
+    exec_slots_per_cell: int = 8  # concurrent executions one rollout cell serves
+    harness: tuple[str, ...] = field(default_factory=demo_harness_argv)
+    tasks_path: Path | None = None  # JSONL; None: the embedded default task set
+    execution_timeout_s: float = 120.0
+    eval_attempts: int = 3
+    eval_budget_s: float = 60.0
+    j_max: int | None = 5
+    micro_step_tokens: int = 8192  # per-rank token budget of one micro-step (rows x width)
+    lr: float = 2e-3
+    seed: int = 0
+    address: str = "tcp://127.0.0.1:0"  # ZeroMQ bind for workerds
+    proxy_host: str = "127.0.0.1"
+    proxy_port: int = 0
+    default_max_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.mu < 1 or self.groups_per_step < 1 or self.group_size < 1 or self.steps < 1:
+            raise ValueError("mu, groups_per_step, group_size and steps must be >= 1")
+        if self.phi < 0:
+            raise ValueError(f"phi must be >= 0, got {self.phi}")
+        if not 1 <= self.min_valid <= self.group_size:
+            raise ValueError(f"min_valid must be in [1, group_size={self.group_size}], got {self.min_valid}")
+        if self.policy == "async" and not 1 <= self.async_training_cells < self.cells:
+            raise ValueError(f"async needs 1 <= async_training_cells < cells ({self.cells}); "
+                             f"got {self.async_training_cells}")
+
+    @property
+    def initial_groups(self) -> int:
+        return math.floor((self.phi + self.mu) * self.groups_per_step + 1e-9)
+
+    def dispatch_target(self, publications: int) -> int:
+        """Cumulative groups dispatched after `publications` weight publications."""
+        return math.floor((self.phi + self.mu * (1 + publications)) * self.groups_per_step + 1e-9)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        return {k: str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v for k, v in d.items()}

@@ -1,0 +1,321 @@
+"""evaluator.py: scores a preserved workspace, and retries failed evaluations within a budget.
+
+Three evaluators share one async interface: similarity of answer.txt to the task's target
+(the embedded default), an external command that prints JSON, and a Python callable.
+`evaluate_with_retries` turns exceptions into failed attempts and a run of failures into an
+invalid outcome with no score: a missing reward is never filled in as 0. Not the launcher,
+and not where rewards become advantages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib
+import inspect
+import json
+import logging
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from gyre.coordinator.tasks import Task
+from gyre.workerd.wire import GyreError
+
+log = logging.getLogger("gyre.coordinator")
+
+ANSWER_FILE = "answer.txt"  # where the demo harness writes its final answer
+MAX_ANSWER_BYTES = 64 * 1024
+MAX_COMPARED_CHARS = 1024  # the LCS is O(len(answer) * len(target)); see similarity()
+REAP_TIMEOUT_S = 5.0  # waiting for a SIGKILLed evaluator to be reaped
+
+
+class EvaluatorError(GyreError):
+    """An evaluator spec or configuration that cannot work: no attempt will ever succeed."""
+
+
+class EvaluatorFailed(GyreError):
+    """One evaluation attempt failed (crash, timeout, unreadable output): worth a retry."""
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """An evaluation's result. valid=False with score None: no reward (never read it as 0)."""
+
+    score: float | None
+    valid: bool
+    ref: str  # short: what was compared, or the command's own reference
+    error: str | None = None
+    attempts: int = 1
+
+
+class Evaluator(Protocol):
+    async def evaluate(self, task: Task, workspace: Path) -> Outcome: ...
+
+
+def outcome_from_dict(result: Any, default_ref: str) -> Outcome:
+    """`{"score": number, "valid": bool = true, "ref": str = default_ref}` as an Outcome."""
+    if not isinstance(result, dict):
+        raise EvaluatorFailed(f"result must be a JSON object, got {type(result).__name__}")
+    valid, ref, score = result.get("valid", True), result.get("ref", default_ref), result.get("score")
+    if not isinstance(valid, bool):
+        raise EvaluatorFailed(f"'valid' must be a boolean, got {valid!r}")
+    if not isinstance(ref, str):
+        raise EvaluatorFailed(f"'ref' must be a string, got {type(ref).__name__}")
+    # An invalid outcome may omit its score; a valid one must carry a finite number.
+    if score is None and not valid:
+        return Outcome(score=None, valid=False, ref=ref)
+    if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
+        raise EvaluatorFailed(f"'score' must be a finite number, got {score!r}")
+    return Outcome(score=float(score), valid=valid, ref=ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# Similarity (the embedded default)
+
+
+def _normalize(text: str) -> str:
+    return " ".join(text.split()).lower()
+
+
+def _lcs_length(a: str, b: str) -> int:
+    # One row of the classic DP, over the shorter string.
+    if len(a) < len(b):
+        a, b = b, a
+    row = [0] * (len(b) + 1)
+    for ca in a:
+        prev_diag = 0
+        for j, cb in enumerate(b, start=1):
+            prev_diag, row[j] = row[j], prev_diag + 1 if ca == cb else max(row[j], row[j - 1])
+    return row[-1]
+
+
+def similarity(answer: str, target: str) -> float:
+    """2·LCS / (len(answer) + len(target)) after trimming, collapsing whitespace and lowercasing.
+
+    Why this measure: it is the F1 of an in-order character match (precision: how much of
+    the answer is the target; recall: how much of the target the answer holds), equal to
+    1 - indel distance / total length. It is 1.0 only for the exact target, a prefix earns
+    its share ("hel" of "hello": 0.75), the target's letters out of order still earn some
+    ("olleh": 0.4), and garbage around a right answer costs in proportion to its length, so
+    the policy gains both by landing the letters and by stopping. Normalized Levenshtein
+    ranks answers much the same way; this one was chosen because, as an F1 with no
+    substitution step, each point of score maps to characters matched (it is what difflib's
+    ratio() approximates), and it is symmetric in which string is longer.
+    """
+    a, t = _normalize(answer), _normalize(target)
+    if not a and not t:
+        return 1.0
+    # Matches past the first MAX_COMPARED_CHARS are dropped: with an answer that long the
+    # score is at most 2·len(t)/len(a) anyway, and the DP stays cheap.
+    lcs = _lcs_length(a[:MAX_COMPARED_CHARS], t)
+    return 2.0 * lcs / (len(a) + len(t))
+
+
+def _short(text: str, limit: int = 40) -> str:
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
+class SimilarityEvaluator:
+    """Scores answer.txt against task.target with `similarity`; partial credit in [0, 1]."""
+
+    async def evaluate(self, task: Task, workspace: Path) -> Outcome:
+        if task.target is None:
+            raise EvaluatorError(f"task {task.id!r}: the similarity evaluator needs a target")
+        return await asyncio.to_thread(self._score, task.target, Path(workspace))
+
+    @staticmethod
+    def _score(target: str, workspace: Path) -> Outcome:
+        path = workspace / ANSWER_FILE
+        # The harness left nothing (or something that is not a file): the evaluation itself
+        # worked and the answer is worth nothing, so this is a valid 0, not a failure.
+        if not path.exists():
+            return Outcome(score=0.0, valid=True, ref=f"no {ANSWER_FILE}")
+        if not path.is_file():
+            return Outcome(score=0.0, valid=True, ref=f"{ANSWER_FILE} is not a file")
+        with path.open("rb") as f:
+            answer = f.read(MAX_ANSWER_BYTES).decode("utf-8", errors="replace")
+        return Outcome(score=similarity(answer, target), valid=True,
+                       ref=f"{_short(answer.strip())} vs {_short(target)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Command and callable
+
+
+def _kill_group(proc: asyncio.subprocess.Process) -> None:
+    # start_new_session=True made the command a group leader: its children die with it.
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # already gone
+
+
+def _tail(data: bytes, limit: int = 300) -> str:
+    return " ".join(data.decode("utf-8", errors="replace").split())[-limit:]
+
+
+class CommandEvaluator:
+    """Runs `argv` in the workspace; its last non-empty stdout line is the JSON result.
+
+    Environment: GYRE_WORKSPACE, GYRE_TASK_ID, GYRE_TASK_PROMPT and, when the task has one,
+    GYRE_TARGET. A non-zero exit, a timeout or unreadable output is a failed attempt.
+    """
+
+    def __init__(self, argv: list[str], timeout_s: float):
+        self.argv = list(argv)
+        self.timeout_s = timeout_s
+
+    async def evaluate(self, task: Task, workspace: Path) -> Outcome:
+        env = {**os.environ, "GYRE_WORKSPACE": str(workspace), "GYRE_TASK_ID": task.id,
+               "GYRE_TASK_PROMPT": task.prompt}
+        if task.target is not None:
+            env["GYRE_TARGET"] = task.target
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *self.argv, cwd=workspace, env=env, stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True)
+        except OSError as e:
+            raise EvaluatorFailed(f"cannot start {self.argv[0]!r}: {e}") from None
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                stdout, stderr = await proc.communicate()
+        except BaseException as e:
+            # Timeout or cancellation: kill the whole group, reap it (bounded), then report.
+            _kill_group(proc)
+            try:
+                async with asyncio.timeout(REAP_TIMEOUT_S):
+                    await proc.wait()
+            except TimeoutError:
+                log.warning("evaluator pid %d not reaped %.0fs after SIGKILL", proc.pid, REAP_TIMEOUT_S)
+            if isinstance(e, TimeoutError):
+                raise EvaluatorFailed(f"timed out after {self.timeout_s:g}s") from None
+            raise
+        if proc.returncode != 0:
+            raise EvaluatorFailed(f"exit {proc.returncode}: {_tail(stderr) or '(no stderr)'}")
+        return self._parse(stdout)
+
+    def _parse(self, stdout: bytes) -> Outcome:
+        lines = [ln for ln in stdout.decode("utf-8", errors="replace").splitlines() if ln.strip()]
+        if not lines:
+            raise EvaluatorFailed("no output: the last stdout line must be a JSON result")
+        try:
+            result = json.loads(lines[-1])
+        except ValueError:
+            raise EvaluatorFailed(f"last stdout line is not JSON: {_short(lines[-1], 120)}") from None
+        return outcome_from_dict(result, default_ref=Path(self.argv[0]).name)
+
+
+class CallableEvaluator:
+    """Wraps `fn(task, workspace) -> dict | Outcome`: awaited if async, else run in a thread."""
+
+    def __init__(self, fn: Callable[[Task, Path], Any]):
+        self.fn = fn
+        self.name = getattr(fn, "__qualname__", None) or repr(fn)
+
+    async def evaluate(self, task: Task, workspace: Path) -> Outcome:
+        if inspect.iscoroutinefunction(self.fn):
+            result = await self.fn(task, workspace)
+        else:
+            # A sync scorer may do blocking work: never on the event loop.
+            result = await asyncio.to_thread(self.fn, task, workspace)
+            if inspect.isawaitable(result):
+                result = await result
+        if isinstance(result, Outcome):
+            return result
+        return outcome_from_dict(result, default_ref=self.name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Specs
+
+
+def _spec_keys(spec: dict, allowed: set[str]) -> None:
+    if extra := sorted(set(spec) - allowed - {"type"}):
+        raise EvaluatorError(f"evaluator spec: unknown field {extra[0]!r} for type {spec.get('type')!r}")
+
+
+def _import_callable(ref: Any) -> Callable:
+    if not isinstance(ref, str) or ref.count(":") != 1:
+        raise EvaluatorError(f"evaluator spec: field 'callable' must be 'module:function', got {ref!r}")
+    module_name, attr = ref.split(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise EvaluatorError(f"evaluator spec: field 'callable': cannot import {ref!r}: {e}") from None
+    if not callable(obj):
+        raise EvaluatorError(f"evaluator spec: field 'callable': {ref!r} is not callable")
+    return obj
+
+
+def build_evaluator(spec: dict) -> Evaluator:
+    """The evaluator a spec describes; {} is the similarity evaluator. Bad spec: EvaluatorError."""
+    if not isinstance(spec, dict):
+        raise EvaluatorError(f"evaluator spec must be an object, got {type(spec).__name__}")
+    kind = spec.get("type", "similarity")
+    if kind == "similarity":
+        _spec_keys(spec, set())
+        return SimilarityEvaluator()
+    if kind == "command":
+        _spec_keys(spec, {"argv", "timeout_s"})
+        argv = spec.get("argv")
+        if not isinstance(argv, list) or not argv or not all(isinstance(a, str) and a for a in argv):
+            raise EvaluatorError(f"evaluator spec: field 'argv' must be a non-empty list of strings, got {argv!r}")
+        timeout_s = spec.get("timeout_s", 60)
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
+                or not math.isfinite(timeout_s) or timeout_s <= 0:
+            raise EvaluatorError(f"evaluator spec: field 'timeout_s' must be a positive number, got {timeout_s!r}")
+        return CommandEvaluator(argv, float(timeout_s))
+    if kind == "python":
+        _spec_keys(spec, {"callable"})
+        return CallableEvaluator(_import_callable(spec.get("callable")))
+    raise EvaluatorError(f"evaluator spec: field 'type' must be similarity, command or python, got {kind!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Retries
+
+
+def _checked(outcome: Any) -> Outcome:
+    # An evaluator that claims a valid outcome without a usable score is broken, not "0".
+    if not isinstance(outcome, Outcome):
+        raise EvaluatorFailed(f"evaluator returned {type(outcome).__name__}, not an Outcome")
+    if outcome.valid and (outcome.score is None or not math.isfinite(outcome.score)):
+        raise EvaluatorFailed(f"valid outcome with score {outcome.score!r}")
+    return outcome
+
+
+async def evaluate_with_retries(evaluator: Evaluator, task: Task, workspace: Path, *, deadline: float,
+                                max_attempts: int = 3, backoff_s: float = 0.5,
+                                clock: Callable[[], float] = time.monotonic) -> Outcome:
+    """Evaluate `workspace`, retrying failed attempts against the same state until `deadline`.
+
+    Called by the launcher once the harness has ended (also after a timeout). The first attempt
+    always runs; another starts only while attempts < max_attempts and the backoff ends before
+    `deadline` (a `clock` time). Each attempt is bounded by its evaluator (CommandEvaluator's
+    timeout_s). All failed: Outcome(score=None, valid=False, error=last error), never a 0.
+    An outcome with valid=False is a successful evaluation and is returned as is.
+    """
+    attempts, error = 0, "no attempt"
+    while True:
+        attempts += 1
+        try:
+            outcome = _checked(await evaluator.evaluate(task, workspace))
+            return dataclasses.replace(outcome, attempts=attempts)
+        except EvaluatorError as e:
+            # A configuration error fails every attempt the same way: stop now.
+            error = f"{type(e).__name__}: {e}"
+            break
+        except Exception as e:  # crash, timeout, bad output: a failed attempt (CancelledError passes)
+            error = f"{type(e).__name__}: {e}"
+            log.warning("task %s: evaluation attempt %d failed: %s", task.id, attempts, error)
+        if attempts >= max_attempts or clock() + backoff_s >= deadline:
+            break
+        await asyncio.sleep(backoff_s)
+    return Outcome(score=None, valid=False, ref="", error=error, attempts=attempts)

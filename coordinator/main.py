@@ -1,0 +1,333 @@
+"""main.py: the coordinator: startup -> run (a 100 ms tick) -> shutdown, in one event loop.
+
+It owns the waterlevel counters, the dispatch queue, the trajectory buffer, the cells'
+roles and the proxy. Each tick: (1) launch queued executions into rollout capacity,
+(2) ask the placement policy for roles and start a transition if they differ,
+(3) start a training step when training cells and ready groups allow, (4) publish
+weights at burst end and refill the dispatch queue, (5) decide whether the run is done.
+Long operations run as tasks the tick starts and watches; an exception in any of them
+ends the run (a half-alive coordinator is worse than a restart). Not the workers' logic
+and not the proxy's: both are driven through their interfaces.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from gyre.coordinator.buffer import Group, Run, TrajectoryBuffer
+from gyre.coordinator.config import CoordinatorConfig
+from gyre.coordinator.launcher import LaunchSpec, Launcher
+from gyre.coordinator.local import LocalCluster
+from gyre.coordinator.metrics import Metrics
+from gyre.coordinator.packing import group_rows, pack
+from gyre.coordinator.policies import POLICIES, Snapshot
+from gyre.coordinator.routing import LinkBackend, RoutingTable
+from gyre.coordinator.tasks import TaskSource, default_tasks, load_tasks
+from gyre.coordinator.waterlevel import Waterlevel
+from gyre.proxy.chat import ChatTokenizer
+from gyre.proxy.server import ProxyConfig, ProxyServer
+from gyre.workerd import wire
+
+log = logging.getLogger("gyre.coordinator")
+TICK_S = 0.1
+
+
+@dataclass
+class StepReport:
+    step: int
+    version: int
+    reward_mean: float | None
+    reward_valid_frac: float | None
+    staleness_mean: float
+    groups: int
+    executions: int
+    tokens_trained: int
+    cells_training: int
+    loss: float
+    seconds: float
+
+
+class Coordinator:
+    def __init__(self, config: CoordinatorConfig, *, on_step=None):
+        self.c = config
+        tasks = load_tasks(config.tasks_path) if config.tasks_path else default_tasks()
+        self.tasks = TaskSource(tasks, seed=config.seed)
+        self.policy = POLICIES[config.policy]
+        self.wl = Waterlevel()
+        self.buffer = TrajectoryBuffer(config.min_valid)
+        self.queue: deque[Run] = deque()
+        self.runs: dict[str, asyncio.Task] = {}
+        self.roles = ["rollout"] * config.cells if config.policy == "colocate" else [
+            "training" if c < config.async_training_cells else "rollout" for c in range(config.cells)]
+        self.version = 0  # published policy version
+        self.trainer_version = 0
+        self.steps_done = 0
+        self.steps_in_burst = 0
+        self.publications = 0
+        self.groups_dispatched = 0
+        self.step_task: asyncio.Task | None = None
+        self.side_task: asyncio.Task | None = None  # a transition or a publication
+        self.changed = asyncio.Event()  # a run closed (the streaming packer waits on it)
+        self.status_counts: dict[str, int] = {}
+        self.reports: list[StepReport] = []
+        self.on_step = on_step
+        self.metrics: Metrics | None = None
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    async def run(self) -> list[StepReport]:
+        c = self.c
+        c.run_dir.mkdir(parents=True, exist_ok=True)
+        (c.run_dir / "config.json").write_text(json.dumps(c.to_json(), indent=2))
+        self.metrics = Metrics(c.run_dir / "metrics.jsonl")
+        cluster = LocalCluster(c.model_dir, cells=c.cells, roles=tuple(self.roles), address=c.address,
+                               trainer={"lr": c.lr}, engine={"seed": c.seed}, log_dir=c.run_dir / "logs")
+        async with cluster:
+            self.cluster, self.link = cluster, cluster.link
+            self.nodes = [cluster.node_of_cell(i) for i in range(c.cells)]
+            await self._startup()
+            try:
+                while not await self.tick():
+                    await asyncio.sleep(TICK_S)
+            finally:
+                await self._shutdown()
+        self.metrics.close()
+        return self.reports
+
+    async def _startup(self) -> None:
+        c = self.c
+        self.table = RoutingTable()
+        self.table.set_nodes([n for n, r in zip(self.nodes, self.roles) if r == "rollout"])
+        proxy_cfg = ProxyConfig(host=c.proxy_host, port=c.proxy_port, default_max_tokens=c.default_max_tokens)
+        self.proxy = ProxyServer(ChatTokenizer(c.model_dir), LinkBackend(self.link, self.table), proxy_cfg,
+                                 run_dir=c.run_dir)
+        await self.proxy.start()
+        self.launcher = Launcher(self.proxy, c.run_dir, LaunchSpec(
+            harness=c.harness, timeout_s=c.execution_timeout_s, eval_attempts=c.eval_attempts,
+            eval_budget_s=c.eval_budget_s), default_evaluator={"type": "similarity"})
+        # Gradient reduction: every cell joins one gloo world with prebuilt prefix groups.
+        init = f"file://{c.run_dir / f'.rendezvous-{secrets.token_hex(4)}'}"
+        await asyncio.gather(*(self._call(n, "init_reducer", rank=i, world_size=c.cells, init_method=init)
+                               for i, n in enumerate(self.nodes)))
+        self._dispatch(c.initial_groups)
+        log.info("coordinator up: %d cells, policy %s, proxy %s", c.cells, c.policy, self.proxy.base_url)
+
+    async def _shutdown(self) -> None:
+        for t in (self.step_task, self.side_task):
+            if t is not None and not t.done():
+                t.cancel()
+        for run_id, task in list(self.runs.items()):
+            task.cancel()
+        await asyncio.gather(*self.runs.values(), return_exceptions=True)
+        await self.proxy.stop()
+
+    async def _call(self, node: str, method: str, **args):
+        reply, _ = await self.link.call(node, wire.Call(req_id=self.link.new_req_id(), method=method, args=args))
+        return reply.result
+
+    # --- the tick -----------------------------------------------------------------------
+
+    async def tick(self) -> bool:
+        """One reconciliation pass; returns True when the run is finished."""
+        for task in (self.step_task, self.side_task, *self.runs.values()):
+            if task is not None and task.done() and not task.cancelled() and task.exception():
+                raise task.exception()  # a failed step, transition or launch ends the run
+        self._launch()
+        self._train()
+        self._publish_if_burst_done()
+        self._place()
+        return self.steps_done >= self.c.steps and self._idle(self.step_task) and self._idle(self.side_task)
+
+    @staticmethod
+    def _idle(task: asyncio.Task | None) -> bool:
+        return task is None or task.done()
+
+    def snapshot(self) -> Snapshot:
+        c = self.wl.c
+        return Snapshot(roles=tuple(self.roles), queued=c.queued, running=c.running,
+                        ready_groups=len(self.buffer.ready()), groups_per_step=self.c.groups_per_step,
+                        mu=self.c.mu, steps_in_burst=self.steps_in_burst, step_in_flight=not self._idle(self.step_task),
+                        async_training_cells=self.c.async_training_cells)
+
+    # 1) launch
+    def _launch(self) -> None:
+        capacity = self.c.exec_slots_per_cell * sum(r == "rollout" for r in self.roles)
+        while self.queue and self.wl.c.running < capacity and self.steps_done < self.c.steps:
+            run = self.queue.popleft()
+            self.wl.launch(run.tracked)
+            self.runs[run.id] = asyncio.create_task(self._execute(run), name=f"gyre-exec-{run.id}")
+
+    async def _execute(self, run: Run) -> None:
+        try:
+            await self.launcher.run(run)
+        except asyncio.CancelledError:
+            run.status = run.status or "cancelled"
+            run.reward, run.valid = None, False
+            self._close(run)
+            raise
+        except Exception as e:  # noqa: BLE001 - an infrastructure failure, recorded as such
+            log.exception("execution %s failed", run.id)
+            run.status, run.reward, run.valid, run.ref = "aborted_infra", None, False, f"{type(e).__name__}: {e}"
+        self._close(run)
+
+    def _close(self, run: Run) -> None:
+        if run.closed:
+            return
+        run.t_end = run.t_end or time.time()
+        self.wl.terminate(run.tracked)
+        self.runs.pop(run.id, None)
+        self.status_counts[run.status] = self.status_counts.get(run.status, 0) + 1
+        self.metrics.emit("execution", id=run.id, group=run.group, status=run.status, reward=run.reward,
+                          valid=run.valid, version_dispatched=run.version_dispatched, t_start=run.t_start,
+                          t_end=run.t_end, ref=run.ref[:200])
+        for surplus in self.buffer.on_closed(run):
+            surplus.status = "cancelled"
+            task = self.runs.get(surplus.id)
+            if task is not None:
+                task.cancel()
+        group = self.buffer.groups[run.group]
+        if group.state == "dropped":
+            log.warning("group %d dropped (%d valid of %d); dispatching a replacement",
+                        group.id, len(group.valid_runs), len(group.runs))
+            self._dispatch(1)
+        self.changed.set()
+
+    def _dispatch(self, n_groups: int) -> None:
+        c = self.c
+        for _ in range(n_groups):
+            task = self.tasks.next_task()
+            gid = self.groups_dispatched
+            self.groups_dispatched += 1
+            group = Group(gid, task, self.version, c.group_size)
+            for i, tracked in enumerate(self.wl.dispatch(c.group_size + c.oversample)):
+                run = Run(f"g{gid:05d}-{i:02d}", gid, i, task, tracked, self.version)
+                group.runs.append(run)
+                self.queue.append(run)
+            self.buffer.add(group)
+
+    # 2) placement
+    def _place(self) -> None:
+        if not self._idle(self.side_task):
+            return
+        want = list(self.policy(self.snapshot()))
+        if want != self.roles and self._idle(self.step_task):
+            self.side_task = asyncio.create_task(self._transition(want), name="gyre-transition")
+
+    async def _transition(self, want: list[str]) -> None:
+        for cell, (old, new) in enumerate(zip(self.roles, want)):
+            if old == new:
+                continue
+            node = self.nodes[cell]
+            t0 = time.monotonic()
+            if new == "training":
+                self.table.routes[node].accepting = False  # no new requests; running ones are handed back
+            reply, _ = await self.link.call(node, wire.SetRole(req_id=self.link.new_req_id(), role=new))
+            if new == "rollout":
+                self.table.set_nodes([n for n, r in zip(self.nodes, self.roles) if r == "rollout"] + [node])
+                self.table.routes[node].accepting = True
+            self.roles[cell] = new
+            self.metrics.emit("role", cell=cell, **{"from": old, "to": new}, seconds=round(time.monotonic() - t0, 4),
+                              worker_seconds=round(reply.seconds, 4))
+
+    # 3) training
+    def _train(self) -> None:
+        if not (self._idle(self.step_task) and self._idle(self.side_task)):
+            return
+        if self.steps_done >= self.c.steps or self.steps_in_burst >= self.c.mu:
+            return
+        cells = [i for i, r in enumerate(self.roles) if r == "training"]
+        if not cells:
+            return
+        # Colocate trains on a full batch; the others stream from the first ready group.
+        need = self.c.groups_per_step if self.c.policy == "colocate" else 1
+        if len(self.buffer.ready()) >= need:
+            self.step_task = asyncio.create_task(self._step(cells), name="gyre-step")
+
+    async def _step(self, cells: list[int]) -> None:
+        t0 = time.monotonic()
+        if cells != list(range(len(cells))):
+            raise RuntimeError(f"training cells {cells} are not a prefix 0..k-1 (prefix groups)")
+        nodes = [self.nodes[i] for i in cells]
+        await asyncio.gather(*(self._call(n, "set_participants", participants=len(nodes)) for n in nodes))
+        queue: asyncio.Queue = asyncio.Queue()
+        results: list[wire.TrainResult] = []
+
+        async def worker(node: str) -> None:  # cells claim micro-steps as they free up
+            while (ms := await queue.get()) is not None:
+                res, _ = await self.link.call(node, wire.TrainMicroStep(req_id=self.link.new_req_id(),
+                                                                       step=self.steps_done), ms.frames())
+                results.append(res)
+
+        workers = [asyncio.create_task(worker(n)) for n in nodes]
+        groups: list[Group] = []
+        exec_index = executions = 0
+        while len(groups) < self.c.groups_per_step:  # streaming: pack groups as they become ready
+            group = self.buffer.take()
+            if group is None:
+                self.changed.clear()
+                await self.changed.wait()
+                continue
+            rows, exec_index, counted = group_rows(group, j_max=self.c.j_max, seed=self.c.seed + group.id,
+                                                   next_exec=exec_index)
+            executions += counted
+            for ms in pack(rows, self.c.micro_step_tokens):
+                queue.put_nowait(ms)
+            groups.append(group)
+        for _ in workers:
+            queue.put_nowait(None)
+        await asyncio.gather(*workers)
+        replies = await asyncio.gather(*(self.link.call(n, wire.OptimizerStep(
+            req_id=self.link.new_req_id(), num_executions=max(1, executions))) for n in nodes))
+        version_before = self.trainer_version
+        self.trainer_version = replies[0][0].version
+        self.steps_done += 1
+        self.steps_in_burst += 1
+        self._report(groups, executions, results, version_before, len(nodes), time.monotonic() - t0)
+
+    def _report(self, groups, executions, results, version_before, n_cells, seconds) -> None:
+        runs = [r for g in groups for r in g.runs if r.status != "cancelled"]
+        valid = [r.reward for r in runs if r.valid and r.reward is not None]
+        staleness = [version_before - g.version for g in groups]
+        rep = StepReport(step=self.steps_done, version=self.trainer_version,
+                         reward_mean=sum(valid) / len(valid) if valid else None,
+                         reward_valid_frac=len(valid) / len(runs) if runs else None,
+                         staleness_mean=sum(staleness) / len(staleness), groups=len(groups),
+                         executions=executions, tokens_trained=sum(r.tokens for r in results),
+                         cells_training=n_cells, loss=sum(r.loss for r in results), seconds=round(seconds, 3))
+        self.reports.append(rep)
+        self.metrics.emit("step", **rep.__dict__, staleness=staleness, waterlevel=self.wl.c.waterlevel,
+                          counters={"d": self.wl.c.d, "p": self.wl.c.p, "f": self.wl.c.f},
+                          statuses=dict(self.status_counts))
+        if self.on_step is not None:
+            self.on_step(rep)
+
+    # 4) publication
+    def _publish_if_burst_done(self) -> None:
+        burst_done = self.steps_in_burst >= self.c.mu or (self.steps_done >= self.c.steps and self.steps_in_burst)
+        if burst_done and self._idle(self.step_task) and self._idle(self.side_task):
+            self.side_task = asyncio.create_task(self._publish(), name="gyre-publish")
+
+    async def _publish(self) -> None:
+        """Core's weights to every engine: cells that trained copy their own trainer (same
+        weights after the all-reduced update); the others receive the core's export."""
+        t0 = time.monotonic()
+        version = self.trainer_version
+        trained = [i for i, r in enumerate(self.roles) if r == "training"]
+        frames, nbytes = None, 0
+        if len(trained) < len(self.nodes):
+            w, frames = await self.link.call(self.nodes[0], wire.ExportWeights(req_id=self.link.new_req_id()))
+            nbytes = w.nbytes
+        await asyncio.gather(*(self.link.call(n, wire.LoadWeights(req_id=self.link.new_req_id(), version=version),
+                                              None if i in trained else frames) for i, n in enumerate(self.nodes)))
+        self.version = version
+        self.steps_in_burst = 0
+        self.publications += 1
+        self.metrics.emit("publish", version=version, seconds=round(time.monotonic() - t0, 4), bytes=nbytes)
+        if self.steps_done < self.c.steps:
+            self._dispatch(self.c.dispatch_target(self.publications) - self.c.dispatch_target(self.publications - 1))

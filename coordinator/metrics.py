@@ -1,0 +1,33 @@
+"""metrics.py: `metrics.jsonl`, one JSON object per event, times in seconds since start.
+
+Append-only and flushed per line, so a crash loses at most the line being written and
+`gyre top` / a resumed run can tail it. Never holds a secret: callers pass plain fields.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import orjson
+
+
+class Metrics:
+    def __init__(self, path: Path, t0: float | None = None):
+        self.path = path
+        self.t0 = time.monotonic() if t0 is None else t0
+        self._f = open(path, "ab")
+        self.last: dict[str, dict] = {}
+
+    def now(self) -> float:
+        return round(time.monotonic() - self.t0, 4)
+
+    def emit(self, event: str, **fields) -> dict:
+        rec = {"event": event, "t": self.now(), **fields}
+        self._f.write(orjson.dumps(rec) + b"\n")
+        self._f.flush()
+        self.last[event] = rec
+        return rec
+
+    def close(self) -> None:
+        self._f.close()

@@ -1,0 +1,241 @@
+"""tasks.py: what an execution works on: tasks, their JSONL files, workspaces, the task source.
+
+A task is a prompt plus the files of a fresh workspace and an evaluator spec; `load_tasks`
+reads them from JSONL with errors that name the line and field, `default_tasks` is the
+embedded set the tiny demo policy can learn, and `TaskSource` hands them out in a seeded
+order. Not the launcher (it starts no harness) and not the evaluator (it scores nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from gyre.workerd.wire import GyreError
+
+TASK_FILE = "task.txt"  # the prompt, where the demo harness looks when given no --task
+FIELDS = ("id", "prompt", "workspace", "template_dir", "evaluator", "target", "timeout_s", "meta")
+
+
+class TaskError(GyreError):
+    """A task file or task that cannot be used: the message names the line and field."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Task:
+    """One task: the prompt, a fresh workspace's contents and how to score it."""
+
+    id: str
+    prompt: str
+    workspace: dict[str, str] = field(default_factory=dict)  # relative path -> file content
+    template_dir: str | None = None  # copied into the workspace before `workspace` is written
+    evaluator: dict = field(default_factory=dict)  # evaluator spec; {} -> the source's default
+    target: str | None = None  # the expected answer, for the similarity evaluator
+    timeout_s: float | None = None  # the execution's budget; None -> the run's default
+    meta: dict = field(default_factory=dict)  # anything else the task file carried
+
+
+def check_relpath(path: Any) -> PurePosixPath:
+    """A workspace path as given, or TaskError: relative, no `..`, no NUL, not empty."""
+    if not isinstance(path, str) or not path.strip() or "\x00" in path:
+        raise TaskError(f"bad workspace path {path!r}: must be a non-empty string")
+    p = PurePosixPath(path.replace("\\", "/"))
+    if p.is_absolute() or ".." in p.parts or p.parts in ((), (".",)):
+        raise TaskError(f"workspace path {path!r} escapes the workspace")
+    return p
+
+
+# ---------------------------------------------------------------------------------------------
+# JSONL
+
+
+def _field_error(where: str, name: str, why: str) -> TaskError:
+    return TaskError(f"{where}: field {name!r}: {why}")
+
+
+def _optional_str(obj: dict, name: str, where: str) -> str | None:
+    value = obj.get(name)
+    if value is not None and not isinstance(value, str):
+        raise _field_error(where, name, f"must be a string or null, got {type(value).__name__}")
+    return value
+
+
+def _dict_field(obj: dict, name: str, where: str) -> dict:
+    value = obj.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _field_error(where, name, f"must be an object, got {type(value).__name__}")
+    return value
+
+
+def _workspace_field(obj: dict, where: str) -> dict[str, str]:
+    files = _dict_field(obj, "workspace", where)
+    for path, content in files.items():
+        try:
+            check_relpath(path)
+        except TaskError as e:
+            raise _field_error(where, "workspace", str(e)) from None
+        if not isinstance(content, str):
+            raise _field_error(where, "workspace", f"content of {path!r} must be a string")
+    return files
+
+
+def _timeout_field(obj: dict, where: str) -> float | None:
+    value = obj.get("timeout_s")
+    if value is None:
+        return None
+    # bool is an int subclass: `true` is not a timeout.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise _field_error(where, "timeout_s", f"must be a positive number or null, got {value!r}")
+    return float(value)
+
+
+def _template_field(obj: dict, where: str, base: Path) -> str | None:
+    value = _optional_str(obj, "template_dir", where)
+    if value is None:
+        return None
+    # Relative to the task file, so a task set and its templates move together.
+    path = (base / value).resolve()
+    if not path.is_dir():
+        raise _field_error(where, "template_dir", f"{path} is not a directory")
+    return str(path)
+
+
+def parse_task(obj: Any, where: str, base: Path) -> Task:
+    """One task from a decoded JSON line; `where` prefixes errors, `base` anchors template_dir."""
+    if not isinstance(obj, dict):
+        raise TaskError(f"{where}: a task must be a JSON object, got {type(obj).__name__}")
+    for name in ("id", "prompt"):
+        if name not in obj:
+            raise _field_error(where, name, "missing")
+        if not isinstance(obj[name], str) or not obj[name].strip():
+            raise _field_error(where, name, "must be a non-empty string")
+    meta = _dict_field(obj, "meta", where)
+    unknown = {k: v for k, v in obj.items() if k not in FIELDS}
+    if clash := sorted(meta.keys() & unknown.keys()):
+        raise _field_error(where, clash[0], "given both at top level and in meta")
+    return Task(id=obj["id"], prompt=obj["prompt"], workspace=_workspace_field(obj, where),
+                template_dir=_template_field(obj, where, base),
+                evaluator=_dict_field(obj, "evaluator", where),
+                target=_optional_str(obj, "target", where), timeout_s=_timeout_field(obj, where),
+                meta={**meta, **unknown})
+
+
+def load_tasks(path: str | Path) -> list[Task]:
+    """Every task of a JSONL file (one object per line, blank lines ignored), ids unique.
+
+    Blocking file IO: read at startup, before the event loop runs, or via asyncio.to_thread.
+    """
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise TaskError(f"cannot read task file {path}: {e}") from None
+    tasks: list[Task] = []
+    first_line: dict[str, int] = {}
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except ValueError as e:
+            raise TaskError(f"{where}: not valid JSON: {e}") from None
+        task = parse_task(obj, where, path.parent)
+        if task.id in first_line:
+            raise _field_error(where, "id", f"duplicate id {task.id!r} (first on line {first_line[task.id]})")
+        first_line[task.id] = lineno
+        tasks.append(task)
+    if not tasks:
+        raise TaskError(f"{path}: no tasks")
+    return tasks
+
+
+# ---------------------------------------------------------------------------------------------
+# The embedded default set
+
+
+# Short lowercase words, each a handful of bytes for the byte-level tiny policy (1 token per
+# byte): a random policy already lands some of their letters, so the similarity score has
+# variance within a group from the first step, and the target also appears in the prompt, so
+# copying from the context is a shortcut the policy can find. Two phrasings keep it from
+# keying on a single template.
+DEFAULT_TARGETS = ("hello", "yes", "abc", "ok", "cat", "sun", "hi", "done")
+
+
+def default_tasks() -> list[Task]:
+    """The embedded default task set, scored by similarity of answer.txt to the target."""
+    tasks = []
+    for i, word in enumerate(DEFAULT_TARGETS):
+        prompt = f"Answer with exactly the word {word}." if i % 2 == 0 else f"Reply with: {word}"
+        tasks.append(Task(id=f"say-{word}", prompt=prompt, target=word,
+                          evaluator={"type": "similarity"}, meta={"source": "default"}))
+    return tasks
+
+
+# ---------------------------------------------------------------------------------------------
+# Workspaces and the source
+
+
+def make_workspace(task: Task, root: Path) -> Path:
+    """Create `root` (absent or empty) with the template, the task's files and task.txt.
+
+    Called by the launcher before it starts the harness; blocking file IO, so the
+    coordinator calls it through asyncio.to_thread.
+    """
+    root = Path(root)
+    # 1) Validate every path before touching the disk, so a bad task leaves nothing behind.
+    files = [(check_relpath(p), content) for p, content in task.workspace.items()]
+    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        raise TaskError(f"workspace {root} already exists and is not an empty directory")
+    # 2) The template first: the task's own files override it.
+    #    Links are followed when copying, so no path below can be led out of root by one.
+    if task.template_dir is not None:
+        try:
+            shutil.copytree(task.template_dir, root, dirs_exist_ok=True)
+        except (OSError, shutil.Error) as e:
+            raise TaskError(f"task {task.id!r}: cannot copy template_dir {task.template_dir}: {e}") from None
+    root.mkdir(parents=True, exist_ok=True)
+    base = root.resolve()
+    for rel, content in files:
+        target = base / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(content, encoding="utf-8")
+    # 3) The prompt last, so it is the one the harness reads.
+    (base / TASK_FILE).write_text(task.prompt, encoding="utf-8")
+    return root
+
+
+class TaskSource:
+    """Hands out tasks forever: each pass over the set in a fresh seeded shuffle.
+
+    The same tasks and seed give the same sequence, so a run's task order is reproducible.
+    `default_evaluator` is the spec for tasks whose own spec is empty.
+    """
+
+    def __init__(self, tasks: list[Task], *, seed: int = 0, default_evaluator: dict | None = None):
+        if not tasks:
+            raise TaskError("a task source needs at least one task")
+        self.tasks = list(tasks)
+        self.default_evaluator = dict(default_evaluator or {})
+        self._rng = random.Random(seed)
+        self._order: list[Task] = []
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    def next_task(self) -> Task:
+        if not self._order:
+            self._order = self.tasks[:]
+            self._rng.shuffle(self._order)  # pop() takes them from the end: still a shuffle
+        return self._order.pop()
+
+    def evaluator_spec(self, task: Task) -> dict:
+        """The spec to build `task`'s evaluator from: its own, else the source's default."""
+        return task.evaluator or self.default_evaluator

@@ -1,0 +1,69 @@
+"""up.py: `gyre up`: build the run's config (file + flags), run the coordinator, print progress.
+
+Plain progress lines (one per step, one per role change); the rich live view is its own
+piece of work. Not the loop itself: that is main.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from gyre.coordinator.config import CoordinatorConfig
+from gyre.coordinator.main import Coordinator, StepReport
+from gyre.workerd.wire import GyreError
+
+
+class ConfigError(GyreError):
+    """A config file or value that cannot be used; the message names the field."""
+
+
+def load_config_file(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = tomllib.loads(path.read_text()) if path.suffix == ".toml" else json.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: {e}") from None
+    known = {f.name for f in dataclasses.fields(CoordinatorConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"{path}: unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    return data
+
+
+def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> CoordinatorConfig:
+    values = {**file_values, **{k: v for k, v in overrides.items() if v is not None}}
+    for key in ("run_dir", "model_dir", "tasks_path"):
+        if values.get(key) is not None:
+            values[key] = Path(values[key])
+    if "harness" in values:
+        values["harness"] = tuple(values["harness"])
+    try:
+        return CoordinatorConfig(**values)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+
+
+def _print_step(steps: int):
+    def show(r: StepReport) -> None:
+        reward = "n/a" if r.reward_mean is None else f"{r.reward_mean:.3f}"
+        valid = "n/a" if r.reward_valid_frac is None else f"{r.reward_valid_frac:.2f}"
+        print(f"step {r.step}/{steps}  version {r.version}  reward {reward}  valid {valid}  "
+              f"staleness {r.staleness_mean:.2f}  groups {r.groups}  tokens {r.tokens_trained}  "
+              f"cells_training {r.cells_training}  {r.seconds:.1f}s", flush=True)
+    return show
+
+
+def run_up(config: CoordinatorConfig) -> list[StepReport]:
+    import uvloop
+
+    print(f"gyre up: policy {config.policy}, {config.cells} cells, B={config.groups_per_step} N={config.group_size} "
+          f"phi={config.phi} mu={config.mu}, {config.steps} steps -> {config.run_dir}", flush=True)
+    reports = uvloop.run(Coordinator(config, on_step=_print_step(config.steps)).run())
+    rewards = " ".join("n/a" if r.reward_mean is None else f"{r.reward_mean:.3f}" for r in reports)
+    print(f"done: {len(reports)} steps; reward by step: {rewards}", flush=True)
+    return reports
