@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import gc
 import io
 import json
 import multiprocessing as mp
@@ -26,6 +27,8 @@ import os
 import pstats
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections import namedtuple
@@ -166,13 +169,14 @@ async def direct(backend, prompt_ids: list[int], n: int, warmup: int) -> dict:
 
 
 def instrument(ex: Execution, name: str, sink: list) -> None:
-    """Time one method of this execution instance (the server calls it through the instance)."""
+    """CPU time of one method of this execution instance (the server calls it through the
+    instance); thread CPU, not wall, so a busy neighbour process does not inflate it."""
     orig = getattr(ex, name)
 
     def timed(*a, **kw):
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         out = orig(*a, **kw)
-        sink.append(time.perf_counter() - t0)
+        sink.append(time.thread_time() - t0)
         return out
 
     setattr(ex, name, timed)
@@ -200,6 +204,15 @@ async def part1(tok: ChatTokenizer, sizes: dict[str, tuple[int, int]], verbose: 
     marks: list[float] = []
     server.on_record = lambda ex, rec: marks.append(time.process_time())
     null_runner, null_url = await null_server()
+    gcs: list[tuple[float, int]] = []  # (pause, generation) of each collection in this process
+
+    def on_gc(phase, info, t0=[0.0]):
+        if phase == "start":
+            t0[0] = time.perf_counter()
+        else:
+            gcs.append((time.perf_counter() - t0[0], info["generation"]))
+
+    gc.callbacks.append(on_gc)
     ctx = mp.get_context("spawn")
     tasks, results = ctx.Queue(), ctx.Queue()
     client = ctx.Process(target=client_main, args=(tasks, results), daemon=True)
@@ -216,21 +229,25 @@ async def part1(tok: ChatTokenizer, sizes: dict[str, tuple[int, int]], verbose: 
         instrument(ex, "prepare", prep_t)
         instrument(ex, "complete", comp_t)
         marks.clear()
+        gcs.clear()
         b = await remote(url=chat_url, key=ex.key, seed=seed, n=n, warmup=warmup)
+        gc_b = list(gcs)
         cpu_b = [y - x for x, y in zip(marks[warmup:], marks[warmup + 1:])]
         floor = await remote(url=null_url, key=ex.key, seed=seed, n=n, warmup=warmup)
         a = await direct(backend, engine.last_prompt, n, warmup)
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         for _ in range(20):
-            api_openai.parse_request(orjson.loads(b["body"]), {})
+            req = api_openai.parse_request(orjson.loads(b["body"]), {})
         r = out[label] = {
-            "prompt_tokens": statistics.mean(b["prompt_tokens"]), "n": n,
-            "messages": len(orjson.loads(b["body"])["messages"]), "parse": (time.perf_counter() - t0) / 20,
+            "parse": (time.thread_time() - t0) / 20, "prompt_tokens": statistics.mean(b["prompt_tokens"]), "n": n,
+            "messages": len(req.messages),
             "direct_p50": pct(a["lat"], 50), "direct_p99": pct(a["lat"], 99), "proxy_p50": pct(b["lat"], 50),
             "proxy_p99": pct(b["lat"], 99), "null_http_p50": pct(floor["lat"], 50),
             "prepare_p50": pct(prep_t[warmup:], 50), "prepare_p99": pct(prep_t[warmup:], 99),
             "complete_p50": pct(comp_t[warmup:], 50),
-            "cpu_direct": statistics.median(a["cpu"]), "cpu_proxy": statistics.median(cpu_b)}
+            "cpu_direct": statistics.median(a["cpu"]), "cpu_proxy": statistics.median(cpu_b),
+            "gc_per_req": sum(p for p, _ in gc_b) / (n + warmup), "full_gcs": sum(g == 2 for _, g in gc_b),
+            "full_gc_max": max((p for p, g in gc_b if g == 2), default=0.0)}
         r["added_p50"], r["added_p99"] = r["proxy_p50"] - r["direct_p50"], r["proxy_p99"] - r["direct_p99"]
         r["added_cpu"] = r["cpu_proxy"] - r["cpu_direct"]
         if verbose and label == list(sizes)[-1]:
@@ -244,6 +261,7 @@ async def part1(tok: ChatTokenizer, sizes: dict[str, tuple[int, int]], verbose: 
             out["profile"] = f"cProfile, server main thread, 20 requests at {label} (own time, then cumulative):\n" \
                              + buf.getvalue()
         server.revoke(ex.id)
+    gc.callbacks.remove(on_gc)
     tasks.put(None)
     client.join(10)
     await null_runner.cleanup()
@@ -354,7 +372,7 @@ def report(r: dict, verbose: bool) -> None:
         print(title)
         print(" ".join(f"{h:>{w}}" for h, w in zip(head, widths)))
         for k, v in p1.items():
-            cells = [k] + [f"{v[f]:.0f}" if f in ("prompt_tokens", "messages", "n") else f"{v[f] * 1e3:.3f}"
+            cells = [k] + [f"{v[f]:.0f}" if f in ("prompt_tokens", "messages", "n", "full_gcs") else f"{v[f] * 1e3:.3f}"
                            for f in fields]
             print(" ".join(f"{c:>{w}}" for c, w in zip(cells, widths)))
 
@@ -365,10 +383,13 @@ def report(r: dict, verbose: bool) -> None:
                            "p99", "null HTTP"),
           ("prompt_tokens", "messages", "n", "direct_p50", "direct_p99", "proxy_p50", "proxy_p99", "added_p50",
            "added_p99", "null_http_p50"), (8, 10, 5, 5, 10, 8, 10, 8, 10, 8, 10))
-    table("\nServer side per call, ms (CPU: server process per request, median; parse: orjson + parse_request)",
-          ("context", "CPU direct", "CPU proxy", "added CPU", "parse", "prepare p50", "p99", "complete"),
-          ("cpu_direct", "cpu_proxy", "added_cpu", "parse", "prepare_p50", "prepare_p99", "complete_p50"),
-          (8, 10, 10, 10, 8, 11, 8, 8))
+    table("\nServer side CPU per call, ms (server process per request, median; prepare, complete: main thread;\n"
+          "parse: orjson + parse_request on the last body, timed alone; GC: wall pause of this process's\n"
+          "collections per proxied request, and the count and longest of full (gen 2) ones)",
+          ("context", "CPU direct", "CPU proxy", "added CPU", "parse", "prepare p50", "p99", "complete", "GC/req",
+           "full GCs", "max"),
+          ("cpu_direct", "cpu_proxy", "added_cpu", "parse", "prepare_p50", "prepare_p99", "complete_p50", "gc_per_req",
+           "full_gcs", "full_gc_max"), (8, 10, 10, 10, 8, 11, 8, 8, 8, 8, 8))
     ok = {True: "met", False: "NOT met"}
     print(f"\nTarget added p50 <= 1 ms at 32k: {t['added_p50_32k_ms']:.3f} ms -> {ok[t['added_p50_ok']]}")
     print(f"Target added CPU flat (<= 2x) from 1k to 200k: {t['cpu_ratio_200k_over_1k']:.1f}x -> {ok[t['cpu_flat_ok']]}"
@@ -376,7 +397,7 @@ def report(r: dict, verbose: bool) -> None:
           f"proxy/null HTTP {t['proxy_over_null_32k']:.1f}x")
     if verbose and "profile" in r["part1"]:
         print("\n" + r["part1"]["profile"].rstrip())
-    print(f"\nPart 1b: prepare() after {rr['calls']} calls (median of the last 20): unique replies "
+    print(f"\nPart 1b: prepare() CPU after {rr['calls']} calls (median of the last 20): unique replies "
           f"{rr['unique'] * 1e3:.2f} ms, identical replies {rr['identical'] * 1e3:.2f} ms "
           f"({rr['identical'] / rr['unique']:.1f}x)")
     u = p["unique_tokens"]
@@ -393,7 +414,7 @@ def report(r: dict, verbose: bool) -> None:
         print(f"  {j:>4}: {a['trajectories']} trajectories, target tokens {a['target_tokens']:>6}, forward tokens "
               f"{a['forward_tokens']:>6} ({', '.join(a['roles'])})")
     print(f"  forward at J=5: {p['J5_forward_pct_of_inf']:.1f}% of unlimited (paper: 74.8%); targets "
-          f"{p['J5_target_pct_of_inf']:.1f}%\n  prepare() per call: mean {p['prepare_mean'] * 1e3:.2f} ms, "
+          f"{p['J5_target_pct_of_inf']:.1f}%\n  prepare() CPU per call: mean {p['prepare_mean'] * 1e3:.2f} ms, "
           f"p99 {p['prepare_p99'] * 1e3:.2f} ms, max {p['prepare_max'] * 1e3:.2f} ms")
 
 
@@ -403,10 +424,9 @@ def main() -> None:
     ap.add_argument("--verbose", action="store_true", help="also profile the server at the largest context")
     ap.add_argument("--json", metavar="PATH", help="also write the figures to PATH")
     args = ap.parse_args()
-    from gyre.workerd.modeldir import init_tiny
-
-    with tempfile.TemporaryDirectory() as tmp:
-        init_tiny(tmp)
+    with tempfile.TemporaryDirectory() as tmp:  # in a child: torch's objects would slow this process's GC
+        subprocess.run([sys.executable, "-c", "import sys; from gyre.workerd.modeldir import init_tiny; "
+                        "init_tiny(sys.argv[1])", tmp], check=True)
         tok = ChatTokenizer(tmp)
     q, started = args.quick, time.perf_counter()
     sizes = {"1k": (1_000, 60 if q else 1000), "32k": (32_000, 60 if q else 1000), "200k": (200_000, 30 if q else 400)}

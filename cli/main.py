@@ -14,7 +14,7 @@ import typer
 from gyre.cli.options import (CellOpt, CoordinatorOpt, DebugOpt, DevicesOpt, HeartbeatOpt, ModelDirArg,
                               ModelKindArg, ModelOpt, NodeIdOpt, NodeRankOpt, RunDirOpt, SeedOpt, StepsOpt,
                               WelcomeTimeoutOpt, HostOpt, PortOpt, RunDirArg, ExecutionOpt, JsonOpt, JMaxOpt,
-                              ConfigArg, PolicyOpt, NoLiveOpt)
+                              ConfigArg, PolicyOpt, NoLiveOpt, ParentPidOpt)
 
 app = typer.Typer(name="gyre", no_args_is_help=True, add_completion=False,
                   help="Online RL for LLM agents in black-box harnesses.")
@@ -65,6 +65,7 @@ def workerd(
     devices: DevicesOpt = "cpu",
     heartbeat: HeartbeatOpt = 1.0,
     welcome_timeout: WelcomeTimeoutOpt = 60.0,
+    parent_pid: ParentPidOpt = None,
 ) -> None:
     """Run this node's worker daemon (rollout engine + trainer) until stopped."""
     from gyre.workerd.config import WorkerConfig
@@ -72,7 +73,7 @@ def workerd(
 
     config = WorkerConfig(coordinator=coordinator, cell=cell, node_rank=node_rank, node_id=node_id,
                           devices=tuple(d for d in devices.split(",") if d), heartbeat_s=heartbeat,
-                          welcome_timeout_s=welcome_timeout)
+                          welcome_timeout_s=welcome_timeout, parent_pid=parent_pid)
     raise typer.Exit(serve(config))
 
 

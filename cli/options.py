@@ -30,3 +30,4 @@ JMaxOpt = Annotated[int, typer.Option("--j-max", help="Admission cap J_max for t
 ConfigArg = Annotated[Optional[Path], typer.Argument(help="Run config file (TOML or JSON); flags override it.")]
 PolicyOpt = Annotated[Optional[str], typer.Option("--policy", help="Placement policy: colocate or async.")]
 NoLiveOpt = Annotated[bool, typer.Option("--no-live", help="Plain log lines instead of the live view.")]
+ParentPidOpt = Annotated[Optional[int], typer.Option("--parent-pid", help="Exit when this process (the coordinator that started us) is gone.")]

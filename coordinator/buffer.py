@@ -32,6 +32,7 @@ class Run:
     reward: float | None = None
     valid: bool = False
     ref: str = ""
+    eval_attempts: int = 0
     t_start: float | None = None
     t_end: float | None = None
     recorder: Any = None  # the proxy's Execution (tree, calls)

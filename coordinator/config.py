@@ -15,7 +15,7 @@ POLICIES = ("colocate", "async")
 
 
 def demo_harness_argv() -> tuple[str, ...]:
-    return (sys.executable, "-m", "gyre.proxy.demo_harness", "--max-turns", "2", "--max-tokens", "24",
+    return (sys.executable, "-m", "gyre.proxy.demo_harness", "--max-turns", "1", "--max-tokens", "16",
             "--compact-at", "100000", "--max-retries", "2", "--timeout", "120")
 
 
@@ -28,7 +28,7 @@ class CoordinatorConfig:
     phi: float = 0.0  # boundary-dispatch lead, in batches
     mu: int = 1  # steps per burst (between weight publications)
     groups_per_step: int = 2  # B
-    group_size: int = 4  # N executions per query
+    group_size: int = 8  # N executions per query
     oversample: int = 0  # k extra executions per group, cancelled once N are valid
     min_valid: int = 2  # valid outcomes a group needs to train
     cells: int = 2
@@ -41,7 +41,7 @@ class CoordinatorConfig:
     eval_budget_s: float = 60.0
     j_max: int | None = 5
     micro_step_tokens: int = 8192  # per-rank token budget of one micro-step (rows x width)
-    lr: float = 2e-3
+    lr: float = 3e-3
     seed: int = 0
     address: str = "tcp://127.0.0.1:0"  # ZeroMQ bind for workerds
     proxy_host: str = "127.0.0.1"

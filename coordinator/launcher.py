@@ -58,7 +58,7 @@ class Launcher:
         recorder = self.proxy.register(run.id)
         run.recorder = recorder
         try:
-            workspace = make_workspace(task, folder / "workspace")
+            workspace = await asyncio.to_thread(make_workspace, task, folder / "workspace")
             code, timed_out = await self._harness(run, recorder.key, workspace, folder)
         finally:
             self.proxy.revoke(run.id)  # the key stops working; the records stay
@@ -71,6 +71,7 @@ class Launcher:
             outcome: Outcome = await evaluate_with_retries(evaluator, task, workspace, deadline=deadline,
                                                            max_attempts=self.spec.eval_attempts)
             run.reward, run.valid, run.ref = outcome.score, outcome.valid, outcome.ref or (outcome.error or "")
+            run.eval_attempts = outcome.attempts
             if outcome.error is not None:
                 run.status = "evaluator_error"
             else:

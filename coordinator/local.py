@@ -95,6 +95,7 @@ class LocalCluster:
             self.procs.append(await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "gyre.cli", "workerd", "--coordinator", address,
                 "--cell", str(cell), "--node-id", f"local-{cell}", "--heartbeat", str(self.heartbeat_s),
+                "--parent-pid", str(os.getpid()),
                 env=env, stdout=out or asyncio.subprocess.DEVNULL, stderr=out or None,
             ))
             if out is not None:

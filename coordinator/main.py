@@ -75,9 +75,11 @@ class Coordinator:
         self.side_task: asyncio.Task | None = None  # a transition or a publication
         self.changed = asyncio.Event()  # a run closed (the streaming packer waits on it)
         self.status_counts: dict[str, int] = {}
+        self.train_busy_s: dict[int, float] = {}  # per cell: seconds in micro-steps and updates
         self.reports: list[StepReport] = []
         self.on_step = on_step
         self.metrics: Metrics | None = None
+        self.should_exit = False  # set by SIGINT/SIGTERM: stop at the next tick, gracefully
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -88,6 +90,7 @@ class Coordinator:
         self.metrics = Metrics(c.run_dir / "metrics.jsonl")
         cluster = LocalCluster(c.model_dir, cells=c.cells, roles=tuple(self.roles), address=c.address,
                                trainer={"lr": c.lr}, engine={"seed": c.seed}, log_dir=c.run_dir / "logs")
+        self._install_signal_handlers()
         async with cluster:
             self.cluster, self.link = cluster, cluster.link
             self.nodes = [cluster.node_of_cell(i) for i in range(c.cells)]
@@ -97,8 +100,28 @@ class Coordinator:
                     await asyncio.sleep(TICK_S)
             finally:
                 await self._shutdown()
+                self._summary()
         self.metrics.close()
         return self.reports
+
+    def _install_signal_handlers(self) -> None:
+        """First SIGINT/SIGTERM: finish gracefully at the next tick. Second SIGINT: exit now."""
+        import os
+        import signal
+
+        loop = asyncio.get_running_loop()
+
+        def on_signal(sig: int) -> None:
+            if self.should_exit and sig == signal.SIGINT:
+                os._exit(130)
+            log.warning("signal %d: shutting down (again to force)", sig)
+            self.should_exit = True
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, on_signal, sig)
+            except (NotImplementedError, RuntimeError):  # not the main thread (tests)
+                return
 
     async def _startup(self) -> None:
         c = self.c
@@ -127,6 +150,21 @@ class Coordinator:
         await asyncio.gather(*self.runs.values(), return_exceptions=True)
         await self.proxy.stop()
 
+    def _summary(self) -> None:
+        wall = self.metrics.now()
+        cells = []
+        for i, node in enumerate(self.nodes):
+            route = self.table.routes.get(node)
+            rollout_busy = route.busy_s if route else 0.0
+            train_busy = self.train_busy_s.get(i, 0.0)
+            cells.append({"cell": i, "rollout_busy_s": round(rollout_busy, 3), "train_busy_s": round(train_busy, 3),
+                          "rollout_tokens": route.tokens if route else 0,
+                          "idle_frac": round(max(0.0, 1 - (rollout_busy + train_busy) / wall), 4) if wall else None})
+        self.metrics.emit("summary", steps=self.steps_done, wall_s=wall, statuses=dict(self.status_counts),
+                          counters={"d": self.wl.c.d, "p": self.wl.c.p, "f": self.wl.c.f},
+                          rollout_tokens=sum(c["rollout_tokens"] for c in cells),
+                          tokens_trained=sum(r.tokens_trained for r in self.reports), cells=cells)
+
     async def _call(self, node: str, method: str, **args):
         reply, _ = await self.link.call(node, wire.Call(req_id=self.link.new_req_id(), method=method, args=args))
         return reply.result
@@ -135,6 +173,8 @@ class Coordinator:
 
     async def tick(self) -> bool:
         """One reconciliation pass; returns True when the run is finished."""
+        if self.should_exit:
+            return True
         for task in (self.step_task, self.side_task, *self.runs.values()):
             if task is not None and task.done() and not task.cancelled() and task.exception():
                 raise task.exception()  # a failed step, transition or launch ends the run
@@ -184,8 +224,9 @@ class Coordinator:
         self.runs.pop(run.id, None)
         self.status_counts[run.status] = self.status_counts.get(run.status, 0) + 1
         self.metrics.emit("execution", id=run.id, group=run.group, status=run.status, reward=run.reward,
-                          valid=run.valid, version_dispatched=run.version_dispatched, t_start=run.t_start,
-                          t_end=run.t_end, ref=run.ref[:200])
+                          valid=run.valid, version_dispatched=run.version_dispatched,
+                          t_start=self.metrics.since_start(run.t_start), t_end=self.metrics.since_start(run.t_end),
+                          ref=run.ref[:200], eval_attempts=run.eval_attempts)
         for surplus in self.buffer.on_closed(run):
             surplus.status = "cancelled"
             task = self.runs.get(surplus.id)
@@ -258,13 +299,14 @@ class Coordinator:
         queue: asyncio.Queue = asyncio.Queue()
         results: list[wire.TrainResult] = []
 
-        async def worker(node: str) -> None:  # cells claim micro-steps as they free up
+        async def worker(cell: int, node: str) -> None:  # cells claim micro-steps as they free up
             while (ms := await queue.get()) is not None:
                 res, _ = await self.link.call(node, wire.TrainMicroStep(req_id=self.link.new_req_id(),
                                                                        step=self.steps_done), ms.frames())
                 results.append(res)
+                self.train_busy_s[cell] = self.train_busy_s.get(cell, 0.0) + res.seconds
 
-        workers = [asyncio.create_task(worker(n)) for n in nodes]
+        workers = [asyncio.create_task(worker(c, n)) for c, n in zip(cells, nodes)]
         groups: list[Group] = []
         exec_index = executions = 0
         while len(groups) < self.c.groups_per_step:  # streaming: pack groups as they become ready
@@ -284,6 +326,8 @@ class Coordinator:
         await asyncio.gather(*workers)
         replies = await asyncio.gather(*(self.link.call(n, wire.OptimizerStep(
             req_id=self.link.new_req_id(), num_executions=max(1, executions))) for n in nodes))
+        for c, (r, _) in zip(cells, replies):
+            self.train_busy_s[c] = self.train_busy_s.get(c, 0.0) + r.seconds
         version_before = self.trainer_version
         self.trainer_version = replies[0][0].version
         self.steps_done += 1
@@ -301,7 +345,8 @@ class Coordinator:
                          executions=executions, tokens_trained=sum(r.tokens for r in results),
                          cells_training=n_cells, loss=sum(r.loss for r in results), seconds=round(seconds, 3))
         self.reports.append(rep)
-        self.metrics.emit("step", **rep.__dict__, staleness=staleness, waterlevel=self.wl.c.waterlevel,
+        self.metrics.emit("step", **rep.__dict__, staleness=staleness, group_ids=[g.id for g in groups],
+                          waterlevel=self.wl.c.waterlevel,
                           counters={"d": self.wl.c.d, "p": self.wl.c.p, "f": self.wl.c.f},
                           statuses=dict(self.status_counts))
         if self.on_step is not None:

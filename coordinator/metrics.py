@@ -16,11 +16,16 @@ class Metrics:
     def __init__(self, path: Path, t0: float | None = None):
         self.path = path
         self.t0 = time.monotonic() if t0 is None else t0
+        self.t0_wall = time.time() - (time.monotonic() - self.t0)
         self._f = open(path, "ab")
         self.last: dict[str, dict] = {}
 
     def now(self) -> float:
         return round(time.monotonic() - self.t0, 4)
+
+    def since_start(self, wall: float | None) -> float | None:
+        """A time.time() stamp as seconds since the run started."""
+        return None if wall is None else round(wall - self.t0_wall, 4)
 
     def emit(self, event: str, **fields) -> dict:
         rec = {"event": event, "t": self.now(), **fields}

@@ -26,6 +26,20 @@ class Route:
     node: str
     inflight: int = 0
     accepting: bool = True
+    busy_s: float = 0.0  # time with at least one request in flight
+    busy_since: float | None = None
+    tokens: int = 0  # rollout tokens produced
+
+    def started(self, now: float) -> None:
+        if self.inflight == 0:
+            self.busy_since = now
+        self.inflight += 1
+
+    def finished(self, now: float) -> None:
+        self.inflight -= 1
+        if self.inflight == 0 and self.busy_since is not None:
+            self.busy_s += now - self.busy_since
+            self.busy_since = None
 
 
 @dataclass
@@ -58,7 +72,8 @@ class LinkBackend:
         tried: set[str] = set()
         while True:
             route = await self._route(tried)
-            route.inflight += 1
+            loop = asyncio.get_running_loop()
+            route.started(loop.time())
             self._where[rid] = route.node
             msg = wire.Generate(req_id=self.link.new_req_id(), rid=rid, prompt_ids=prompt_ids + produced,
                                 max_new_tokens=params.max_new_tokens - len(produced), temperature=params.temperature,
@@ -73,6 +88,7 @@ class LinkBackend:
                             yield _chunk(c, route.node, finished=False)
                         break
                     produced += c.token_ids
+                    route.tokens += len(c.token_ids)
                     yield _chunk(c, route.node)
                     if c.finished:
                         return
@@ -80,7 +96,7 @@ class LinkBackend:
                 log.warning("request %s lost its node: %s; rerouting", rid, e)
                 handed_back = True
             finally:
-                route.inflight -= 1
+                route.finished(loop.time())
                 self._where.pop(rid, None)
             if not handed_back or len(produced) >= params.max_new_tokens:
                 return

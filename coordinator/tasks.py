@@ -166,17 +166,20 @@ def load_tasks(path: str | Path) -> list[Task]:
 # variance within a group from the first step, and the target also appears in the prompt, so
 # copying from the context is a shortcut the policy can find. Two phrasings keep it from
 # keying on a single template.
-DEFAULT_TARGETS = ("hello", "yes", "abc", "ok", "cat", "sun", "hi", "done")
+DEFAULT_TARGET = "hello"
+DEFAULT_PROMPTS = ("Say {w}.", "Reply with: {w}", "Answer with exactly the word {w}.", "Greet me: {w}",
+                   "Write {w} and stop.", "One word, {w}.", "Please answer {w}", "Respond: {w}")
 
 
 def default_tasks() -> list[Task]:
-    """The embedded default task set, scored by similarity of answer.txt to the target."""
-    tasks = []
-    for i, word in enumerate(DEFAULT_TARGETS):
-        prompt = f"Answer with exactly the word {word}." if i % 2 == 0 else f"Reply with: {word}"
-        tasks.append(Task(id=f"say-{word}", prompt=prompt, target=word,
-                          evaluator={"type": "similarity"}, meta={"source": "default"}))
-    return tasks
+    """The embedded default task set, scored by similarity of answer.txt to the target.
+
+    Eight phrasings of one target word: a 1.5 M-parameter random model cannot read a
+    prompt yet, so one target gives it a consistent direction to learn in minutes (the
+    byte-level similarity gives partial credit for each right letter in order)."""
+    return [Task(id=f"say-{DEFAULT_TARGET}-{i}", prompt=p.format(w=DEFAULT_TARGET), target=DEFAULT_TARGET,
+                 evaluator={"type": "similarity"}, meta={"source": "default"})
+            for i, p in enumerate(DEFAULT_PROMPTS)]
 
 
 # ---------------------------------------------------------------------------------------------

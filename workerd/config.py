@@ -23,6 +23,7 @@ class WorkerConfig:
     heartbeat_s: float = 1.0
     welcome_timeout_s: float = 60.0  # registration handshake deadline
     graceful_timeout_s: float = 10.0  # drain on SIGTERM before force exit
+    parent_pid: int | None = None  # exit when this process is gone (workers a coordinator spawned)
     extra: dict = field(default_factory=dict)
 
     @property

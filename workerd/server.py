@@ -119,6 +119,9 @@ class WorkerServer:
         while not (self.should_exit or self.worker.should_exit):
             # 1) Block for input only when nothing is running.
             self._drain_inbox(block=not self.worker.busy)
+            if self.config.parent_pid is not None and os.getppid() != self.config.parent_pid:
+                log.warning("parent %d is gone; shutting down", self.config.parent_pid)
+                break
             if not self.welcomed and time.monotonic() > deadline:
                 raise HandshakeTimeout(f"no Welcome from {self.config.coordinator} within "
                                        f"{self.config.welcome_timeout_s:.0f}s")

@@ -51,14 +51,23 @@ def test_workerd_passes_its_config(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_gyre_up_runs_the_loop(tmp_path):
+@pytest.mark.timeout(400)
+def test_gyre_up_runs_the_embedded_default(tmp_path):
     run = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "gyre.cli", "up", "--steps", "2", "--run-dir", str(run)],
-                       capture_output=True, text=True, timeout=280)
+    r = subprocess.run([sys.executable, "-m", "gyre.cli", "up", "--steps", "3", "--run-dir", str(run), "--no-live"],
+                       capture_output=True, text=True, timeout=380)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "step 3/3" in r.stdout
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [x for x in lines if x["event"] == "step"]
-    assert [s["step"] for s in steps] == [1, 2] and [s["version"] for s in steps] == [1, 2]
-    assert all(0.0 <= s["reward_mean"] <= 1.0 for s in steps)
-    assert [x["version"] for x in lines if x["event"] == "publish"] == [1, 2]
+    assert [s["step"] for s in steps] == [1, 2, 3] and [s["version"] for s in steps] == [1, 2, 3]
+    assert all(0.0 <= s["reward_mean"] <= 1.0 and s["reward_valid_frac"] == 1.0 for s in steps)
+    assert [x["version"] for x in lines if x["event"] == "publish"] == [1, 2, 3]
+    roles = [x for x in lines if x["event"] == "role"]
+    assert roles and {(x["from"], x["to"]) for x in roles} == {("rollout", "training"), ("training", "rollout")}
+    execs = [x for x in lines if x["event"] == "execution"]
+    assert execs and all(x["status"] in ("completed", "timed_out", "harness_error", "placeholder") for x in execs)
+    # Colocate at phi=0, mu=1: every group is consumed by the step right after its dispatch.
+    assert all(s["staleness_mean"] == 0 for s in steps)
+    config = json.loads((run / "config.json").read_text())
+    assert config["policy"] == "colocate" and config["steps"] == 3

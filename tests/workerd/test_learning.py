@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gyre.coordinator.bootstrap import build_micro_step, byte_reward, prompt_ids
+from tests.workerd.helpers import build_micro_step, byte_reward, prompt_ids
 from gyre.workerd.engines.base import SamplingParams
 from gyre.workerd.engines.cpu import CpuEngine
 from gyre.workerd.model import load_model

@@ -14,7 +14,7 @@ import torch
 
 from gyre.coordinator.link import WorkerError, _Pending
 from gyre.coordinator.local import ClusterStartError, LocalCluster
-from gyre.coordinator.bootstrap import build_micro_step
+from tests.workerd.helpers import build_micro_step
 from gyre.workerd import wire
 
 pytestmark = pytest.mark.timeout(180)

@@ -1,0 +1,65 @@
+"""The coordinator end to end on real worker daemons, a real proxy and real harness
+processes: every execution ends in one status, each counted once, and only valid
+outcomes reach training."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from gyre.coordinator.config import CoordinatorConfig
+from gyre.coordinator.main import Coordinator
+
+HERE = Path(__file__).parent
+EVAL = [sys.executable, str(HERE / "_evaluator.py")]
+
+
+def tasks_file(tmp_path: Path) -> Path:
+    tasks = [
+        {"id": "normal", "prompt": "mode:normal say hi", "evaluator": {"type": "command", "argv": EVAL + ["ok"]}},
+        {"id": "sleep", "prompt": "mode:sleep say hi", "timeout_s": 8,
+         "evaluator": {"type": "command", "argv": EVAL + ["ok"]}},
+        {"id": "crash", "prompt": "mode:crash", "evaluator": {"type": "command", "argv": EVAL + ["ok"]}},
+        {"id": "flaky", "prompt": "mode:normal flaky", "evaluator": {"type": "command", "argv": EVAL + ["flaky"]}},
+        {"id": "broken", "prompt": "mode:normal broken", "evaluator": {"type": "command", "argv": EVAL + ["broken"]}},
+    ]
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("\n".join(json.dumps(t) for t in tasks))
+    return path
+
+
+@pytest.mark.timeout(300)
+async def test_statuses_rewards_and_validity(tiny_dir, tmp_path):
+    cfg = CoordinatorConfig(run_dir=tmp_path / "run", model_dir=tiny_dir, steps=1, policy="async", cells=2,
+                            groups_per_step=5, group_size=2, min_valid=1, phi=0, mu=1,
+                            harness=(sys.executable, str(HERE / "_harness.py")), tasks_path=tasks_file(tmp_path),
+                            eval_attempts=3, eval_budget_s=60, seed=1)
+    coord = Coordinator(cfg)
+    reports = await coord.run()
+    assert len(reports) == 1
+    lines = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    execs = [x for x in lines if x["event"] == "execution"]
+    by_task: dict[str, list[dict]] = {}
+    for e in execs:
+        by_task.setdefault(coord.buffer.groups[e["group"]].task.id, []).append(e)
+    # Each launched execution is counted exactly once, whatever its end.
+    assert len({e["id"] for e in execs}) == len(execs) == coord.wl.c.f == coord.wl.c.p
+    for e in by_task["normal"]:
+        assert e["status"] == "completed" and e["valid"] and 0 <= e["reward"] <= 1
+    for e in by_task["sleep"]:  # stopped at the deadline, scored on its preserved answer
+        assert e["status"] == "timed_out" and e["valid"] and e["reward"] is not None
+    for e in by_task["crash"]:  # nothing assessable: a valid zero placeholder
+        assert e["status"] == "placeholder" and e["valid"] and e["reward"] == 0.0
+    for e in by_task["flaky"]:  # failed twice against the same state, then scored
+        assert e["status"] == "completed" and e["valid"] and e["eval_attempts"] == 3
+    for e in by_task["broken"]:  # never a zero: invalid, excluded
+        assert e["status"] == "evaluator_error" and not e["valid"] and e["reward"] is None
+    (step,) = [x for x in lines if x["event"] == "step"]
+    broken_groups = {e["group"] for e in by_task["broken"]}
+    assert not broken_groups & set(step["group_ids"])  # invalid outcomes never reach training
+    assert step["version"] == 1 and step["staleness_mean"] == 0 and step["groups"] == 5
+    assert {x["version"] for x in lines if x["event"] == "publish"} == {1}
+    assert json.loads((cfg.run_dir / "config.json").read_text())["policy"] == "async"
