@@ -7,8 +7,9 @@ from the same run: the same engine through `ThreadEngineBackend.generate` with t
 already built (no HTTP, no rendering), and a null aiohttp endpoint that only reads the same
 bodies (the transport floor). The client runs in its own process, so the server process's
 CPU per request (process_time between consecutive records: event loop + engine thread) is
-the proxy's once the direct call's CPU is subtracted. Part 1b: prepare() after many
-identical replies. Part 2 drives a synthetic 600-call execution (tool turns, two compactions,
+the proxy's once the direct call's CPU is subtracted; prepare() and complete() are timed in
+thread CPU, and garbage-collector pauses are logged. Part 1b: prepare() after many identical
+replies. Part 2 drives a synthetic 600-call execution (tool turns, two compactions,
 five sub-agents) through Execution.prepare/complete and reports storage and admission.
 Not a test. Run:
     python bench/proxy.py [--quick] [--verbose] [--json PATH]

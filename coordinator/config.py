@@ -11,7 +11,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-POLICIES = ("colocate", "async")
+POLICIES = ("elastic", "colocate", "async")
 
 
 def demo_harness_argv() -> tuple[str, ...]:

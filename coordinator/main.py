@@ -25,7 +25,7 @@ from gyre.coordinator.config import CoordinatorConfig
 from gyre.coordinator.launcher import LaunchSpec, Launcher
 from gyre.coordinator.local import LocalCluster
 from gyre.coordinator.metrics import Metrics
-from gyre.coordinator.packing import group_rows, pack
+from gyre.coordinator.training import Batch, push_core_weights
 from gyre.coordinator.policies import POLICIES, Snapshot
 from gyre.coordinator.routing import LinkBackend, RoutingTable
 from gyre.coordinator.tasks import TaskSource, default_tasks, load_tasks
@@ -63,7 +63,7 @@ class Coordinator:
         self.buffer = TrajectoryBuffer(config.min_valid)
         self.queue: deque[Run] = deque()
         self.runs: dict[str, asyncio.Task] = {}
-        self.roles = ["rollout"] * config.cells if config.policy == "colocate" else [
+        self.roles = ["rollout"] * config.cells if config.policy != "async" else [
             "training" if c < config.async_training_cells else "rollout" for c in range(config.cells)]
         self.version = 0  # published policy version
         self.trainer_version = 0
@@ -72,6 +72,8 @@ class Coordinator:
         self.publications = 0
         self.groups_dispatched = 0
         self.step_task: asyncio.Task | None = None
+        self.batch: Batch | None = None
+        self._core_cache: tuple | None = None  # (trainer version, bytes, frames) of the core's weights
         self.side_task: asyncio.Task | None = None  # a transition or a publication
         self.changed = asyncio.Event()  # a run closed (the streaming packer waits on it)
         self.status_counts: dict[str, int] = {}
@@ -190,10 +192,14 @@ class Coordinator:
 
     def snapshot(self) -> Snapshot:
         c = self.wl.c
+        batch = self.batch if not self._idle(self.step_task) else None
         return Snapshot(roles=tuple(self.roles), queued=c.queued, running=c.running,
                         ready_groups=len(self.buffer.ready()), groups_per_step=self.c.groups_per_step,
-                        mu=self.c.mu, steps_in_burst=self.steps_in_burst, step_in_flight=not self._idle(self.step_task),
-                        async_training_cells=self.c.async_training_cells)
+                        mu=self.c.mu, steps_in_burst=self.steps_in_burst, step_in_flight=batch is not None,
+                        async_training_cells=self.c.async_training_cells,
+                        capacity=(self.c.exec_slots_per_cell,) * self.c.cells, standalone=0,
+                        window_open=batch.window_open if batch else False,
+                        unclaimed=batch.unclaimed if batch else 0)
 
     # 1) launch
     def _launch(self) -> None:
@@ -257,24 +263,43 @@ class Coordinator:
         if not self._idle(self.side_task):
             return
         want = list(self.policy(self.snapshot()))
-        if want != self.roles and self._idle(self.step_task):
+        if want == self.roles:
+            return
+        if self._idle(self.step_task):
             self.side_task = asyncio.create_task(self._transition(want), name="gyre-transition")
+            return
+        # A batch is in flight: only satellites joining it (rollout -> training) move now.
+        joins = [c for c, (old, new) in enumerate(zip(self.roles, want)) if old == "rollout" and new == "training"]
+        if joins:
+            self.side_task = asyncio.create_task(self._join(joins), name="gyre-join")
+
+    async def _set_role(self, cell: int, new: str) -> None:
+        old, node = self.roles[cell], self.nodes[cell]
+        t0 = time.monotonic()
+        if new == "training":
+            self.table.routes[node].accepting = False  # no new requests; running ones are handed back
+        reply, _ = await self.link.call(node, wire.SetRole(req_id=self.link.new_req_id(), role=new))
+        if new == "rollout":
+            self.table.set_nodes([n for n, r in zip(self.nodes, self.roles) if r == "rollout"] + [node])
+            self.table.routes[node].accepting = True
+        self.roles[cell] = new
+        self.metrics.emit("role", cell=cell, **{"from": old, "to": new}, seconds=round(time.monotonic() - t0, 4),
+                          worker_seconds=round(reply.seconds, 4))
 
     async def _transition(self, want: list[str]) -> None:
         for cell, (old, new) in enumerate(zip(self.roles, want)):
-            if old == new:
-                continue
-            node = self.nodes[cell]
+            if old != new:
+                await self._set_role(cell, new)
+
+    async def _join(self, cells: list[int]) -> None:
+        """Satellites join the batch in flight: switch, pull the core's (fixed) weights, claim."""
+        for cell in cells:
+            await self._set_role(cell, "training")
             t0 = time.monotonic()
-            if new == "training":
-                self.table.routes[node].accepting = False  # no new requests; running ones are handed back
-            reply, _ = await self.link.call(node, wire.SetRole(req_id=self.link.new_req_id(), role=new))
-            if new == "rollout":
-                self.table.set_nodes([n for n, r in zip(self.nodes, self.roles) if r == "rollout"] + [node])
-                self.table.routes[node].accepting = True
-            self.roles[cell] = new
-            self.metrics.emit("role", cell=cell, **{"from": old, "to": new}, seconds=round(time.monotonic() - t0, 4),
-                              worker_seconds=round(reply.seconds, 4))
+            nbytes = await push_core_weights(self, [cell], engine=False, version=self.trainer_version)
+            joined = await self.batch.join(cell)
+            self.metrics.emit("join", cell=cell, joined=joined, seconds=round(time.monotonic() - t0, 4),
+                              bytes=nbytes, step=self.steps_done + 1)
 
     # 3) training
     def _train(self) -> None:
@@ -294,45 +319,17 @@ class Coordinator:
         t0 = time.monotonic()
         if cells != list(range(len(cells))):
             raise RuntimeError(f"training cells {cells} are not a prefix 0..k-1 (prefix groups)")
-        nodes = [self.nodes[i] for i in cells]
-        await asyncio.gather(*(self._call(n, "set_participants", participants=len(nodes)) for n in nodes))
-        queue: asyncio.Queue = asyncio.Queue()
-        results: list[wire.TrainResult] = []
-
-        async def worker(cell: int, node: str) -> None:  # cells claim micro-steps as they free up
-            while (ms := await queue.get()) is not None:
-                res, _ = await self.link.call(node, wire.TrainMicroStep(req_id=self.link.new_req_id(),
-                                                                       step=self.steps_done), ms.frames())
-                results.append(res)
-                self.train_busy_s[cell] = self.train_busy_s.get(cell, 0.0) + res.seconds
-
-        workers = [asyncio.create_task(worker(c, n)) for c, n in zip(cells, nodes)]
-        groups: list[Group] = []
-        exec_index = executions = 0
-        while len(groups) < self.c.groups_per_step:  # streaming: pack groups as they become ready
-            group = self.buffer.take()
-            if group is None:
-                self.changed.clear()
-                await self.changed.wait()
-                continue
-            rows, exec_index, counted = group_rows(group, j_max=self.c.j_max, seed=self.c.seed + group.id,
-                                                   next_exec=exec_index)
-            executions += counted
-            for ms in pack(rows, self.c.micro_step_tokens):
-                queue.put_nowait(ms)
-            groups.append(group)
-        for _ in workers:
-            queue.put_nowait(None)
-        await asyncio.gather(*workers)
-        replies = await asyncio.gather(*(self.link.call(n, wire.OptimizerStep(
-            req_id=self.link.new_req_id(), num_executions=max(1, executions))) for n in nodes))
-        for c, (r, _) in zip(cells, replies):
-            self.train_busy_s[c] = self.train_busy_s.get(c, 0.0) + r.seconds
+        self.batch = Batch(self, cells)
+        res = await self.batch.run()
         version_before = self.trainer_version
-        self.trainer_version = replies[0][0].version
+        self.trainer_version = res.version
         self.steps_done += 1
         self.steps_in_burst += 1
-        self._report(groups, executions, results, version_before, len(nodes), time.monotonic() - t0)
+        satellites = [c for c in res.participants if c != 0]
+        if satellites and self.steps_in_burst < self.c.mu:  # they train the next step of the burst too
+            await push_core_weights(self, satellites, engine=False, version=res.version)
+        self._report(res.groups, res.executions, res.results, version_before, len(res.participants),
+                     time.monotonic() - t0)
 
     def _report(self, groups, executions, results, version_before, n_cells, seconds) -> None:
         runs = [r for g in groups for r in g.runs if r.status != "cancelled"]
@@ -359,17 +356,13 @@ class Coordinator:
             self.side_task = asyncio.create_task(self._publish(), name="gyre-publish")
 
     async def _publish(self) -> None:
-        """Core's weights to every engine: cells that trained copy their own trainer (same
-        weights after the all-reduced update); the others receive the core's export."""
+        """The core's weights to every engine: its own engine copies its trainer; the other
+        cells get the core's export (engines and trainers, so a later join starts level)."""
         t0 = time.monotonic()
         version = self.trainer_version
-        trained = [i for i, r in enumerate(self.roles) if r == "training"]
-        frames, nbytes = None, 0
-        if len(trained) < len(self.nodes):
-            w, frames = await self.link.call(self.nodes[0], wire.ExportWeights(req_id=self.link.new_req_id()))
-            nbytes = w.nbytes
-        await asyncio.gather(*(self.link.call(n, wire.LoadWeights(req_id=self.link.new_req_id(), version=version),
-                                              None if i in trained else frames) for i, n in enumerate(self.nodes)))
+        core = self.nodes[0]
+        await self.link.call(core, wire.LoadWeights(req_id=self.link.new_req_id(), version=version))
+        nbytes = await push_core_weights(self, list(range(1, len(self.nodes))), engine=True, version=version)
         self.version = version
         self.steps_in_burst = 0
         self.publications += 1

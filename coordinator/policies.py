@@ -1,9 +1,10 @@
 """policies.py: placement policies, pure functions from a state snapshot to cell roles.
 
-A policy sees the cells and their roles, the counters, the ready groups and where the
+A policy sees the cells and their roles, the counters, the training supply and where the
 current burst stands, and returns the role every cell should hold now. It owns no state
-and does no I/O, so the same code drives real runs and simulations. `elastic` comes with
-its own issue and slots in here.
+and does no I/O, so the same code drives real runs (coordinator/main.py) and
+simulations (`gyre sim`). Training cells always form a prefix 0..k-1 (cell 0 is the core),
+which is what the prebuilt prefix process groups need.
 """
 
 from __future__ import annotations
@@ -17,16 +18,28 @@ class Snapshot:
     roles: tuple[str, ...]  # per cell: "rollout" | "training"
     queued: int  # executions dispatched, not launched
     running: int  # executions launched, not closed
-    ready_groups: int
+    ready_groups: int  # ready groups not yet taken by a batch
     groups_per_step: int  # B
     mu: int
-    steps_in_burst: int  # optimizer steps done in the current burst
+    steps_in_burst: int  # optimizer steps done since the last publication
     step_in_flight: bool
     async_training_cells: int = 1
+    capacity: tuple[int, ...] = ()  # per cell: concurrent executions it serves in rollout
+    standalone: int = 0  # executions a never-training rollout pool serves
+    window_open: bool = False  # the batch in flight still takes new participants
+    unclaimed: int = 0  # micro-steps of the batch in flight not yet claimed by a cell
 
     @property
     def cells(self) -> int:
         return len(self.roles)
+
+    @property
+    def waterlevel(self) -> int:
+        return self.queued + self.running
+
+    def rollout_capacity(self, roles: tuple[str, ...] | list[str]) -> int:
+        caps = self.capacity or (0,) * self.cells
+        return self.standalone + sum(c for c, r in zip(caps, roles) if r == "rollout")
 
 
 Policy = Callable[[Snapshot], tuple[str, ...]]
@@ -53,4 +66,45 @@ def colocate_policy(s: Snapshot) -> tuple[str, ...]:
     return ("rollout",) * s.cells
 
 
-POLICIES: dict[str, Policy] = {"async": async_policy, "colocate": colocate_policy}
+def elastic_policy(s: Snapshot) -> tuple[str, ...]:
+    """Cells move to training one by one as the waterlevel allows, in fixed order.
+
+    - The core (cell 0) enters training when there is training supply and the remaining
+      rollout capacity (other rollout cells + standalone pool) covers the waterlevel.
+    - Satellites (1, 2, ...) join the batch in flight, in order, under the same two checks,
+      while its joining window is open.
+    - At burst end (mu steps done) the satellites return to rollout; the core stays to
+      publish, then starts the next burst only if supply and capacity still allow.
+    - Between steps of a burst the core (and its satellites) return to rollout when supply
+      or the capacity check fails.
+    """
+    roles = list(s.roles)
+    n = s.cells
+    supply = s.ready_groups > 0 or s.unclaimed > 0
+
+    def fits_without(cell: int) -> bool:
+        trial = list(roles)
+        trial[cell] = "training"
+        return s.rollout_capacity(trial) >= s.waterlevel
+
+    if roles[0] == "rollout":
+        if s.ready_groups > 0 and fits_without(0):
+            roles[0] = "training"  # the satellites may follow once its batch is in flight
+        return tuple(roles)
+    if not s.step_in_flight:
+        if s.steps_in_burst >= s.mu:  # burst end: satellites back; the core publishes
+            return ("training",) + ("rollout",) * (n - 1)
+        if not (s.ready_groups > 0 and s.rollout_capacity(roles) >= s.waterlevel):
+            return ("rollout",) * n  # between steps (or after publishing): no supply or no room
+        return tuple(roles)
+    # A batch is in flight: satellites join in order while the window is open.
+    for cell in range(1, n):
+        if roles[cell] == "training":
+            continue
+        if not (s.window_open and supply and fits_without(cell)):
+            break
+        roles[cell] = "training"
+    return tuple(roles)
+
+
+POLICIES: dict[str, Policy] = {"elastic": elastic_policy, "async": async_policy, "colocate": colocate_policy}

@@ -150,6 +150,7 @@ class OptimizerStep:
     req_id: int
     num_executions: int
     group: str | None = None
+    apply: bool = True  # False on satellites: take part in the reduction, leave the update to the core
 
 
 @_msg
@@ -161,11 +162,13 @@ class ExportWeights:
 
 @_msg
 class LoadWeights:
-    """Load named tensors (frames) into the rollout engine (and the trainer if `trainer`)."""
+    """Load named tensors (frames) into the rollout engine (if `engine`) and the trainer
+    (if `trainer`). With no frames, the engine copies this node's own trainer."""
 
     req_id: int
     version: int
     trainer: bool = False
+    engine: bool = True
 
 
 @_msg

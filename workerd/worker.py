@@ -188,7 +188,7 @@ class Worker:
     def optimizer_step(self, msg: wire.OptimizerStep, _) -> list[Out]:
         trainer = self._need_trainer(training=True)
         t0 = time.perf_counter()
-        norm = trainer.optimizer_step(msg.num_executions, reducer=self.reducer)
+        norm = trainer.optimizer_step(msg.num_executions, reducer=self.reducer, apply=msg.apply)
         return [(wire.StepResult(req_id=msg.req_id, version=trainer.version, grad_norm=norm,
                                  seconds=time.perf_counter() - t0), None)]
 
@@ -205,7 +205,9 @@ class Worker:
             named = from_frames(tensors)
         else:
             named = self._need_trainer().export_weights()
-        nbytes = self.engine.load_weights(named.items(), msg.version)
+        nbytes = sum(t.numel() * t.element_size() for t in named.values())
+        if msg.engine:
+            self.engine.load_weights(named.items(), msg.version)
         if msg.trainer and tensors:
             self._need_trainer().load_weights(named.items(), msg.version)
         return [(wire.Loaded(req_id=msg.req_id, version=msg.version,

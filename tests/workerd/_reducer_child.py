@@ -19,8 +19,9 @@ if rank < participants:
     rows = torch.load(batch_path)
     mine = {k: v[rank::participants] for k, v in rows.items()}  # this cell's micro-step
     trainer.train_micro_step(MicroBatch.from_tensors(mine))
-    trainer.optimizer_step(num_executions=int(rows["exec_ids"].max()) + 1, reducer=reducer)
-    torch.save(trainer.export_weights(), out)
+    # The core applies the update; satellites only take part in the reduction.
+    trainer.optimizer_step(num_executions=int(rows["exec_ids"].max()) + 1, reducer=reducer, apply=rank == 0)
+    torch.save({"weights": trainer.export_weights(), "version": trainer.version}, out)
 else:
     # A cell outside the prefix group takes no part; the group of the others must not need it.
     json.dump({"idle": True}, open(out, "w"))

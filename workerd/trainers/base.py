@@ -66,8 +66,9 @@ class Trainer(Protocol):
 
     def train_micro_step(self, batch: MicroBatch) -> MicroStepStats: ...
 
-    def optimizer_step(self, num_executions: int, reducer=None) -> float:
-        """Reduce, normalise, clip, update; returns the pre-clip gradient norm."""
+    def optimizer_step(self, num_executions: int, reducer=None, apply: bool = True) -> float:
+        """Reduce, normalise, clip, update (unless `apply` is False: a satellite); returns
+        the pre-clip gradient norm."""
 
     def export_weights(self) -> dict[str, torch.Tensor]: ...
 

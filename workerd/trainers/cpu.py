@@ -44,7 +44,9 @@ class CpuTrainer:
         with torch.no_grad():
             return token_logprobs(self.model(input_ids), input_ids)
 
-    def optimizer_step(self, num_executions: int, reducer=None) -> float:
+    def optimizer_step(self, num_executions: int, reducer=None, apply: bool = True) -> float:
+        """Reduce, normalise, clip; then update (the core) or only drop the gradients (a
+        satellite, whose parameters the core sends after its update)."""
         if num_executions < 1:
             raise ValueError(f"num_executions must be >= 1, got {num_executions}")
         params = [p for p in self.model.parameters()]
@@ -56,10 +58,11 @@ class CpuTrainer:
         for p in params:
             p.grad.div_(num_executions)
         norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
-        self.optimizer.step()
+        if apply:
+            self.optimizer.step()
+            self.version += 1
         self.optimizer.zero_grad(set_to_none=True)
         self.micro_steps = 0
-        self.version += 1
         return float(norm)
 
     def export_weights(self) -> dict[str, torch.Tensor]:

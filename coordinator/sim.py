@@ -1,0 +1,565 @@
+"""sim.py: a discrete-event simulator of the coordinator's scheduling on a virtual clock.
+
+It drives the real placement policies (`policies.POLICIES`) with a `Snapshot` after every
+event and models only what they decide over: boundary dispatch, executions on rollout
+capacity, group readiness, streaming training with dynamic membership, role switches
+and publications. Not the coordinator: no I/O, no asyncio, no torch; times are hours.
+
+Model choices (the ones that move the numbers):
+- Rollout degrades with load. The proxy balances calls, so every serving cell carries the
+  same load = running / serving slots (standalone pool included); an execution progresses
+  at rate (1 + alpha) / (1 + alpha * load), alpha = `load_alpha` (0.3). Sampled durations
+  are the durations on a full cell (load 1, the paper's operating point): a half-empty
+  pool runs them up to 1.3x faster, and packing executions onto fewer cells slows them
+  back down. Per-cell throughput still grows with load, so full cells are the efficient
+  ones. If running ever exceeds the serving slots (a cell switching back is not serving
+  yet) the surplus runs slower (load > 1); with no serving slot at all executions pause.
+  Queued executions wait for a free slot: launches never exceed the serving slots.
+- The harness deadline is wall clock: an execution ends at min(work done, launch + timeout).
+- A cell leaving rollout stops serving at once; its executions continue on the others.
+  A switching cell ("switching" in the timeline) neither serves nor trains.
+- Training work of one step is `train_h_all * cells` cell-hours, split evenly over the B
+  groups and into `micro_steps_per_group` micro-steps per group; cells claim micro-steps
+  as they free up, so k cells finish a step in `train_h_all * cells / k` hours.
+- A publication takes `publish_s` (30 s: the core broadcasts over RDMA; rollout engines
+  keep serving and swap weights between calls); the next burst's dispatch follows it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import json
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+from gyre.coordinator.policies import POLICIES, Snapshot
+from gyre.coordinator.waterlevel import ExecState, Waterlevel
+from gyre.workerd.wire import GyreError
+
+ROLLOUT, TRAINING, SWITCHING = "rollout", "training", "switching"
+Trace = Callable[[float, Snapshot, tuple[str, ...]], None]
+_EPS_H = 1e-7  # work-hours tolerance of the shared progress clock (0.4 ms)
+
+
+class SimError(GyreError):
+    """The simulated run cannot go on: the policy broke the prefix rule or stalled the run."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One cluster and task mix. Durations: per query a scale lognormal(0, query_sigma),
+    times `hard_mult` for a `hard_frac` of queries (tasks the agent rarely finishes: the
+    timeouts bunch there); per execution exec_median_h * scale * lognormal(0, exec_sigma).
+    `empirical_groups_h` (from a real run) replaces the model: a recorded group is drawn
+    and its durations resampled (inf = timed out)."""
+
+    name: str
+    cells: int
+    cell_nodes: int
+    group_size: int  # N
+    groups_per_step: int  # B
+    exec_slots_per_cell: int
+    timeout_h: float
+    train_h_all: float  # hours of one step when every cell trains
+    switch_to_train_s: float = 8.52
+    switch_to_rollout_s: float = 3.46
+    publish_s: float = 30.0
+    micro_steps_per_group: int = 4
+    load_alpha: float = 0.3
+    exec_median_h: float = 1.0
+    query_sigma: float = 0.0
+    exec_sigma: float = 0.5
+    hard_frac: float = 0.0
+    hard_mult: float = 1.0
+    empirical_groups_h: tuple[tuple[float, ...], ...] = ()
+    train_h_by_cells: tuple[tuple[int, float], ...] = ()  # measured (cells, step hours), reference only
+
+
+PRESETS: dict[str, Workload] = {
+    # Paper's NL2Repo run: 32 nodes, 4 h harness deadline. Calibrated by a numeric search
+    # to mean 1.93 h/execution, 2.96 h/query (group max), 9.51% queries at the cap, 6.25%
+    # executions timed out (see test_sim.py for the sampled figures).
+    "nl2repo": Workload(name="nl2repo", cells=8, cell_nodes=4, group_size=16, groups_per_step=32,
+                        exec_slots_per_cell=144, timeout_h=4.0, train_h_all=0.4, micro_steps_per_group=4,
+                        exec_median_h=1.70, query_sigma=0.10, exec_sigma=0.29, hard_frac=0.06, hard_mult=4.45),
+    # SWE-style repair (DeepSWE-like): ~0.5 h mean, 2 h deadline, N=16 (768 executions a
+    # step); a step of long multi-turn contexts is 0.25 h on all 24 nodes (1.5 cell-hours,
+    # close to the 2 cell-hours its rollouts take: training-heavy like NL2Repo).
+    "deepswe": Workload(name="deepswe", cells=6, cell_nodes=4, group_size=16, groups_per_step=48,
+                        exec_slots_per_cell=192, timeout_h=2.0, train_h_all=0.25, micro_steps_per_group=4,
+                        exec_median_h=0.40, query_sigma=0.35, exec_sigma=0.45, hard_frac=0.04, hard_mult=3.0),
+    # Terminal tasks: ~0.35 h mean, 1 h deadline, N=8 (384 executions a step); shorter
+    # contexts: 0.12 h a step on all 24 nodes.
+    "terminalbench": Workload(name="terminalbench", cells=6, cell_nodes=4, group_size=8, groups_per_step=48,
+                              exec_slots_per_cell=192, timeout_h=1.0, train_h_all=0.12, micro_steps_per_group=2,
+                              exec_median_h=0.28, query_sigma=0.4, exec_sigma=0.4, hard_frac=0.05, hard_mult=3.0),
+}
+
+
+def sample_query(w: Workload, rng: random.Random) -> list[float]:
+    """Work hours (at load 1) of one query's N executions; >= timeout_h means a timeout."""
+    if w.empirical_groups_h:
+        g = rng.choice(w.empirical_groups_h)
+        return [rng.choice(g) for _ in range(w.group_size)]
+    scale = w.exec_median_h * math.exp(rng.gauss(0.0, w.query_sigma))
+    if rng.random() < w.hard_frac:
+        scale *= w.hard_mult
+    return [scale * math.exp(rng.gauss(0.0, w.exec_sigma)) for _ in range(w.group_size)]
+
+
+def duration_stats(w: Workload, *, queries: int, seed: int) -> dict[str, float]:
+    """The four statistics the presets are calibrated to, at load 1."""
+    rng = random.Random(seed)
+    execs = [sample_query(w, rng) for _ in range(queries)]
+    capped = [[min(x, w.timeout_h) for x in q] for q in execs]
+    n = queries * w.group_size
+    return {"mean_exec_h": sum(map(sum, capped)) / n,
+            "mean_query_h": sum(map(max, capped)) / queries,
+            "query_cap_frac": sum(max(q) >= w.timeout_h for q in execs) / queries,
+            "exec_timeout_frac": sum(x >= w.timeout_h for q in execs for x in q) / n}
+
+
+def dispatch_target(phi: float, mu: int, groups_per_step: int, publications: int) -> int:
+    """Cumulative groups dispatched after `publications` publications: the same formula as
+    CoordinatorConfig.dispatch_target (publications=0 is the initial fill)."""
+    return math.floor((phi + mu * (1 + publications)) * groups_per_step + 1e-9)
+
+
+@dataclass
+class SimResult:
+    hours: float  # virtual wall time until the last optimizer update
+    steps: int
+    staleness_mean: float
+    per_cell_training_share: list[float]
+    role_timeline: list[tuple[float, int, str]]  # (t_hours, cell, rollout|training|switching)
+    switches: int
+    mean_waterlevel: float
+    policy: str = ""
+    phi: float = 0.0
+    mu: int = 1
+    async_training_cells: int | None = None
+    step_hours: list[float] = field(default_factory=list)  # time of each optimizer update
+
+    @property
+    def cells(self) -> int:
+        return 1 + max(c for _, c, _ in self.role_timeline)
+
+
+class _Sim:
+    """One run: an event heap of (t, seq, kind, arg) and the coordinator's state."""
+
+    def __init__(self, w: Workload, policy: str, phi: float, mu: int, seed: int, standalone: int,
+                 async_cells: int | None, trace: Trace | None = None):
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        if policy == "async" and not (async_cells is not None and 1 <= async_cells < w.cells):
+            raise ValueError(f"async needs 1 <= async_training_cells < {w.cells}, got {async_cells}")
+        self.w, self.policy_name, self.policy, self.phi, self.mu = w, policy, POLICIES[policy], phi, mu
+        self.async_cells, self.standalone, self.rng = async_cells, standalone, random.Random(seed)
+        self.trace = trace
+        self.t = 0.0
+        self.heap: list = []
+        self.seq = itertools.count()
+        self.wl = Waterlevel()
+        self.tracked: list = []  # per execution: its Tracked (counters), group, work, vdone
+        self.exec_group: list[int] = []
+        self.queue: deque[int] = deque()
+        self.vclock, self.rate, self.vheap, self.next_due = 0.0, 0.0, [], -1.0
+        self.group_version: list[int] = []
+        self.group_left: list[int] = []
+        self.ready: list[tuple[int, int]] = []  # heap of (version at dispatch, group id)
+        n = w.cells
+        start = ([TRAINING if c < async_cells else ROLLOUT for c in range(n)] if policy == "async"
+                 else [ROLLOUT] * n)
+        self.roles, self.phase, self.busy = list(start), list(start), [False] * n
+        self.timeline = [(0.0, c, r) for c, r in enumerate(start)]
+        self.switches = 0
+        self.version = self.trainer_version = self.steps_done = self.steps_in_burst = self.publications = 0
+        self.step_in_flight = self.publishing = False
+        self.taken = self.unclaimed = self.outstanding = self.v_before = 0
+        self.staleness: list[int] = []
+        self.step_hours: list[float] = []
+        self.wl_area = 0.0
+        self.ms_h = w.train_h_all * w.cells / (w.groups_per_step * w.micro_steps_per_group)
+
+    # --- clock, events ----------------------------------------------------------------
+
+    def push(self, t: float, kind: str, arg: int = 0) -> None:
+        heapq.heappush(self.heap, (t, next(self.seq), kind, arg))
+
+    def advance(self, t: float) -> None:
+        dt = t - self.t
+        self.wl_area += self.wl.c.waterlevel * dt
+        self.vclock += self.rate * dt
+        self.t = t
+
+    def run(self, steps: int) -> None:
+        handlers = {"exec": self.on_exec_due, "deadline": self.on_deadline, "micro": self.on_micro_done,
+                    "switched": self.on_switched, "published": self.on_published}
+        self.dispatch(dispatch_target(self.phi, self.mu, self.w.groups_per_step, 0))
+        self.reconcile(steps)
+        while self.steps_done < steps:
+            if not self.heap:
+                raise SimError(f"stalled at t={self.t:.3f} h after {self.steps_done} steps: {self.snapshot()}")
+            t, _, kind, arg = heapq.heappop(self.heap)
+            self.advance(t)
+            handlers[kind](arg)
+            self.reconcile(steps)
+            if self.trace is not None:
+                self.trace(self.t, self.snapshot(), tuple(self.phase))
+
+    # --- executions -------------------------------------------------------------------
+
+    def dispatch(self, groups: int) -> None:
+        for _ in range(groups):
+            gid = len(self.group_version)
+            self.group_version.append(self.version)
+            self.group_left.append(self.w.group_size)
+            for work in sample_query(self.w, self.rng):
+                eid = len(self.tracked)
+                self.tracked.append((self.wl.dispatch(1)[0], work))
+                self.exec_group.append(gid)
+                self.queue.append(eid)
+
+    def serving_slots(self) -> int:
+        return self.standalone + sum(self.w.exec_slots_per_cell for p in self.phase if p == ROLLOUT)
+
+    def launch(self) -> None:
+        slots = self.serving_slots()
+        while self.queue and self.wl.c.running < slots:
+            eid = self.queue.popleft()
+            tracked, work = self.tracked[eid]
+            self.wl.launch(tracked)
+            if math.isfinite(work):
+                heapq.heappush(self.vheap, (self.vclock + work, eid))
+            self.push(self.t + self.w.timeout_h, "deadline", eid)
+
+    def finish(self, eid: int) -> None:
+        self.wl.terminate(self.tracked[eid][0])
+        g = self.exec_group[eid]
+        self.group_left[g] -= 1
+        if self.group_left[g] == 0:
+            heapq.heappush(self.ready, (self.group_version[g], g))
+
+    def running(self, eid: int) -> bool:
+        return self.tracked[eid][0].state is ExecState.RUNNING
+
+    def on_exec_due(self, _: int) -> None:
+        while self.vheap and self.vheap[0][0] <= self.vclock + _EPS_H:
+            _, eid = heapq.heappop(self.vheap)
+            if self.running(eid):
+                self.finish(eid)
+
+    def on_deadline(self, eid: int) -> None:
+        if self.running(eid):
+            self.finish(eid)  # timed out; its entry in vheap is skipped later
+
+    def reschedule_completion(self) -> None:
+        """All running executions share one rate, so one event for the earliest finisher."""
+        slots = self.serving_slots()
+        load = self.wl.c.running / slots if slots else 0.0
+        self.rate = (1 + self.w.load_alpha) / (1 + self.w.load_alpha * load) if slots else 0.0
+        while self.vheap and not self.running(self.vheap[0][1]):
+            heapq.heappop(self.vheap)
+        if not self.vheap or self.rate == 0.0:
+            return
+        due = self.t + max(0.0, self.vheap[0][0] - self.vclock) / self.rate
+        if due != self.next_due:  # an event made stale by a rate change finds nothing due
+            self.next_due = due
+            self.push(due, "exec")
+
+    # --- training ---------------------------------------------------------------------
+
+    def maybe_start_step(self, steps: int) -> None:
+        need = self.w.groups_per_step if self.policy_name == "colocate" else 1
+        if (self.step_in_flight or self.publishing or self.steps_done >= steps or self.steps_in_burst >= self.mu
+                or TRAINING not in self.phase or len(self.ready) < need):
+            return
+        self.step_in_flight, self.taken, self.v_before = True, 0, self.trainer_version
+
+    def take_and_claim(self) -> None:
+        """Streaming: take ready groups (oldest version first) up to B, then idle training
+        cells claim micro-steps in cell order."""
+        if not self.step_in_flight:
+            return
+        while self.taken < self.w.groups_per_step and self.ready:
+            version, _ = heapq.heappop(self.ready)
+            self.staleness.append(self.v_before - version)
+            self.taken += 1
+            self.unclaimed += self.w.micro_steps_per_group
+        for c in range(self.w.cells):
+            if self.unclaimed and self.phase[c] == TRAINING and not self.busy[c]:
+                self.unclaimed -= 1
+                self.outstanding += 1
+                self.busy[c] = True
+                self.push(self.t + self.ms_h, "micro", c)
+
+    def on_micro_done(self, cell: int) -> None:
+        self.busy[cell] = False
+        self.outstanding -= 1
+        if self.taken == self.w.groups_per_step and not self.unclaimed and not self.outstanding:
+            # The optimizer update (negligible time) closes the step.
+            self.step_in_flight = False
+            self.trainer_version += 1
+            self.steps_done += 1
+            self.steps_in_burst += 1
+            self.step_hours.append(self.t)
+
+    def maybe_publish(self) -> None:
+        if self.steps_in_burst >= self.mu and not (self.step_in_flight or self.publishing):
+            self.publishing, self.busy[0] = True, True
+            self.push(self.t + self.w.publish_s / 3600, "published")
+
+    def on_published(self, _: int) -> None:
+        self.publishing, self.busy[0] = False, False
+        self.version, self.steps_in_burst = self.trainer_version, 0
+        self.publications += 1
+        p, w = self.publications, self.w
+        self.dispatch(dispatch_target(self.phi, self.mu, w.groups_per_step, p)
+                      - dispatch_target(self.phi, self.mu, w.groups_per_step, p - 1))
+
+    # --- placement --------------------------------------------------------------------
+
+    def snapshot(self) -> Snapshot:
+        c, w = self.wl.c, self.w
+        return Snapshot(roles=tuple(self.roles), queued=c.queued, running=c.running, ready_groups=len(self.ready),
+                        groups_per_step=w.groups_per_step, mu=self.mu, steps_in_burst=self.steps_in_burst,
+                        step_in_flight=self.step_in_flight, async_training_cells=self.async_cells or 1,
+                        capacity=(w.exec_slots_per_cell,) * w.cells, standalone=self.standalone,
+                        window_open=self.step_in_flight and (self.taken < w.groups_per_step or self.unclaimed > 0),
+                        unclaimed=self.unclaimed)
+
+    def place(self) -> None:
+        """Ask the policy; a cell mid-switch or mid-micro-step (or publishing) keeps its role
+        until it is free, and the policy is asked again after that event."""
+        want = self.policy(self.snapshot())
+        k = sum(r == TRAINING for r in want)
+        if any(r != TRAINING for r in want[:k]):
+            raise SimError(f"policy {self.policy_name} broke the prefix rule: {want} from {self.snapshot()}")
+        for c, role in enumerate(want):
+            if role == self.roles[c] or self.phase[c] == SWITCHING or self.busy[c]:
+                continue
+            self.roles[c], self.phase[c] = role, SWITCHING
+            self.switches += 1
+            self.timeline.append((self.t, c, SWITCHING))
+            secs = self.w.switch_to_train_s if role == TRAINING else self.w.switch_to_rollout_s
+            self.push(self.t + secs / 3600, "switched", c)
+
+    def on_switched(self, cell: int) -> None:
+        self.phase[cell] = self.roles[cell]
+        self.timeline.append((self.t, cell, self.roles[cell]))
+
+    def reconcile(self, steps: int) -> None:
+        """The coordinator's tick, after every event: launch, publish, place, train, place.
+        The policy is asked before a step starts, so that after a publication the core
+        starts the next burst only if supply and capacity still allow (DESIGN), and again
+        after, so satellites can join the batch just started."""
+        if self.steps_done >= steps:
+            return
+        self.launch()
+        self.maybe_publish()
+        self.place()
+        self.maybe_start_step(steps)
+        self.take_and_claim()
+        self.place()
+        self.reschedule_completion()
+
+    def result(self, steps: int) -> SimResult:
+        hours = self.t
+        share = [0.0] * self.w.cells
+        last: dict[int, tuple[float, str]] = {}
+        for t, c, role in [*self.timeline, *((hours, c, "end") for c in range(self.w.cells))]:
+            if c in last and last[c][1] == TRAINING:
+                share[c] += t - last[c][0]
+            last[c] = (t, role)
+        return SimResult(hours=hours, steps=steps, staleness_mean=sum(self.staleness) / max(1, len(self.staleness)),
+                         per_cell_training_share=[s / hours if hours else 0.0 for s in share],
+                         role_timeline=[(round(t, 6), c, r) for t, c, r in self.timeline], switches=self.switches,
+                         mean_waterlevel=self.wl_area / hours if hours else 0.0, policy=self.policy_name,
+                         phi=self.phi, mu=self.mu, async_training_cells=self.async_cells, step_hours=self.step_hours)
+
+
+def simulate(workload: Workload, *, policy: str, phi: float, mu: int, steps: int, seed: int, standalone: int = 0,
+             async_training_cells: int | None = None, trace: Trace | None = None) -> SimResult:
+    """Run `steps` optimizer steps of `policy` on `workload`; deterministic per seed.
+    Async without a split uses `balanced_split(workload)`. `trace(t_hours, snapshot,
+    phases)` is called after every event (phases: rollout | training | switching per cell)."""
+    if mu < 1 or steps < 1 or phi < 0:
+        raise ValueError("need mu >= 1, steps >= 1, phi >= 0")
+    if policy == "async" and async_training_cells is None:
+        async_training_cells = balanced_split(workload)
+    sim = _Sim(workload, policy, phi, mu, seed, standalone, async_training_cells, trace)
+    sim.run(steps)
+    return sim.result(steps)
+
+
+def balanced_split(w: Workload) -> int:
+    """The async split whose training and rollout cell-hours per step are closest to even."""
+    mean_h = duration_stats(w, queries=500, seed=0)["mean_exec_h"]
+    rollout = w.groups_per_step * w.group_size * mean_h / w.exec_slots_per_cell
+    train = w.train_h_all * w.cells
+    return min(range(1, w.cells), key=lambda t: max(train / t, rollout / (w.cells - t)))
+
+
+def matched_settings(ed: float) -> dict[str, tuple[float, int]]:
+    """(phi, mu) per policy at mean staleness E[d] = phi + (mu - 1)/2. Async: mu=1, phi=ed.
+    Colocate: the largest burst that fits, mu = floor(2 ed) + 1, the rest as phi (0 when
+    2 ed is whole). Elastic: bursts of at most 3 (the paper's choice), the rest as phi.
+    At 1.5 this is the paper's (1.5, 1), (0, 4), (0.5, 3)."""
+    if ed < 0:
+        raise ValueError(f"ed must be >= 0, got {ed}")
+    mu_c = math.floor(2 * ed + 1e-9) + 1
+    mu_e = min(3, mu_c)
+    return {"elastic": (ed - (mu_e - 1) / 2, mu_e), "async": (float(ed), 1), "colocate": (ed - (mu_c - 1) / 2, mu_c)}
+
+
+def _runs(w: Workload, policy: str, phi: float, mu: int, steps: int, seeds: list[int], standalone: int,
+          t: int | None = None) -> dict:
+    rs = [simulate(w, policy=policy, phi=phi, mu=mu, steps=steps, seed=s, standalone=standalone,
+                   async_training_cells=t) for s in seeds]
+    n = len(rs)
+    return {"hours": sum(r.hours for r in rs) / n, "hours_by_seed": [r.hours for r in rs], "phi": phi, "mu": mu,
+            "staleness_mean": sum(r.staleness_mean for r in rs) / n,
+            "training_share": [sum(col) / n for col in zip(*(r.per_cell_training_share for r in rs))]}
+
+
+def compare(workload: Workload, *, ed: float = 1.5, steps: int, seeds: list[int], standalone: int = 0) -> dict:
+    """All three policies at matched E[d] (see `matched_settings`), mean over seeds. Async
+    is tried at every split 1..cells-1 and the fastest is kept (a fair baseline)."""
+    settings = matched_settings(ed)
+    out = {"elastic": _runs(workload, "elastic", *settings["elastic"], steps, seeds, standalone),
+           "colocate": _runs(workload, "colocate", *settings["colocate"], steps, seeds, standalone)}
+    best = None
+    for t in range(1, workload.cells):
+        r = _runs(workload, "async", *settings["async"], steps, seeds, standalone, t)
+        if best is None or r["hours"] < best["hours"]:
+            best = {**r, "training_cells": t}
+    out["async"] = best
+    el = out["elastic"]["hours"]
+    return {"workload": workload.name, "ed": ed, "steps": steps, "seeds": list(seeds),
+            "policies": {k: out[k] for k in ("elastic", "async", "colocate")},
+            "speedup": {"vs_async": best["hours"] / el, "vs_colocate": out["colocate"]["hours"] / el}}
+
+
+# --- rendering ----------------------------------------------------------------------------
+
+_CHARS = {ROLLOUT: "R", TRAINING: "T", SWITCHING: "~"}
+_COLORS = {ROLLOUT: "#4c8bd6", TRAINING: "#e07b39", SWITCHING: "#9a9a9a"}
+
+
+def _segments(result: SimResult) -> list[list[tuple[float, float, str]]]:
+    """Per cell: (start, end, role) intervals covering [0, hours]."""
+    changes: list[list[tuple[float, str]]] = [[] for _ in range(result.cells)]
+    for t, c, role in result.role_timeline:  # chronological per cell
+        changes[c].append((t, role))
+    rows = []
+    for ch in changes:
+        ends = [t for t, _ in ch[1:]] + [result.hours]
+        rows.append([(t, e, r) for (t, r), e in zip(ch, ends) if e > t] or [(0.0, result.hours, ch[-1][1])])
+    return rows
+
+
+def role_timeline_text(result: SimResult, width: int = 80) -> str:
+    """One strip per cell: R rollout, T training, ~ switching (role at each column's middle)."""
+    h = result.hours or 1.0
+    lines = [f"{result.policy} phi={result.phi} mu={result.mu}: {result.steps} steps in {result.hours:.2f} h "
+             f"(R rollout, T training, ~ switching)"]
+    for c, row in enumerate(_segments(result)):
+        strip = []
+        for col in range(width):
+            mid = (col + 0.5) * h / width
+            role = next((r for s, e, r in row if s <= mid < e), row[-1][2])
+            strip.append(_CHARS[role])
+        lines.append(f"cell {c:>2} |{''.join(strip)}|")
+    axis = f"{0:<{width // 2}}{h / 2:.1f} h"
+    lines.append(f"        |{axis:<{width - len(f'{h:.1f} h')}}{h:.1f} h|")
+    return "\n".join(lines)
+
+
+def role_timeline_svg(result: SimResult) -> str:
+    """A standalone SVG: one row per cell, colored by role, time axis in hours."""
+    left, top, row_h, width = 60, 20, 18, 800
+    h = result.hours or 1.0
+    rows = _segments(result)
+    height = top + row_h * len(rows) + 40
+    x = lambda t: left + width * t / h  # noqa: E731 - a one-line scale
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 20}" height="{height}" '
+             f'font-family="sans-serif" font-size="11">',
+             f'<text x="{left}" y="13">{result.policy} phi={result.phi} mu={result.mu}: {result.steps} steps, '
+             f'{result.hours:.2f} h</text>']
+    for c, row in enumerate(rows):
+        y = top + c * row_h
+        parts.append(f'<text x="4" y="{y + 13}">cell {c}</text>')
+        for s, e, role in row:
+            parts.append(f'<rect x="{x(s):.2f}" y="{y}" width="{max(0.0, x(e) - x(s)):.2f}" height="{row_h - 3}" '
+                         f'fill="{_COLORS[role]}"><title>{role} {s:.3f}-{e:.3f} h</title></rect>')
+    y_axis = top + row_h * len(rows) + 4
+    ticks = max(1, math.ceil(h))
+    step = max(1, ticks // 10)
+    for i in range(0, ticks + 1, step):
+        if i <= h:
+            parts.append(f'<line x1="{x(i):.2f}" y1="{y_axis}" x2="{x(i):.2f}" y2="{y_axis + 5}" stroke="black"/>'
+                         f'<text x="{x(i):.2f}" y="{y_axis + 17}" text-anchor="middle">{i} h</text>')
+    parts.append("</svg>")
+    return "\n".join(parts)
+
+
+# --- a workload from a real run ---------------------------------------------------------------
+
+
+def workload_from_metrics(path: str | Path) -> Workload:
+    """A Workload from a run's metrics.jsonl (and its config.json next to it, if present):
+    recorded groups' execution durations are resampled (timed_out ones end at the deadline);
+    the step's cell-hours are the mean of measured step seconds x cells training; switch
+    times are the measured role changes. Cluster shape comes from config.json, else from
+    the events."""
+    path = Path(path)
+    events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    cfg_path = path.parent / "config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+    groups: dict[int, list[float]] = {}
+    for e in events:
+        if e.get("event") == "execution" and e.get("t_start") is not None and e.get("t_end") is not None:
+            hours = math.inf if e.get("status") == "timed_out" else (e["t_end"] - e["t_start"]) / 3600
+            groups.setdefault(e["group"], []).append(hours)
+    steps = [e for e in events if e.get("event") == "step"]
+    roles = [e for e in events if e.get("event") == "role"]
+    if not groups or not steps:
+        raise SimError(f"{path}: needs execution and step events")
+    cells = int(cfg.get("cells") or max([e["cells_training"] for e in steps] + [e["cell"] + 1 for e in roles]))
+    cell_h = sum(e["seconds"] * e["cells_training"] for e in steps) / len(steps) / 3600
+    by_cells: dict[int, list[float]] = {}
+    for e in steps:
+        by_cells.setdefault(e["cells_training"], []).append(e["seconds"] / 3600)
+    finite = [x for g in groups.values() for x in g if math.isfinite(x)]
+    timeout_h = cfg["execution_timeout_s"] / 3600 if "execution_timeout_s" in cfg else max(finite, default=1.0)
+
+    def mean_switch(to: str, default: float) -> float:
+        xs = [e["seconds"] for e in roles if e.get("to") == to]
+        return sum(xs) / len(xs) if xs else default
+
+    base = Workload(name=path.parent.name or "metrics", cells=cells, cell_nodes=1,
+                    group_size=int(cfg.get("group_size") or max(len(g) for g in groups.values())),
+                    groups_per_step=int(cfg.get("groups_per_step") or max(e["groups"] for e in steps)),
+                    exec_slots_per_cell=int(cfg.get("exec_slots_per_cell") or _peak_running(events, cells)),
+                    timeout_h=timeout_h, train_h_all=cell_h / cells)
+    return replace(base, switch_to_train_s=mean_switch(TRAINING, 8.52),
+                   switch_to_rollout_s=mean_switch(ROLLOUT, 3.46),
+                   empirical_groups_h=tuple(tuple(g) for _, g in sorted(groups.items())),
+                   train_h_by_cells=tuple((k, sum(v) / len(v)) for k, v in sorted(by_cells.items())))
+
+
+def _peak_running(events: list[dict], cells: int) -> int:
+    """Slots per cell when config.json is missing: peak concurrent executions / cells."""
+    marks = sorted([(e["t_start"], 1) for e in events if e.get("event") == "execution"]
+                   + [(e["t_end"], -1) for e in events if e.get("event") == "execution"])
+    peak = level = 0
+    for _, d in marks:
+        level += d
+        peak = max(peak, level)
+    return max(1, math.ceil(peak / max(1, cells)))

@@ -1,0 +1,149 @@
+"""training.py: one optimizer step's batch, trained by a membership that can grow.
+
+Groups are packed into micro-steps as they become ready (streaming); every participating
+cell claims micro-steps while it has capacity, so faster cells take more. A satellite may
+join while the joining window is open (the batch still has groups to pack or micro-steps
+to claim): it first pulls the core's weights, which stay fixed during accumulation, so
+its gradients are taken at the same point as everyone else's. Then gradients are reduced
+over the prefix group of the participants and the core alone applies the update; the
+satellites receive the core's parameters before the next step. Not the policy: who joins
+is decided by policies.py; this module only carries it out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from gyre.coordinator.buffer import Group
+from gyre.coordinator.packing import MicroStep, group_rows, pack
+from gyre.workerd import wire
+
+log = logging.getLogger("gyre.coordinator")
+
+
+@dataclass
+class BatchResult:
+    groups: list[Group]
+    executions: int
+    results: list[wire.TrainResult]
+    participants: list[int]
+    version: int
+    grad_norm: float
+    claimed: dict[int, int] = field(default_factory=dict)  # cell -> micro-steps it trained
+
+
+class Batch:
+    def __init__(self, coord, participants: list[int]):
+        self.c = coord  # the Coordinator: link, nodes, buffer, config, changed event
+        self.participants: list[int] = list(participants)
+        self.pending: deque[MicroStep] = deque()
+        self.packing_done = False
+        self.cond = asyncio.Condition()
+        self.workers: dict[int, asyncio.Task] = {}
+        self.results: list[wire.TrainResult] = []
+        self.claimed: dict[int, int] = {}
+        self.groups: list[Group] = []
+        self.executions = 0
+
+    @property
+    def window_open(self) -> bool:
+        return not (self.packing_done and not self.pending)
+
+    @property
+    def unclaimed(self) -> int:
+        return len(self.pending) + (0 if self.packing_done else 1)
+
+    async def join(self, cell: int) -> bool:
+        """A satellite that switched to training joins if the window is still open."""
+        if not self.window_open or cell in self.workers:
+            return False
+        if cell != len(self.participants):
+            raise RuntimeError(f"cell {cell} would break the prefix {self.participants}")
+        self.participants.append(cell)
+        self.workers[cell] = asyncio.create_task(self._worker(cell), name=f"gyre-claim-{cell}")
+        return True
+
+    async def run(self) -> BatchResult:
+        c = self.c
+        nodes = c.nodes
+        await core_weights(c)  # cached before the core gets busy: joins read it from here
+        for cell in self.participants:
+            self.workers[cell] = asyncio.create_task(self._worker(cell), name=f"gyre-claim-{cell}")
+        exec_index = 0
+        while len(self.groups) < c.c.groups_per_step:  # streaming: pack groups as they become ready
+            group = c.buffer.take()
+            if group is None:
+                c.changed.clear()
+                await c.changed.wait()
+                continue
+            rows, exec_index, counted = group_rows(group, j_max=c.c.j_max, seed=c.c.seed + group.id,
+                                                   next_exec=exec_index)
+            self.executions += counted
+            self.groups.append(group)
+            async with self.cond:
+                self.pending.extend(pack(rows, c.c.micro_step_tokens))
+                self.cond.notify_all()
+        async with self.cond:
+            self.packing_done = True
+            self.cond.notify_all()
+        while True:  # joins may add workers until the window closed
+            running = [t for t in self.workers.values() if not t.done()]
+            if not running:
+                break
+            await asyncio.gather(*running)
+        for t in self.workers.values():
+            t.result()  # a failed micro-step fails the step
+        # Reduce over the participants' prefix group; only the core applies the update.
+        k = len(self.participants)
+        await asyncio.gather(*(c._call(nodes[i], "set_participants", participants=k) for i in self.participants))
+        replies = await asyncio.gather(*(c.link.call(nodes[i], wire.OptimizerStep(
+            req_id=c.link.new_req_id(), num_executions=max(1, self.executions), apply=i == 0))
+            for i in self.participants))
+        core = replies[0][0]
+        for cell, (r, _) in zip(self.participants, replies):
+            c.train_busy_s[cell] = c.train_busy_s.get(cell, 0.0) + r.seconds
+        return BatchResult(self.groups, self.executions, self.results, list(self.participants), core.version,
+                           core.grad_norm, dict(self.claimed))
+
+    async def _worker(self, cell: int) -> None:
+        c = self.c
+        node = c.nodes[cell]
+        while True:
+            async with self.cond:
+                await self.cond.wait_for(lambda: self.pending or self.packing_done)
+                if not self.pending:
+                    return
+                ms = self.pending.popleft()
+            res, _ = await c.link.call(node, wire.TrainMicroStep(req_id=c.link.new_req_id(), step=c.steps_done),
+                                       ms.frames())
+            self.results.append(res)
+            self.claimed[cell] = self.claimed.get(cell, 0) + 1
+            c.train_busy_s[cell] = c.train_busy_s.get(cell, 0.0) + res.seconds
+
+
+async def core_weights(coord) -> tuple[int, list[wire.TensorFrame]]:
+    """The core's parameters at the current trainer version, exported once per version and
+    cached, so a joining satellite never waits for the core (busy training) to answer."""
+    cached = getattr(coord, "_core_cache", None)
+    if cached is not None and cached[0] == coord.trainer_version:
+        return cached[1], cached[2]
+    link = coord.link
+    w, frames = await link.call(coord.nodes[0], wire.ExportWeights(req_id=link.new_req_id()))
+    coord._core_cache = (coord.trainer_version, w.nbytes, frames)
+    return w.nbytes, frames
+
+
+async def push_core_weights(coord, cells: list[int], *, engine: bool, version: int) -> int:
+    """The core's current parameters to `cells` (their trainers; their engines if asked).
+    Returns bytes sent per cell. Goes through the weight-transfer path (ZeroMQ frames)."""
+    if not cells:
+        return 0
+    link, nodes = coord.link, coord.nodes
+    nbytes, frames = await core_weights(coord)
+    await asyncio.gather(*(link.call(nodes[i], wire.LoadWeights(req_id=link.new_req_id(), version=version,
+                                                                trainer=True, engine=engine), frames)
+                           for i in cells))
+    return nbytes
