@@ -18,6 +18,12 @@ from gyre.cli.options import (CellOpt, CoordinatorOpt, DebugOpt, DevicesOpt, Hea
 
 app = typer.Typer(name="gyre", no_args_is_help=True, add_completion=False,
                   help="Online RL for LLM agents in black-box harnesses.")
+
+
+def _add_subapps() -> None:
+    from gyre.cli.sim import sim_app
+
+    app.add_typer(sim_app, name="sim")
 _debug = False
 
 
@@ -158,12 +164,6 @@ def top() -> None:
     _not_yet("top", "'Operating gyre on bare metal'")
 
 
-@app.command()
-def sim() -> None:
-    """Simulate placement policies on a workload (not built yet)."""
-    _not_yet("sim", "'Elastic scheduler'")
-
-
 def _guard(fn, **kwargs):
     from gyre.workerd.wire import GyreError
 
@@ -178,6 +178,9 @@ def _fail(e: Exception) -> None:
         raise e
     typer.echo(f"[error] {e}", err=True)
     raise typer.Exit(1) from None
+
+
+_add_subapps()
 
 
 def main() -> None:

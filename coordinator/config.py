@@ -14,6 +14,12 @@ from pathlib import Path
 POLICIES = ("elastic", "colocate", "async")
 
 
+def dispatch_target(phi: float, mu: int, groups_per_step: int, publications: int) -> int:
+    """Boundary dispatch: cumulative groups dispatched after `publications` weight
+    publications (0 = the initial fill of (phi + mu) * B). Shared by runs and `gyre sim`."""
+    return math.floor((phi + mu * (1 + publications)) * groups_per_step + 1e-9)
+
+
 def demo_harness_argv() -> tuple[str, ...]:
     return (sys.executable, "-m", "gyre.proxy.demo_harness", "--max-turns", "1", "--max-tokens", "16",
             "--compact-at", "100000", "--max-retries", "2", "--timeout", "120")
@@ -63,11 +69,11 @@ class CoordinatorConfig:
 
     @property
     def initial_groups(self) -> int:
-        return math.floor((self.phi + self.mu) * self.groups_per_step + 1e-9)
+        return dispatch_target(self.phi, self.mu, self.groups_per_step, 0)
 
     def dispatch_target(self, publications: int) -> int:
         """Cumulative groups dispatched after `publications` weight publications."""
-        return math.floor((self.phi + self.mu * (1 + publications)) * self.groups_per_step + 1e-9)
+        return dispatch_target(self.phi, self.mu, self.groups_per_step, publications)
 
     def to_json(self) -> dict:
         d = asdict(self)

@@ -2,9 +2,9 @@
 
 It owns the waterlevel counters, the dispatch queue, the trajectory buffer, the cells'
 roles and the proxy. Each tick: (1) launch queued executions into rollout capacity,
-(2) ask the placement policy for roles and start a transition if they differ,
-(3) start a training step when training cells and ready groups allow, (4) publish
-weights at burst end and refill the dispatch queue, (5) decide whether the run is done.
+(2) publish weights at burst end and refill the dispatch queue, (3) ask the placement
+policy for roles and start a transition (or satellite joins) if they differ, (4) start a
+training step when training cells and ready groups allow, (5) decide whether the run is done.
 Long operations run as tasks the tick starts and watches; an exception in any of them
 ends the run (a half-alive coordinator is worse than a restart). Not the workers' logic
 and not the proxy's: both are driven through their interfaces.
@@ -181,9 +181,9 @@ class Coordinator:
             if task is not None and task.done() and not task.cancelled() and task.exception():
                 raise task.exception()  # a failed step, transition or launch ends the run
         self._launch()
-        self._train()
         self._publish_if_burst_done()
-        self._place()
+        self._place()  # the policy is asked before a step starts (e.g. right after a publication)
+        self._train()
         return self.steps_done >= self.c.steps and self._idle(self.step_task) and self._idle(self.side_task)
 
     @staticmethod

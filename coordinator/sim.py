@@ -17,7 +17,9 @@ Model choices (the ones that move the numbers):
   Queued executions wait for a free slot: launches never exceed the serving slots.
 - The harness deadline is wall clock: an execution ends at min(work done, launch + timeout).
 - A cell leaving rollout stops serving at once; its executions continue on the others.
-  A switching cell ("switching" in the timeline) neither serves nor trains.
+  A switching cell ("switching" in the timeline) neither serves nor trains; cells switch
+  in parallel, and a joining satellite's weight pull is inside `switch_to_train_s`. The
+  core's parameter broadcast between steps of a burst is taken as free.
 - Training work of one step is `train_h_all * cells` cell-hours, split evenly over the B
   groups and into `micro_steps_per_group` micro-steps per group; cells claim micro-steps
   as they free up, so k cells finish a step in `train_h_all * cells / k` hours.
@@ -37,6 +39,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
+from gyre.coordinator.config import dispatch_target
 from gyre.coordinator.policies import POLICIES, Snapshot
 from gyre.coordinator.waterlevel import ExecState, Waterlevel
 from gyre.workerd.wire import GyreError
@@ -124,12 +127,6 @@ def duration_stats(w: Workload, *, queries: int, seed: int) -> dict[str, float]:
             "exec_timeout_frac": sum(x >= w.timeout_h for q in execs for x in q) / n}
 
 
-def dispatch_target(phi: float, mu: int, groups_per_step: int, publications: int) -> int:
-    """Cumulative groups dispatched after `publications` publications: the same formula as
-    CoordinatorConfig.dispatch_target (publications=0 is the initial fill)."""
-    return math.floor((phi + mu * (1 + publications)) * groups_per_step + 1e-9)
-
-
 @dataclass
 class SimResult:
     hours: float  # virtual wall time until the last optimizer update
@@ -166,7 +163,7 @@ class _Sim:
         self.heap: list = []
         self.seq = itertools.count()
         self.wl = Waterlevel()
-        self.tracked: list = []  # per execution: its Tracked (counters), group, work, vdone
+        self.tracked: list = []  # per execution: (its Tracked in the counters, work hours at load 1)
         self.exec_group: list[int] = []
         self.queue: deque[int] = deque()
         self.vclock, self.rate, self.vheap, self.next_due = 0.0, 0.0, [], -1.0
@@ -227,7 +224,7 @@ class _Sim:
                 self.queue.append(eid)
 
     def serving_slots(self) -> int:
-        return self.standalone + sum(self.w.exec_slots_per_cell for p in self.phase if p == ROLLOUT)
+        return self.standalone + self.w.exec_slots_per_cell * self.phase.count(ROLLOUT)
 
     def launch(self) -> None:
         slots = self.serving_slots()
@@ -267,6 +264,7 @@ class _Sim:
         while self.vheap and not self.running(self.vheap[0][1]):
             heapq.heappop(self.vheap)
         if not self.vheap or self.rate == 0.0:
+            self.next_due = -1.0  # whatever is pending finds nothing; the next rate pushes anew
             return
         due = self.t + max(0.0, self.vheap[0][0] - self.vclock) / self.rate
         if due != self.next_due:  # an event made stale by a rate change finds nothing due
@@ -285,8 +283,6 @@ class _Sim:
     def take_and_claim(self) -> None:
         """Streaming: take ready groups (oldest version first) up to B, then idle training
         cells claim micro-steps in cell order."""
-        if not self.step_in_flight:
-            return
         while self.taken < self.w.groups_per_step and self.ready:
             version, _ = heapq.heappop(self.ready)
             self.staleness.append(self.v_before - version)
@@ -338,8 +334,7 @@ class _Sim:
         """Ask the policy; a cell mid-switch or mid-micro-step (or publishing) keeps its role
         until it is free, and the policy is asked again after that event."""
         want = self.policy(self.snapshot())
-        k = sum(r == TRAINING for r in want)
-        if any(r != TRAINING for r in want[:k]):
+        if ROLLOUT in want[:want.count(TRAINING)]:
             raise SimError(f"policy {self.policy_name} broke the prefix rule: {want} from {self.snapshot()}")
         for c, role in enumerate(want):
             if role == self.roles[c] or self.phase[c] == SWITCHING or self.busy[c]:
@@ -355,18 +350,20 @@ class _Sim:
         self.timeline.append((self.t, cell, self.roles[cell]))
 
     def reconcile(self, steps: int) -> None:
-        """The coordinator's tick, after every event: launch, publish, place, train, place.
-        The policy is asked before a step starts, so that after a publication the core
-        starts the next burst only if supply and capacity still allow (DESIGN), and again
-        after, so satellites can join the batch just started."""
+        """The coordinator's tick, after every event. Between steps the policy is asked
+        before a step may start, so after a publication the core starts the next burst only
+        if supply and capacity still allow (DESIGN); during a step, after the batch has
+        taken the new ready groups, so satellites see its supply."""
         if self.steps_done >= steps:
             return
         self.launch()
         self.maybe_publish()
-        self.place()
-        self.maybe_start_step(steps)
-        self.take_and_claim()
-        self.place()
+        if not self.step_in_flight:
+            self.place()
+            self.maybe_start_step(steps)
+        if self.step_in_flight:
+            self.take_and_claim()
+            self.place()
         self.reschedule_completion()
 
     def result(self, steps: int) -> SimResult:
@@ -487,7 +484,9 @@ def role_timeline_svg(result: SimResult) -> str:
     h = result.hours or 1.0
     rows = _segments(result)
     height = top + row_h * len(rows) + 40
-    x = lambda t: left + width * t / h  # noqa: E731 - a one-line scale
+
+    def x(t: float) -> float:
+        return left + width * t / h
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 20}" height="{height}" '
              f'font-family="sans-serif" font-size="11">',
              f'<text x="{left}" y="13">{result.policy} phi={result.phi} mu={result.mu}: {result.steps} steps, '
@@ -515,8 +514,9 @@ def role_timeline_svg(result: SimResult) -> str:
 def workload_from_metrics(path: str | Path) -> Workload:
     """A Workload from a run's metrics.jsonl (and its config.json next to it, if present):
     recorded groups' execution durations are resampled (timed_out ones end at the deadline);
-    the step's cell-hours are the mean of measured step seconds x cells training; switch
-    times are the measured role changes. Cluster shape comes from config.json, else from
+    the step's cell-hours are the mean of measured step seconds x cells training (an upper
+    bound where satellites joined mid-step), kept per cell count in `train_h_by_cells`;
+    switch and publication times are the measured ones. Cluster shape comes from config.json, else from
     the events."""
     path = Path(path)
     events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -539,8 +539,8 @@ def workload_from_metrics(path: str | Path) -> Workload:
     finite = [x for g in groups.values() for x in g if math.isfinite(x)]
     timeout_h = cfg["execution_timeout_s"] / 3600 if "execution_timeout_s" in cfg else max(finite, default=1.0)
 
-    def mean_switch(to: str, default: float) -> float:
-        xs = [e["seconds"] for e in roles if e.get("to") == to]
+    def mean_seconds(kind: str, default: float, to: str | None = None) -> float:
+        xs = [e["seconds"] for e in events if e.get("event") == kind and (to is None or e.get("to") == to)]
         return sum(xs) / len(xs) if xs else default
 
     base = Workload(name=path.parent.name or "metrics", cells=cells, cell_nodes=1,
@@ -548,8 +548,8 @@ def workload_from_metrics(path: str | Path) -> Workload:
                     groups_per_step=int(cfg.get("groups_per_step") or max(e["groups"] for e in steps)),
                     exec_slots_per_cell=int(cfg.get("exec_slots_per_cell") or _peak_running(events, cells)),
                     timeout_h=timeout_h, train_h_all=cell_h / cells)
-    return replace(base, switch_to_train_s=mean_switch(TRAINING, 8.52),
-                   switch_to_rollout_s=mean_switch(ROLLOUT, 3.46),
+    return replace(base, switch_to_train_s=mean_seconds("role", 8.52, TRAINING),
+                   switch_to_rollout_s=mean_seconds("role", 3.46, ROLLOUT), publish_s=mean_seconds("publish", 30.0),
                    empirical_groups_h=tuple(tuple(g) for _, g in sorted(groups.items())),
                    train_h_by_cells=tuple((k, sum(v) / len(v)) for k, v in sorted(by_cells.items())))
 

@@ -22,7 +22,7 @@ from gyre.proxy.admission import Rows, Trajectory, admit, materialise
 from gyre.proxy.chat import ChatTokenizer, Ref
 from gyre.proxy.roles import CallInfo, RoleRule
 from gyre.proxy.tree import Node, Tree
-from gyre.proxy.types import ChatRequest, ChatResult
+from gyre.proxy.types import ChatRequest, ChatResult, RequestError
 
 
 @dataclass(slots=True)
@@ -56,7 +56,8 @@ class Execution:
     def __post_init__(self) -> None:
         self._outputs: dict[str, _Output] = {}
         self._by_tool_id: dict[str, str] = {}
-        self._by_text: dict[str, list[str]] = {}
+        self._text_last: dict[str, str] = {}  # reply text -> the latest call that produced it
+        self._text_at: dict[tuple[int, str], str] = {}  # (parent node, reply text) -> call id
         self._args: dict[str, str] = {}  # tool-call id -> arguments exactly as we emitted them
         self._first_model: str | None = None
         self._first_root_tools = False
@@ -68,18 +69,24 @@ class Execution:
 
     # --- a call's prompt ----------------------------------------------------------------
 
-    def prepare(self, req: ChatRequest, headers: dict[str, str]) -> Prepared:
-        self._n_calls += 1
-        call_id = f"{self.id}-c{self._n_calls:05d}"
-        candidates = self._resolve_outputs(req)
-        segments = self.tokenizer.segments(req.messages, req.tools, {i: str(i) for i in candidates},
+    def prepare(self, req: ChatRequest, headers: dict[str, str], max_context: int | None = None) -> Prepared:
+        """The call's exact prompt. Nothing is added to the tree until the prompt is known to
+        fit `max_context` (a refused request touches no record)."""
+        refs = self._resolve_outputs(req)
+        segments = self.tokenizer.segments(req.messages, req.tools, {i: str(i) for i in refs},
                                            restore_args=self._args)
-        parent, path, new_tokens, strip = -1, [], 0, None
+        # 1) Follow existing nodes as far as they match; plan the rest without adding it.
+        parent, path, plan, strip = -1, [], [], None
         for seg in segments:
             if isinstance(seg, Ref):
-                node = self._place_output(parent, candidates[int(seg.key)], call_id)
-                last = node.tokens[-1] if node.tokens else None
+                kind, key = refs[int(seg.key)]
+                source = self._recorded_output(kind, key, parent if not plan else None)
+                nid = None if plan else self.tree.child(parent, "output", source.key)
+                last = source.tokens[-1] if source.tokens else None
                 strip = self.tokenizer.token_text(last) if last in self.tokenizer.stop_token_ids else None
+                if nid is None:
+                    plan.append(("copy", source, kind, key))
+                    continue
             else:
                 text = seg.text
                 if strip and text.startswith(strip):  # the template re-closes a turn the output closed
@@ -87,42 +94,59 @@ class Execution:
                 strip = None
                 if not text:
                     continue
-                nid = self.tree.child(parent, "text", text)
+                nid = None if plan else self.tree.child(parent, "text", text)
                 if nid is None:
-                    tokens = self.tokenizer.encode(text)
-                    node = self._write_node(self.tree.add_text(parent, text, tokens, call_id))
-                    new_tokens += len(tokens)
-                else:
-                    node = self.tree.nodes[nid]
+                    plan.append(("text", text, self.tokenizer.encode(text)))
+                    continue
+            path.append(nid)
+            parent = nid
+        if not path and not plan:
+            raise ValueError("the request renders to an empty prompt")
+        length = (self.tree.nodes[parent].end if parent >= 0 else 0) + sum(
+            len(p[2]) if p[0] == "text" else len(p[1].tokens) for p in plan)
+        if max_context is not None and length >= max_context:
+            raise RequestError("messages", f"prompt of {length} tokens fills the {max_context}-token context")
+        # 2) Add the planned nodes.
+        self._n_calls += 1
+        call_id = f"{self.id}-c{self._n_calls:05d}"
+        new_tokens = 0
+        for step in plan:
+            if step[0] == "text":
+                node = self.tree.add_text(parent, step[1], step[2], call_id)
+                new_tokens += len(step[2])
+            else:
+                _, source, kind, key = step
+                node = self.tree.add_output_copy(parent, source, call_id)
+                if kind == "text":
+                    self._text_at[(parent, key)] = source.key
+            self._write_node(node)
             path.append(node.id)
             parent = node.id
-        if not path:
-            raise ValueError("the request renders to an empty prompt")
         role = self._classify(req, headers, self.tree.nodes[path[0]].root)
         return Prepared(call_id, path, self.tree.tokens(path), new_tokens, role, time.time())
 
-    def _resolve_outputs(self, req: ChatRequest) -> dict[int, list[str]]:
-        """Assistant messages that are our recorded outputs: message index -> call ids
-        (most recent first), by tool-call id, else by text."""
-        found: dict[int, list[str]] = {}
+    def _resolve_outputs(self, req: ChatRequest) -> dict[int, tuple[str, str]]:
+        """Assistant messages that are our recorded outputs: message index -> ("call", call
+        id) when found by tool-call id, or ("text", text) when found by its text."""
+        found: dict[int, tuple[str, str]] = {}
         for i, m in enumerate(req.messages):
             if m.role != "assistant":
                 continue
             if m.tool_calls:
                 owners = {self._by_tool_id.get(c.id) for c in m.tool_calls}
                 if len(owners) == 1 and None not in owners:
-                    found[i] = [owners.pop()]
-            elif m.content.strip() in self._by_text:
-                found[i] = self._by_text[m.content.strip()][::-1]
+                    found[i] = ("call", owners.pop())
+            elif m.content.strip() in self._text_last:
+                found[i] = ("text", m.content.strip())
         return found
 
-    def _place_output(self, parent: int, call_ids: list[str], call_id: str) -> Node:
-        for cid in call_ids:  # recorded under this very context: the policy node itself
-            nid = self.tree.child(parent, "output", cid)
-            if nid is not None:
-                return self.tree.nodes[nid]
-        source = self.tree.nodes[self._outputs[call_ids[0]].node]
-        return self._write_node(self.tree.add_output_copy(parent, source, call_id))
+    def _recorded_output(self, kind: str, key: str, parent: int | None) -> Node:
+        """The recorded output a message refers to: the one recorded under `parent` when
+        there is one (one lookup, however many identical replies exist), else the latest."""
+        if kind == "call":
+            return self.tree.nodes[self._outputs[key].node]
+        cid = self._text_at.get((parent, key)) if parent is not None else None
+        return self.tree.nodes[self._outputs[cid or self._text_last[key]].node]
 
     def _classify(self, req: ChatRequest, headers: dict[str, str], root: int) -> str:
         if self._first_model is None:
@@ -153,7 +177,9 @@ class Execution:
                     self._by_tool_id[c.id] = prep.call_id
                     self._args[c.id] = c.arguments
                 if not ids:
-                    self._by_text.setdefault(result.content.strip(), []).append(prep.call_id)
+                    text = result.content.strip()
+                    self._text_last[text] = prep.call_id
+                    self._text_at[(parent, text)] = prep.call_id
         self._roles[leaf] = prep.role
         record = {
             "call_id": prep.call_id, "execution": self.id, "api": request.api, "model": request.model,

@@ -175,7 +175,7 @@ class ProxyServer:
             if self.inject_errors:
                 status, headers = self.inject_errors.pop(0)
                 raise HttpError(status, "injected error (test)", headers)
-            prep = execution.prepare(req, dict(request.headers))
+            prep = execution.prepare(req, dict(request.headers), max_context=self.config.max_context)
         except HttpError as e:
             return _error(api, e.status, e.message, e.headers)
         except RequestError as e:
@@ -183,9 +183,6 @@ class ProxyServer:
         except ValueError as e:
             return _error(api, 400, str(e))
         budget = self.config.max_context - len(prep.prompt_ids)
-        if budget < 1:
-            return _error(api, 400, f"prompt of {len(prep.prompt_ids)} tokens fills the "
-                                    f"{self.config.max_context}-token context")
         call = _Call(self, request, api, req, execution, prep, min(budget, self._max_tokens(req)))
         return await call.run()
 

@@ -32,7 +32,7 @@ def test_init_model_unknown_kind_is_one_line_error(tmp_path):
     assert "Traceback" not in r.output
 
 
-@pytest.mark.parametrize("cmd", ["top", "sim"])
+@pytest.mark.parametrize("cmd", ["top"])
 def test_placeholders_say_what_brings_them(cmd):
     r = runner.invoke(app, [cmd])
     assert r.exit_code == 2 and "not built yet" in r.output

@@ -107,3 +107,11 @@ async def test_injected_overload_is_retried_by_the_sdk(live, clients):
     client = clients(anthropic.AsyncAnthropic, base_url=live.url, api_key=ex.key, max_retries=2)
     r = await client.messages.create(model="m", max_tokens=100, messages=[{"role": "user", "content": "hi"}])
     assert r.content[0].text == "Done." and len(ex.calls) == 1
+
+
+async def test_prompt_over_the_context_is_400_and_adds_no_node(live):
+    ex = live.execution()
+    big = {"model": "m", "messages": [{"role": "user", "content": "x" * 40_000}]}  # 40k byte tokens > 32768
+    status, body = await post(live, "/v1/chat/completions", key=ex.key, body=big)
+    assert status == 400 and "context" in body["error"]["message"]
+    assert ex.calls == [] and ex.tree.nodes == [] and live.engine.prompts == []

@@ -1,0 +1,98 @@
+"""sim.py: `gyre sim` and `gyre sim compare`: the placement policies on a simulated cluster.
+
+Thin: options in, `gyre.coordinator.sim` out, printed as a table (or one JSON object).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+sim_app = typer.Typer(help="Simulate placement policies on a workload (virtual clock, the real policy code).",
+                      invoke_without_command=True, no_args_is_help=False)
+
+WorkloadOpt = Annotated[str, typer.Option("--workload", help="Preset (nl2repo, deepswe, terminalbench) or a "
+                                                           "metrics.jsonl of a real run.")]
+SimPolicyOpt = Annotated[str, typer.Option("--policy", help="elastic, async or colocate.")]
+PhiOpt = Annotated[float, typer.Option("--phi", help="Boundary-dispatch lead phi (batches).")]
+MuOpt = Annotated[int, typer.Option("--mu", help="Steps per burst mu.")]
+CellsOpt = Annotated[Optional[int], typer.Option("--cells", help="Override the workload's cell count.")]
+CellNodesOpt = Annotated[Optional[int], typer.Option("--cell-nodes", help="Override nodes per cell.")]
+StandaloneOpt = Annotated[int, typer.Option("--standalone", help="Executions a never-training rollout pool serves.")]
+SimStepsOpt = Annotated[int, typer.Option("--steps", help="Optimizer steps to simulate.")]
+SimSeedOpt = Annotated[int, typer.Option("--seed", help="Random seed.")]
+SimJsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+EdOpt = Annotated[float, typer.Option("--ed", help="Matched mean staleness E[d] = phi + (mu-1)/2.")]
+SeedsOpt = Annotated[int, typer.Option("--seeds", help="Number of seeds (0..n-1) to average over.")]
+TimelineOpt = Annotated[Optional[Path], typer.Option("--timeline", help="Write the role timeline as SVG here.")]
+
+
+def _workload(name: str, cells: int | None, cell_nodes: int | None):
+    from gyre.coordinator.sim import PRESETS, workload_from_metrics
+
+    if name in PRESETS:
+        w = PRESETS[name]
+    elif Path(name).exists():
+        w = workload_from_metrics(name)
+    else:
+        raise typer.BadParameter(f"unknown workload {name!r}: a preset ({', '.join(PRESETS)}) or a metrics.jsonl")
+    changes = {k: v for k, v in (("cells", cells), ("cell_nodes", cell_nodes)) if v is not None}
+    return dataclasses.replace(w, **changes) if changes else w
+
+
+@sim_app.callback()
+def sim(ctx: typer.Context, workload: WorkloadOpt = "nl2repo", policy: SimPolicyOpt = "elastic",
+        phi: PhiOpt = 0.5, mu: MuOpt = 3, cells: CellsOpt = None, cell_nodes: CellNodesOpt = None,
+        standalone: StandaloneOpt = 0, steps: SimStepsOpt = 20, seed: SimSeedOpt = 0, as_json: SimJsonOpt = False,
+        timeline: TimelineOpt = None) -> None:
+    """Simulate one policy (or, with `compare`, all three at matched staleness)."""
+    if ctx.invoked_subcommand is not None:
+        ctx.obj = {"workload": workload, "cells": cells, "cell_nodes": cell_nodes, "standalone": standalone}
+        return
+    from gyre.coordinator.sim import role_timeline_svg, role_timeline_text, simulate
+
+    w = _workload(workload, cells, cell_nodes)
+    r = simulate(w, policy=policy, phi=phi, mu=mu, steps=steps, seed=seed, standalone=standalone)
+    if timeline is not None:
+        timeline.write_text(role_timeline_svg(r))
+    if as_json:
+        typer.echo(json.dumps({"workload": w.name, "policy": policy, "phi": phi, "mu": mu, "steps": r.steps,
+                               "hours": r.hours, "staleness_mean": r.staleness_mean,
+                               "training_share": r.per_cell_training_share, "switches": r.switches,
+                               "mean_waterlevel": r.mean_waterlevel}))
+        return
+    typer.echo(f"{w.name}: {policy} phi={phi} mu={mu}, {r.steps} steps in {r.hours:.2f} h; "
+               f"staleness {r.staleness_mean:.2f}; {r.switches} role switches")
+    typer.echo(role_timeline_text(r))
+
+
+@sim_app.command("compare")
+def compare_cmd(ctx: typer.Context, workload: Annotated[Optional[str], typer.Option(
+                    "--workload", help="Preset or metrics.jsonl (default: the one given to `gyre sim`).")] = None,
+                cells: CellsOpt = None, cell_nodes: CellNodesOpt = None,
+                standalone: Annotated[Optional[int], typer.Option("--standalone", help="Standalone pool size.")] = None,
+                ed: EdOpt = 1.5, steps: SimStepsOpt = 20, seeds: SeedsOpt = 3, as_json: SimJsonOpt = False) -> None:
+    """All three policies at matched mean staleness; speedups of elastic over the others."""
+    from gyre.coordinator.sim import compare
+
+    o = ctx.obj or {}
+    w = _workload(workload or o.get("workload", "nl2repo"), cells if cells is not None else o.get("cells"),
+                  cell_nodes if cell_nodes is not None else o.get("cell_nodes"))
+    pool = standalone if standalone is not None else o.get("standalone", 0)
+    out = compare(w, ed=ed, steps=steps, seeds=list(range(seeds)), standalone=pool)
+    if as_json:
+        typer.echo(json.dumps(out))
+        return
+    typer.echo(f"{w.name}, E[d]={ed}, {steps} steps, seeds {out['seeds']}")
+    typer.echo(f"{'policy':<10}{'phi':>5}{'mu':>4}{'hours':>9}{'staleness':>11}  training share per cell")
+    for name in ("elastic", "async", "colocate"):
+        p = out["policies"][name]
+        share = " ".join(f"{x:.2f}" for x in p["training_share"])
+        extra = f" (t={p['training_cells']})" if "training_cells" in p else ""
+        typer.echo(f"{name:<10}{p['phi']:>5}{p['mu']:>4}{p['hours']:>9.2f}{p['staleness_mean']:>11.2f}  {share}{extra}")
+    sp = out["speedup"]
+    typer.echo(f"elastic speedup: {sp['vs_async']:.2f}x vs async, {sp['vs_colocate']:.2f}x vs colocate")
