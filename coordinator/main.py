@@ -13,6 +13,7 @@ and not the proxy's: both are driven through their interfaces.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import secrets
@@ -141,6 +142,7 @@ class Coordinator:
         await asyncio.gather(*(self._call(n, "init_reducer", rank=i, world_size=c.cells, init_method=init)
                                for i, n in enumerate(self.nodes)))
         self._dispatch(c.initial_groups)
+        gc.freeze()  # start-up objects out of the collector's way: full GCs were the proxy's p99
         log.info("coordinator up: %d cells, policy %s, proxy %s", c.cells, c.policy, self.proxy.base_url)
 
     async def _shutdown(self) -> None:

@@ -563,3 +563,32 @@ def _peak_running(events: list[dict], cells: int) -> int:
         level += d
         peak = max(peak, level)
     return max(1, math.ceil(peak / max(1, cells)))
+
+
+def result_from_metrics(path: str | Path) -> SimResult:
+    """A real run's role timeline (and headline figures) as a SimResult, so real runs and
+    simulations draw the same text strip and SVG. Switches count from their measured time."""
+    events = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
+    cfg_path = Path(path).with_name("config.json")
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+    cells = int(cfg.get("cells", 1 + max((e["cell"] for e in events if e["event"] == "role"), default=0)))
+    initial = ["training" if cfg.get("policy") == "async" and c < cfg.get("async_training_cells", 1) else "rollout"
+               for c in range(cells)]
+    timeline: list[tuple[float, int, str]] = [(0.0, c, r) for c, r in enumerate(initial)]
+    for e in events:
+        if e["event"] == "role":
+            start = max(0.0, e["t"] - e.get("seconds", 0.0)) / 3600
+            timeline += [(start, e["cell"], "switching"), (e["t"] / 3600, e["cell"], e["to"])]
+    timeline.sort(key=lambda x: x[0])
+    steps = [e for e in events if e["event"] == "step"]
+    end = max((e["t"] for e in events), default=0.0) / 3600
+    staleness = [e["staleness_mean"] for e in steps]
+    share = []
+    for c in range(cells):
+        rows = [(t, r) for t, cell, r in timeline if cell == c] + [(end, "")]
+        share.append(sum(b[0] - a[0] for a, b in zip(rows, rows[1:]) if a[1] == "training") / (end or 1))
+    return SimResult(hours=end, steps=len(steps), staleness_mean=sum(staleness) / len(staleness) if staleness else 0.0,
+                     per_cell_training_share=share, role_timeline=timeline,
+                     switches=sum(1 for e in events if e["event"] == "role"), mean_waterlevel=0.0,
+                     policy=cfg.get("policy", ""), phi=cfg.get("phi", 0.0), mu=cfg.get("mu", 1),
+                     step_hours=[e["t"] / 3600 for e in steps])

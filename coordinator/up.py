@@ -66,4 +66,14 @@ def run_up(config: CoordinatorConfig) -> list[StepReport]:
     reports = uvloop.run(Coordinator(config, on_step=_print_step(config.steps)).run())
     rewards = " ".join("n/a" if r.reward_mean is None else f"{r.reward_mean:.3f}" for r in reports)
     print(f"done: {len(reports)} steps; reward by step: {rewards}", flush=True)
+    write_timeline(config.run_dir)
     return reports
+
+
+def write_timeline(run_dir: Path) -> None:
+    """The run's role timeline: printed as text, written as timeline.svg in the run dir."""
+    from gyre.coordinator.sim import result_from_metrics, role_timeline_svg, role_timeline_text
+
+    result = result_from_metrics(run_dir / "metrics.jsonl")
+    (run_dir / "timeline.svg").write_text(role_timeline_svg(result))
+    print(role_timeline_text(result), flush=True)

@@ -1,0 +1,43 @@
+"""`gyre sim` and `gyre sim compare` from the command line (JSON contracts)."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from gyre.cli.main import app
+
+runner = CliRunner()
+
+
+def test_sim_json_and_timeline(tmp_path):
+    svg = tmp_path / "t.svg"
+    r = runner.invoke(app, ["sim", "--workload", "terminalbench", "--policy", "elastic", "--phi", "0.5", "--mu", "3",
+                            "--steps", "6", "--seed", "1", "--json", "--timeline", str(svg)])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert out["policy"] == "elastic" and out["steps"] == 6 and out["hours"] > 0
+    assert len(out["training_share"]) == 6 and svg.read_text().startswith("<svg")
+
+
+def test_sim_text_shows_the_role_timeline():
+    r = runner.invoke(app, ["sim", "--workload", "deepswe", "--steps", "4"])
+    assert r.exit_code == 0, r.output
+    assert "cell  0 |" in r.output and "T" in r.output
+
+
+def test_compare_json_contract():
+    r = runner.invoke(app, ["sim", "compare", "--workload", "terminalbench", "--steps", "6", "--seeds", "1",
+                            "--ed", "1.5", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    for p in ("elastic", "async", "colocate"):
+        assert out["policies"][p]["hours"] > 0
+    assert out["speedup"]["vs_async"] > 0 and out["speedup"]["vs_colocate"] > 0
+    assert (out["policies"]["colocate"]["phi"], out["policies"]["colocate"]["mu"]) == (0, 4)
+
+
+def test_unknown_workload_is_a_usage_error():
+    r = runner.invoke(app, ["sim", "--workload", "nope"])
+    assert r.exit_code == 2 and "unknown workload" in r.output
