@@ -53,7 +53,8 @@ def sim(ctx: typer.Context, workload: WorkloadOpt = "nl2repo", policy: SimPolicy
     if ctx.invoked_subcommand is not None:
         ctx.obj = {"workload": workload, "cells": cells, "cell_nodes": cell_nodes, "standalone": standalone}
         return
-    from gyre.coordinator.sim import role_timeline_svg, role_timeline_text, simulate
+    from gyre.coordinator.sim import simulate
+    from gyre.coordinator.timeline import role_timeline_svg, role_timeline_text
 
     w = _workload(workload, cells, cell_nodes)
     r = simulate(w, policy=policy, phi=phi, mu=mu, steps=steps, seed=seed, standalone=standalone)

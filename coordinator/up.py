@@ -72,7 +72,7 @@ def run_up(config: CoordinatorConfig) -> list[StepReport]:
 
 def write_timeline(run_dir: Path) -> None:
     """The run's role timeline: printed as text, written as timeline.svg in the run dir."""
-    from gyre.coordinator.sim import result_from_metrics, role_timeline_svg, role_timeline_text
+    from gyre.coordinator.timeline import result_from_metrics, role_timeline_svg, role_timeline_text
 
     result = result_from_metrics(run_dir / "metrics.jsonl")
     (run_dir / "timeline.svg").write_text(role_timeline_svg(result))
