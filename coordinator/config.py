@@ -40,6 +40,7 @@ class CoordinatorConfig:
     cells: int = 2
     async_training_cells: int = 1  # async: cells [0, t) train, the rest roll out
     exec_slots_per_cell: int = 8  # concurrent executions one rollout cell serves
+    engine_max_running: int = 64  # concurrent inference requests one cell's engine batches
     harness: tuple[str, ...] = field(default_factory=demo_harness_argv)
     tasks_path: Path | None = None  # JSONL; None: the embedded default task set
     execution_timeout_s: float = 120.0

@@ -26,7 +26,7 @@ from gyre.coordinator.config import CoordinatorConfig
 from gyre.coordinator.launcher import LaunchSpec, Launcher
 from gyre.coordinator.local import LocalCluster
 from gyre.coordinator.metrics import Metrics
-from gyre.coordinator.training import Batch, push_core_weights
+from gyre.coordinator.training import Batch, core_weights, memcpy_seconds, push_core_weights
 from gyre.coordinator.policies import POLICIES, Snapshot
 from gyre.coordinator.routing import LinkBackend, RoutingTable
 from gyre.coordinator.tasks import TaskSource, default_tasks, load_tasks
@@ -92,7 +92,8 @@ class Coordinator:
         (c.run_dir / "config.json").write_text(json.dumps(c.to_json(), indent=2))
         self.metrics = Metrics(c.run_dir / "metrics.jsonl")
         cluster = LocalCluster(c.model_dir, cells=c.cells, roles=tuple(self.roles), address=c.address,
-                               trainer={"lr": c.lr}, engine={"seed": c.seed}, log_dir=c.run_dir / "logs")
+                               trainer={"lr": c.lr}, log_dir=c.run_dir / "logs",
+                               engine={"seed": c.seed, "max_running": c.engine_max_running})
         self._install_signal_handlers()
         async with cluster:
             self.cluster, self.link = cluster, cluster.link
@@ -368,6 +369,8 @@ class Coordinator:
         self.version = version
         self.steps_in_burst = 0
         self.publications += 1
-        self.metrics.emit("publish", version=version, seconds=round(time.monotonic() - t0, 4), bytes=nbytes)
+        _, frames = await core_weights(self)
+        self.metrics.emit("publish", version=version, seconds=round(time.monotonic() - t0, 4), bytes=nbytes,
+                          engines=len(self.nodes), memcpy_seconds=round(memcpy_seconds(frames), 5))
         if self.steps_done < self.c.steps:
             self._dispatch(self.c.dispatch_target(self.publications) - self.c.dispatch_target(self.publications - 1))

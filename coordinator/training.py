@@ -136,6 +136,18 @@ async def core_weights(coord) -> tuple[int, list[wire.TensorFrame]]:
     return w.nbytes, frames
 
 
+def memcpy_seconds(frames: list[wire.TensorFrame]) -> float:
+    """A local copy of the same bytes: the baseline every weight transfer is reported against."""
+    import time
+
+    import numpy as np
+
+    t0 = time.perf_counter()
+    for f in frames:
+        np.frombuffer(f.data, dtype=np.uint8).copy()
+    return time.perf_counter() - t0
+
+
 async def push_core_weights(coord, cells: list[int], *, engine: bool, version: int) -> int:
     """The core's current parameters to `cells` (their trainers; their engines if asked).
     Returns bytes sent per cell. Goes through the weight-transfer path (ZeroMQ frames)."""
