@@ -63,3 +63,28 @@ async def test_statuses_rewards_and_validity(tiny_dir, tmp_path):
     assert step["version"] == 1 and step["staleness_mean"] == 0 and step["groups"] == 5
     assert {x["version"] for x in lines if x["event"] == "publish"} == {1}
     assert json.loads((cfg.run_dir / "config.json").read_text())["policy"] == "async"
+
+
+@pytest.mark.timeout(300)
+async def test_elastic_run_keeps_its_promises(tiny_dir, tmp_path):
+    """Elastic on real workers: the core trains first, a satellite may join mid-batch, the
+    burst publishes once, and every execution is counted exactly once."""
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("\n".join(json.dumps({"id": f"t{i}", "prompt": f"mode:normal task {i}",
+                                           "evaluator": {"type": "command", "argv": EVAL + ["ok"]}})
+                               for i in range(4)))
+    cfg = CoordinatorConfig(run_dir=tmp_path / "run", model_dir=tiny_dir, steps=2, policy="elastic", cells=2,
+                            groups_per_step=2, group_size=2, min_valid=1, phi=0, mu=2, exec_slots_per_cell=4,
+                            harness=(sys.executable, str(HERE / "_harness.py")), tasks_path=tasks, seed=3)
+    coord = Coordinator(cfg)
+    reports = await coord.run()
+    assert [r.version for r in reports] == [1, 2]
+    lines = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    roles = [x for x in lines if x["event"] == "role"]
+    first_training = next(x for x in roles if x["to"] == "training")
+    assert first_training["cell"] == 0  # the core moves first
+    assert [x["version"] for x in lines if x["event"] == "publish"] == [2]  # one burst of mu=2 steps
+    execs = [x for x in lines if x["event"] == "execution"]
+    assert len({e["id"] for e in execs}) == len(execs) == coord.wl.c.f == coord.wl.c.p
+    assert all(r.cells_training in (1, 2) for r in reports)
+    assert [r.staleness_mean for r in reports] == [0.0, 1.0]  # phi + (mu-1)/2 = 0.5 on average
