@@ -42,6 +42,7 @@ class _Pending:
     node: str
     future: asyncio.Future | None = None  # one reply
     stream: asyncio.Queue | None = None  # many GenerateChunks
+    on_frames: Callable[[Any, list], None] | None = None
 
 
 @dataclass
@@ -113,12 +114,15 @@ class WorkerLink:
             raise WorkerError("CallError", reply.error)
         return reply, frames
 
-    async def generate(self, node: str, msg: wire.Generate) -> AsyncIterator[wire.GenerateChunk]:
-        """Stream a request's chunks until the finished one. The caller aborts on cancel."""
+    async def generate(self, node: str, msg: wire.Generate, tensors: list[wire.TensorFrame] | None = None,
+                       on_frames: Callable[[Any, list[wire.TensorFrame]], None] | None = None,
+                       ) -> AsyncIterator[wire.GenerateChunk]:
+        """Stream a request's chunks until the finished one. The caller aborts on cancel.
+        Chunks that carry frames (a handed-back request's KV) also go to `on_frames`."""
         q: asyncio.Queue = asyncio.Queue()
-        self._pending[msg.req_id] = _Pending(node, stream=q)
+        self._pending[msg.req_id] = _Pending(node, stream=q, on_frames=on_frames)
         try:
-            await self.send(node, msg)
+            await self.send(node, msg, tensors)
             while True:
                 item = q.get_nowait() if not q.empty() else await q.get()
                 if isinstance(item, BaseException):
@@ -163,6 +167,8 @@ class WorkerLink:
             log.debug("reply %s for no pending request", type(msg).__name__)
             return
         if pending.stream is not None:
+            if tensors and pending.on_frames is not None:
+                pending.on_frames(msg, tensors)
             pending.stream.put_nowait(msg)
         elif not pending.future.done():
             pending.future.set_result((msg, tensors))

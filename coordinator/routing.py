@@ -66,21 +66,32 @@ class LinkBackend:
         self._where: dict[str, str] = {}  # rid -> node serving it
         self._aborted: dict[str, bool] = {}  # rids we aborted ourselves (not handed back)
         self.reroutes = 0
+        self.kv_handovers = 0  # reroutes that carried the prefix KV instead of recomputing it
 
     async def generate(self, rid: str, prompt_ids: list[int], params: GenParams) -> AsyncIterator[Chunk]:
         produced: list[int] = []
         tried: set[str] = set()
+        handover: dict = {}  # the KV a handed-back request brought along (CPU engine)
         while True:
             route = await self._route(tried)
             loop = asyncio.get_running_loop()
             route.started(loop.time())
             self._where[rid] = route.node
+            frames = handover.pop("frames", None)
             msg = wire.Generate(req_id=self.link.new_req_id(), rid=rid, prompt_ids=prompt_ids + produced,
                                 max_new_tokens=params.max_new_tokens - len(produced), temperature=params.temperature,
-                                top_p=params.top_p, stop_token_ids=list(params.stop_token_ids), seed=params.seed)
+                                top_p=params.top_p, stop_token_ids=list(params.stop_token_ids), seed=params.seed,
+                                kv_tokens=handover.pop("tokens", 0) if frames else 0)
+            if frames:
+                self.kv_handovers += 1
             handed_back = False
+
+            def keep_kv(chunk, tensors) -> None:
+                if chunk.kv_tokens:
+                    handover.update(frames=tensors, tokens=chunk.kv_tokens)
+
             try:
-                async for c in self.link.generate(route.node, msg):
+                async for c in self.link.generate(route.node, msg, frames, on_frames=keep_kv):
                     if c.finished and c.finish_reason == "abort" and not self._aborted.pop(rid, False):
                         handed_back = True  # the node gave it back (role change, shutdown)
                         if c.token_ids:

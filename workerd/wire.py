@@ -117,6 +117,7 @@ class Generate:
     top_p: float = 1.0
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
+    kv_tokens: int = 0  # frames "k.L"/"v.L" hold the KV of the first kv_tokens prompt tokens
 
 
 @_msg
@@ -201,6 +202,7 @@ class GenerateChunk:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     prompt_tokens: int = 0
+    kv_tokens: int = 0  # a handed-back request: frames carry its KV for this many context tokens
 
 
 @_msg

@@ -22,7 +22,7 @@ import torch
 from gyre.workerd import wire
 from gyre.workerd.config import WorkerConfig
 from gyre.workerd.engines.base import SamplingParams
-from gyre.workerd.tensors import from_frames, to_frames
+from gyre.workerd.tensors import from_frames, to_frame, to_frames
 
 log = logging.getLogger("gyre.workerd")
 
@@ -33,6 +33,29 @@ class Role(enum.Enum):
     ROLLOUT = "rollout"
     TRAINING = "training"
     SWITCHING = "switching"
+
+
+def kv_frames(cache) -> list[wire.TensorFrame]:
+    n = cache.length
+    frames = []
+    for i, (k, v) in enumerate(zip(cache.k, cache.v)):
+        frames += [to_frame(f"k.{i}", k[:, :n].contiguous()), to_frame(f"v.{i}", v[:, :n].contiguous())]
+    return frames
+
+
+def kv_from_frames(tensors: list[wire.TensorFrame], n: int):
+    from gyre.workerd.model import SeqCache
+
+    named = from_frames(tensors)
+    layers = len(named) // 2
+    cache = SeqCache()
+    for i in range(layers):
+        k, v = named[f"k.{i}"], named[f"v.{i}"]
+        if k.shape[1] != n:
+            raise ValueError(f"KV frame k.{i} covers {k.shape[1]} tokens, kv_tokens says {n}")
+        cache.append(i, k.clone(), v.clone())
+    cache.length = n
+    return cache
 
 
 class RoleError(RuntimeError):
@@ -122,26 +145,33 @@ class Worker:
         self.should_exit = True
         return [(wire.CallResult(req_id=msg.req_id, result={"exiting": True}), None)]
 
-    def abort_all(self, reason: str = "abort") -> list[Out]:
-        """Abort every running request (role change, shutdown): their streams end now."""
+    def abort_all(self, reason: str = "abort", handover: bool = False) -> list[Out]:
+        """Abort every running request (role change, shutdown): their streams end now. With
+        `handover`, each final chunk carries the request's KV so another engine can skip
+        recomputing its prefill."""
         outs = []
         for rid, req_id in list(self._streams.items()):
+            kv = self.engine.export_kv(rid) if handover and hasattr(self.engine, "export_kv") else None
             o = self.engine.abort(rid)
             del self._streams[rid]
             if o is not None:
+                frames = kv_frames(kv) if kv is not None else None
                 outs.append((wire.GenerateChunk(req_id=req_id, rid=rid, token_ids=[], logprobs=[],
                              version=o.version, finished=True, finish_reason=reason,
-                             prompt_tokens=o.prompt_tokens), None))
+                             prompt_tokens=o.prompt_tokens, kv_tokens=kv.length if kv else 0), frames))
         return outs
 
     # --- rollout ------------------------------------------------------------------------
 
-    def generate(self, msg: wire.Generate, _) -> list[Out]:
+    def generate(self, msg: wire.Generate, tensors) -> list[Out]:
         if self.role is not Role.ROLLOUT:
             raise RoleError(f"node {self.node_id} is {self.role.value}, not rollout")
         params = SamplingParams(max_new_tokens=msg.max_new_tokens, temperature=msg.temperature,
                                 top_p=msg.top_p, stop_token_ids=tuple(msg.stop_token_ids), seed=msg.seed)
-        self.engine.add_request(msg.rid, msg.prompt_ids, params)
+        if msg.kv_tokens and tensors:
+            self.engine.add_request(msg.rid, msg.prompt_ids, params, kv=kv_from_frames(tensors, msg.kv_tokens))
+        else:
+            self.engine.add_request(msg.rid, msg.prompt_ids, params)
         self._streams[msg.rid] = msg.req_id
         return []
 
@@ -166,7 +196,7 @@ class Worker:
         if target is not self.role:
             self.role = Role.SWITCHING
             if target is Role.TRAINING:
-                outs += self.abort_all()  # the coordinator normally aborted them already
+                outs += self.abort_all(handover=True)  # handed back with their KV, continued elsewhere
                 freed = self.engine.release_memory()
             else:
                 self.engine.resume_memory()

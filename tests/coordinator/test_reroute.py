@@ -71,6 +71,7 @@ async def test_role_changes_under_load_lose_nothing(tiny_dir, tmp_path):
         finally:
             await proxy.stop()
         assert backend.reroutes > 0  # requests really were handed back and continued elsewhere
+        assert backend.kv_handovers > 0  # ...with their KV prefix, not a recomputed prefill
         assert len(ex.calls) == len(PROMPTS) and all(c["status"] == "ok" for c in ex.calls)
         assert len({c["call_id"] for c in ex.calls}) == len(ex.calls)  # one record per call
         # Greedy decoding: the continued generation equals the undisturbed one, token for token.

@@ -111,3 +111,29 @@ def test_top_p_restricts_to_nucleus(tiny_model):
     engine.add_request("p", PROMPTS[1], SamplingParams(max_new_tokens=8, top_p=1e-6, seed=3))
     out = run(engine)
     assert out["g"][0] == out["p"][0]
+
+
+def test_kv_handover_continues_exactly(tiny_model, tiny_dir):
+    """A request exported mid-generation continues on another engine from its KV prefix and
+    produces what an undisturbed greedy run produces."""
+    from gyre.workerd.model import load_model
+
+    whole = CpuEngine(tiny_model)
+    whole.add_request("r", PROMPTS[2], SamplingParams(max_new_tokens=30, temperature=0))
+    reference = run(whole)["r"][0]
+
+    src, dst = CpuEngine(load_model(tiny_dir)), CpuEngine(load_model(tiny_dir))
+    src.add_request("r", PROMPTS[2], SamplingParams(max_new_tokens=30, temperature=0))
+    produced: list[int] = []
+    while len(produced) < 12:
+        for o in src.step():
+            produced += o.token_ids
+    kv = src.export_kv("r")
+    assert kv.length == len(PROMPTS[2]) + len(produced) - 1  # the last token is not fed yet
+    assert src.abort("r").finish_reason == "abort"
+    dst.add_request("r", PROMPTS[2] + produced, SamplingParams(max_new_tokens=30 - len(produced), temperature=0),
+                    kv=kv)
+    rest = run(dst)["r"][0]
+    assert produced + rest == reference
+    with pytest.raises(ValueError, match="handed-over KV"):
+        dst.add_request("x", PROMPTS[2][:3], SamplingParams(max_new_tokens=1), kv=kv)

@@ -49,7 +49,10 @@ class CpuEngine:
     def running(self) -> int:
         return len(self._waiting) + len(self._running)
 
-    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams,
+                    kv: SeqCache | None = None) -> None:
+        """`kv`, if given, holds the KV of a prefix of `prompt_ids` (handed over from another
+        engine): only the tokens after it are prefilled."""
         if self._released:
             raise EngineReleased("engine memory is released (cell is training)")
         if rid in self._waiting or rid in self._running:
@@ -61,14 +64,27 @@ class CpuEngine:
             raise ValueError(f"prompt_ids outside the vocabulary [0, {vocab})")
         if len(prompt_ids) >= self.max_context:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens exceeds the context {self.max_context}")
+        if kv is not None and not 0 < kv.length < len(prompt_ids):
+            raise ValueError(f"handed-over KV covers {kv.length} tokens of a {len(prompt_ids)}-token prompt")
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        self._waiting[rid] = _Request(rid, list(prompt_ids), params, gen)
+        req = _Request(rid, list(prompt_ids), params, gen)
+        if kv is not None:
+            req.cache = kv
+        self._waiting[rid] = req
 
     def abort(self, rid: str) -> TokenOutput | None:
         req = self._waiting.pop(rid, None) or self._running.pop(rid, None)
         if req is None:
             return None
         return self._out(req, [], [], finished=True, reason="abort")
+
+    def export_kv(self, rid: str) -> SeqCache | None:
+        """The KV of a running request's context so far (prompt + all sampled tokens but the
+        last, which is not fed yet), for continuing it elsewhere. Call before `abort`."""
+        req = self._running.get(rid)
+        if req is None or req.cache.length == 0:
+            return None
+        return req.cache
 
     def step(self) -> list[TokenOutput]:
         outputs: list[TokenOutput] = []
@@ -82,7 +98,8 @@ class CpuEngine:
         while self._waiting and len(self._running) < self.max_running:
             rid, req = next(iter(self._waiting.items()))
             del self._waiting[rid]
-            logits = self.model.extend(torch.tensor(req.prompt_ids), req.cache)[-1:]
+            # A handed-over cache already holds the prompt's first tokens: prefill the rest.
+            logits = self.model.extend(torch.tensor(req.prompt_ids[req.cache.length:]), req.cache)[-1:]
             self._running[rid] = req
             outputs += self._sample([req], logits)
         return outputs
