@@ -15,8 +15,6 @@ from typing import Any
 
 from gyre.coordinator.waterlevel import ExecState, Tracked
 
-FINAL = ("completed", "timed_out", "harness_error", "evaluator_error", "aborted_infra", "cancelled", "placeholder")
-
 
 @dataclass(eq=False)
 class Run:
@@ -84,6 +82,10 @@ class TrajectoryBuffer:
         if all(r.closed for r in g.runs):
             self._settle(g, "ready" if len(valid) >= self.min_valid else "dropped")
         return []
+
+    @property
+    def ready_count(self) -> int:
+        return len(self._ready)
 
     def ready(self) -> list[Group]:
         """Ready groups, oldest policy version first (then dispatch order)."""

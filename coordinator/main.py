@@ -96,7 +96,7 @@ class Coordinator:
                                engine={"seed": c.seed, "max_running": c.engine_max_running})
         self._install_signal_handlers()
         async with cluster:
-            self.cluster, self.link = cluster, cluster.link
+            self.link = cluster.link
             self.nodes = [cluster.node_of_cell(i) for i in range(c.cells)]
             await self._startup()
             try:
@@ -130,7 +130,9 @@ class Coordinator:
     async def _startup(self) -> None:
         c = self.c
         self.table = RoutingTable()
-        self.table.set_nodes([n for n, r in zip(self.nodes, self.roles) if r == "rollout"])
+        self.table.set_nodes(self.nodes)
+        for node, role in zip(self.nodes, self.roles):
+            self.table.routes[node].accepting = role == "rollout"
         proxy_cfg = ProxyConfig(host=c.proxy_host, port=c.proxy_port, default_max_tokens=c.default_max_tokens)
         self.proxy = ProxyServer(ChatTokenizer(c.model_dir), LinkBackend(self.link, self.table), proxy_cfg,
                                  run_dir=c.run_dir)
@@ -197,7 +199,7 @@ class Coordinator:
         c = self.wl.c
         batch = self.batch if not self._idle(self.step_task) else None
         return Snapshot(roles=tuple(self.roles), queued=c.queued, running=c.running,
-                        ready_groups=len(self.buffer.ready()), groups_per_step=self.c.groups_per_step,
+                        ready_groups=self.buffer.ready_count, groups_per_step=self.c.groups_per_step,
                         mu=self.c.mu, steps_in_burst=self.steps_in_burst, step_in_flight=batch is not None,
                         async_training_cells=self.c.async_training_cells,
                         capacity=(self.c.exec_slots_per_cell,) * self.c.cells, standalone=0,
@@ -283,8 +285,7 @@ class Coordinator:
             self.table.routes[node].accepting = False  # no new requests; running ones are handed back
         reply, _ = await self.link.call(node, wire.SetRole(req_id=self.link.new_req_id(), role=new))
         if new == "rollout":
-            self.table.set_nodes([n for n, r in zip(self.nodes, self.roles) if r == "rollout"] + [node])
-            self.table.routes[node].accepting = True
+            self.table.routes[node].accepting = True  # every node has a route since start-up
         self.roles[cell] = new
         self.metrics.emit("role", cell=cell, **{"from": old, "to": new}, seconds=round(time.monotonic() - t0, 4),
                           worker_seconds=round(reply.seconds, 4))
@@ -315,7 +316,7 @@ class Coordinator:
             return
         # Colocate trains on a full batch; the others stream from the first ready group.
         need = self.c.groups_per_step if self.c.policy == "colocate" else 1
-        if len(self.buffer.ready()) >= need:
+        if self.buffer.ready_count >= need:
             self.step_task = asyncio.create_task(self._step(cells), name="gyre-step")
 
     async def _step(self, cells: list[int]) -> None:

@@ -127,7 +127,7 @@ class Batch:
 async def core_weights(coord) -> tuple[int, list[wire.TensorFrame]]:
     """The core's parameters at the current trainer version, exported once per version and
     cached, so a joining satellite never waits for the core (busy training) to answer."""
-    cached = getattr(coord, "_core_cache", None)
+    cached = coord._core_cache
     if cached is not None and cached[0] == coord.trainer_version:
         return cached[1], cached[2]
     link = coord.link

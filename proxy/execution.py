@@ -35,13 +35,6 @@ class Prepared:
     t_start: float
 
 
-@dataclass(slots=True)
-class _Output:
-    node: int
-    content: str
-    tool_call_ids: list[str]
-
-
 @dataclass
 class Execution:
     id: str
@@ -54,7 +47,7 @@ class Execution:
     closed: bool = False
 
     def __post_init__(self) -> None:
-        self._outputs: dict[str, _Output] = {}
+        self._outputs: dict[str, int] = {}  # call id -> its (policy) output node
         self._by_tool_id: dict[str, str] = {}
         self._text_last: dict[str, str] = {}  # reply text -> the latest call that produced it
         self._text_at: dict[tuple[int, str], str] = {}  # (parent node, reply text) -> call id
@@ -144,9 +137,9 @@ class Execution:
         """The recorded output a message refers to: the one recorded under `parent` when
         there is one (one lookup, however many identical replies exist), else the latest."""
         if kind == "call":
-            return self.tree.nodes[self._outputs[key].node]
+            return self.tree.nodes[self._outputs[key]]
         cid = self._text_at.get((parent, key)) if parent is not None else None
-        return self.tree.nodes[self._outputs[cid or self._text_last[key]].node]
+        return self.tree.nodes[self._outputs[cid or self._text_last[key]]]
 
     def _classify(self, req: ChatRequest, headers: dict[str, str], root: int) -> str:
         if self._first_model is None:
@@ -172,7 +165,7 @@ class Execution:
             out_node, leaf = node.id, node.id
             if result is not None and status == "ok":
                 ids = [c.id for c in result.tool_calls]
-                self._outputs[prep.call_id] = _Output(node.id, result.content, ids)
+                self._outputs[prep.call_id] = node.id
                 for c in result.tool_calls:
                     self._by_tool_id[c.id] = prep.call_id
                     self._args[c.id] = c.arguments

@@ -150,7 +150,6 @@ class OptimizerStep:
 
     req_id: int
     num_executions: int
-    group: str | None = None
     apply: bool = True  # False on satellites: take part in the reduction, leave the update to the core
 
 
