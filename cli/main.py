@@ -14,7 +14,8 @@ import typer
 from gyre.cli.options import (CellOpt, CoordinatorOpt, DebugOpt, DevicesOpt, HeartbeatOpt, ModelDirArg,
                               ModelKindArg, ModelOpt, NodeIdOpt, NodeRankOpt, RunDirOpt, SeedOpt, StepsOpt,
                               WelcomeTimeoutOpt, HostOpt, PortOpt, RunDirArg, ExecutionOpt, JsonOpt, JMaxOpt,
-                              ConfigArg, PolicyOpt, NoLiveOpt, ParentPidOpt)
+                              ConfigArg, PolicyOpt, NoLiveOpt, ParentPidOpt, HarnessOpt, TaskOpt, TimeoutOpt,
+                              MaxContextOpt, ServeConfigOpt)
 
 app = typer.Typer(name="gyre", no_args_is_help=True, add_completion=False,
                   help="Online RL for LLM agents in black-box harnesses.")
@@ -107,12 +108,59 @@ def up(
 
 
 @app.command()
-def serve(model: ModelOpt = None, run_dir: RunDirOpt = None, host: HostOpt = "127.0.0.1", port: PortOpt = 0) -> None:
-    """Run the proxy and a local engine; print one JSON line with base_url and api_key."""
+def serve(model: ModelOpt = None, run_dir: RunDirOpt = None, host: HostOpt = "127.0.0.1", port: PortOpt = 0,
+          harness: HarnessOpt = None, task: TaskOpt = None, timeout: TimeoutOpt = 600.0,
+          max_context: MaxContextOpt = None, config: ServeConfigOpt = None) -> None:
+    """Run the proxy and a local engine: print one JSON line with base_url and api_key and
+    serve until stopped; or, with --harness and --task, run that harness once and exit."""
     from gyre.coordinator.serve import run_serve
 
+    preset = None
+    if harness is not None:
+        if not task:
+            _fail(ValueError("--harness needs --task (the prompt the harness is given)"))
+        preset = _preset(harness, config)
+    elif task is not None:
+        _fail(ValueError("--task is for --harness (without it, serve waits for your own client)"))
     run_dir = _run_dir(run_dir, "serve")
-    _guard(run_serve, model_dir=_model_dir(model, run_dir, 0), run_dir=run_dir, host=host, port=port)
+    code = _guard(run_serve, model_dir=_model_dir(model, run_dir, 0), run_dir=run_dir, host=host, port=port,
+                  preset=preset, task=task, timeout_s=timeout, max_context=max_context)
+    raise typer.Exit(code)
+
+
+def _preset(name: str, config: Path | None):
+    """The named preset (user presets from `config` first), its executable checked."""
+    from gyre.coordinator.harnesses import HarnessError, resolve
+    from gyre.coordinator.up import load_config_file
+
+    user = (_guard(load_config_file, path=config) if config else {}).get("harnesses", {})
+    try:
+        preset = resolve(name, user)
+    except HarnessError as e:
+        _fail(e)
+    if preset.executable() is None:
+        hint = f"; install: {preset.install}" if preset.install else ""
+        _fail(FileNotFoundError(f"harness {name!r}: {preset.command[0]!r} is not on PATH{hint}"))
+    return preset
+
+
+@app.command()
+def harnesses(config: ServeConfigOpt = None) -> None:
+    """List the harness presets: command, API, role rule, and whether it is installed."""
+    from gyre.coordinator.harnesses import HarnessError, presets
+    from gyre.coordinator.up import load_config_file
+
+    user = (_guard(load_config_file, path=config) if config else {}).get("harnesses", {})
+    for name, p in presets(user).items():
+        if isinstance(p, HarnessError):
+            typer.echo(f"{name}: unusable: {e_text(p)}")
+            continue
+        found = "installed" if p.executable() else f"not installed ({p.install or 'command not on PATH'})"
+        typer.echo(f"{name}: api {p.api}, role rule {p.role_rule}, {found}\n  command: {' '.join(p.command)}")
+
+
+def e_text(e: Exception) -> str:
+    return str(e).split(": ", 1)[-1]
 
 
 @app.command()

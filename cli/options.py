@@ -31,3 +31,8 @@ ConfigArg = Annotated[Optional[Path], typer.Argument(help="Run config file (TOML
 PolicyOpt = Annotated[Optional[str], typer.Option("--policy", help="Placement policy: elastic, colocate or async.")]
 NoLiveOpt = Annotated[bool, typer.Option("--no-live", help="Plain log lines instead of the live view.")]
 ParentPidOpt = Annotated[Optional[int], typer.Option("--parent-pid", help="Exit when this process (the coordinator that started us) is gone.")]
+HarnessOpt = Annotated[Optional[str], typer.Option("--harness", help="Run this harness preset once (demo, claude-code, openai-compatible, or one from --config) instead of waiting for clients.")]
+TaskOpt = Annotated[Optional[str], typer.Option("--task", help="The task prompt for --harness.")]
+TimeoutOpt = Annotated[float, typer.Option("--timeout", help="Seconds the harness may run (--harness).")]
+MaxContextOpt = Annotated[Optional[int], typer.Option("--max-context", help="Prompt + output token limit per call (default 32768).")]
+ServeConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="A run config (TOML/JSON) whose [harnesses.NAME] tables add or override presets.")]

@@ -7,7 +7,6 @@ Not a parser: the CLI builds it (flags and config files come later, in one place
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -18,11 +17,6 @@ def dispatch_target(phi: float, mu: int, groups_per_step: int, publications: int
     """Boundary dispatch: cumulative groups dispatched after `publications` weight
     publications (0 = the initial fill of (phi + mu) * B). Shared by runs and `gyre sim`."""
     return math.floor((phi + mu * (1 + publications)) * groups_per_step + 1e-9)
-
-
-def demo_harness_argv() -> tuple[str, ...]:
-    return (sys.executable, "-m", "gyre.proxy.demo_harness", "--max-turns", "1", "--max-tokens", "16",
-            "--compact-at", "100000", "--max-retries", "2", "--timeout", "120")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -41,7 +35,8 @@ class CoordinatorConfig:
     async_training_cells: int = 1  # async: cells [0, t) train, the rest roll out
     exec_slots_per_cell: int = 8  # concurrent executions one rollout cell serves
     engine_max_running: int = 64  # concurrent inference requests one cell's engine batches
-    harness: tuple[str, ...] = field(default_factory=demo_harness_argv)
+    harness: str | tuple[str, ...] = "demo"  # a preset name (harnesses.py) or a command argv
+    harnesses: dict = field(default_factory=dict)  # user presets: name -> fields (may `extends`)
     tasks_path: Path | None = None  # JSONL; None: the embedded default task set
     execution_timeout_s: float = 120.0
     eval_attempts: int = 3
@@ -64,9 +59,15 @@ class CoordinatorConfig:
             raise ValueError(f"phi must be >= 0, got {self.phi}")
         if not 1 <= self.min_valid <= self.group_size:
             raise ValueError(f"min_valid must be in [1, group_size={self.group_size}], got {self.min_valid}")
+        self.preset()  # an unknown or unusable harness fails here, named
         if self.policy == "async" and not 1 <= self.async_training_cells < self.cells:
             raise ValueError(f"async needs 1 <= async_training_cells < cells ({self.cells}); "
                              f"got {self.async_training_cells}")
+
+    def preset(self):
+        from gyre.coordinator.harnesses import resolve
+
+        return resolve(self.harness, self.harnesses)
 
     @property
     def initial_groups(self) -> int:

@@ -1,7 +1,8 @@
 """launcher.py: runs one execution: workspace, key, harness process, deadline, evaluation.
 
-The harness is a subprocess started in its own session with the proxy's base URL and a
-fresh per-execution key in both OpenAI and Anthropic variable names. At the deadline it
+The harness is a subprocess (its preset's command, see harnesses.py) started in its own
+session with the proxy's base URL and a fresh per-execution key in both OpenAI and
+Anthropic variable names, plus the preset's own variables. At the deadline it
 is stopped (SIGTERM to its process group, SIGKILL after a grace period) and its
 workspace kept, so a timed-out execution is still scored on its preserved work. Ends in
 exactly one status:
@@ -27,6 +28,7 @@ from pathlib import Path
 
 from gyre.coordinator.buffer import Run
 from gyre.coordinator.evaluator import Outcome, build_evaluator, evaluate_with_retries
+from gyre.coordinator.harnesses import HarnessPreset
 from gyre.coordinator.tasks import make_workspace
 from gyre.proxy.server import ProxyServer
 
@@ -35,11 +37,10 @@ log = logging.getLogger("gyre.coordinator")
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LaunchSpec:
-    harness: tuple[str, ...]
-    timeout_s: float
+    preset: HarnessPreset
+    timeout_s: float  # unless the task or the preset sets its own
     eval_attempts: int
     eval_budget_s: float
-    grace_s: float = 5.0
 
 
 class Launcher:
@@ -52,20 +53,12 @@ class Launcher:
 
     async def run(self, run: Run) -> None:
         """Run `run` to its end; sets status, reward, valid, ref, times and the recorder."""
-        task = run.task
-        folder = self.run_dir / "executions" / run.id
-        run.t_start = time.time()
-        recorder = self.proxy.register(run.id)
-        run.recorder = recorder
-        try:
-            workspace = await asyncio.to_thread(make_workspace, task, folder / "workspace")
-            code, timed_out = await self._harness(run, recorder.key, workspace, folder)
-        finally:
-            self.proxy.revoke(run.id)  # the key stops working; the records stay
-        called = bool(recorder.calls)
+        code, timed_out, workspace = await self.execute(run)
+        called = bool(run.recorder.calls)
         if code is None or (code != 0 and not called and not timed_out):
             run.status, run.reward, run.valid, run.ref = "placeholder", 0.0, True, f"harness exit {code}"
         else:
+            task = run.task
             deadline = time.monotonic() + self.spec.eval_budget_s
             evaluator = build_evaluator(task.evaluator or self.default_evaluator)
             outcome: Outcome = await evaluate_with_retries(evaluator, task, workspace, deadline=deadline,
@@ -78,20 +71,40 @@ class Launcher:
                 run.status = "timed_out" if timed_out else "completed" if code == 0 else "harness_error"
         run.t_end = time.time()
 
+    async def execute(self, run: Run) -> tuple[int | None, bool, Path]:
+        """The harness part alone: key, workspace, process, deadline; the key is revoked at
+        the end. Returns (exit code or None if it could not start, timed_out, workspace)."""
+        folder = self.run_dir / "executions" / run.id
+        run.t_start = time.time()
+        recorder = self.proxy.register(run.id, role_rule=self.spec.preset.role_rule)
+        run.recorder = recorder
+        try:
+            workspace = await asyncio.to_thread(make_workspace, run.task, folder / "workspace")
+            code, timed_out = await self._harness(run, recorder.key, workspace, folder)
+        finally:
+            self.proxy.revoke(run.id)  # the key stops working; the records stay
+        return code, timed_out, workspace
+
     async def _harness(self, run: Run, key: str, workspace: Path, folder: Path) -> tuple[int | None, bool]:
         """Returns (exit code or None if it could not start, timed_out)."""
-        base = self.proxy.base_url
+        base, preset = self.proxy.base_url, self.spec.preset
+        state = folder / "harness-state"
+        state.mkdir(parents=True, exist_ok=True)
+        argv, extra = preset.expand(task=run.task.prompt, workspace=str(workspace), execution=run.id,
+                                    state=str(state), base_url=base, openai_base_url=f"{base}/v1", api_key=key)
         env = dict(os.environ, OPENAI_BASE_URL=f"{base}/v1", OPENAI_API_KEY=key, ANTHROPIC_BASE_URL=base,
                    ANTHROPIC_API_KEY=key, GYRE_TASK=run.task.prompt, GYRE_WORKSPACE=str(workspace),
-                   GYRE_EXECUTION=run.id, PYTHONUNBUFFERED="1")
-        timeout = run.task.timeout_s or self.spec.timeout_s
+                   GYRE_EXECUTION=run.id, PYTHONUNBUFFERED="1", **extra)
+        env.pop("ANTHROPIC_AUTH_TOKEN", None)  # would override the per-execution key
+        timeout = run.task.timeout_s or preset.timeout_s or self.spec.timeout_s
         with open(folder / "harness.log", "ab") as logf:
             try:
                 proc = await asyncio.create_subprocess_exec(
-                    *self.spec.harness, cwd=workspace, env=env, stdin=asyncio.subprocess.DEVNULL,
+                    *argv, cwd=workspace, env=env, stdin=asyncio.subprocess.DEVNULL,
                     stdout=logf, stderr=logf, start_new_session=True)
             except OSError as e:
-                logf.write(f"gyre: harness could not start: {e}\n".encode())
+                hint = f" (install: {preset.install})" if preset.install and preset.executable() is None else ""
+                logf.write(f"gyre: harness {preset.name!r} could not start: {e}{hint}\n".encode())
                 return None, False
             self._procs[run.id] = proc
             try:
@@ -113,7 +126,7 @@ class Launcher:
         proc = self._procs.get(run_id)
         if proc is None or proc.returncode is not None:
             return
-        for sig, wait in ((signal.SIGTERM, self.spec.grace_s), (signal.SIGKILL, 10.0)):
+        for sig, wait in ((signal.SIGTERM, self.spec.preset.grace_s), (signal.SIGKILL, 10.0)):
             try:
                 os.killpg(proc.pid, sig)
             except ProcessLookupError:

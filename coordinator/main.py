@@ -138,7 +138,7 @@ class Coordinator:
                                  run_dir=c.run_dir)
         await self.proxy.start()
         self.launcher = Launcher(self.proxy, c.run_dir, LaunchSpec(
-            harness=c.harness, timeout_s=c.execution_timeout_s, eval_attempts=c.eval_attempts,
+            preset=c.preset(), timeout_s=c.execution_timeout_s, eval_attempts=c.eval_attempts,
             eval_budget_s=c.eval_budget_s), default_evaluator={"type": "similarity"})
         # Gradient reduction: every cell joins one gloo world with prebuilt prefix groups.
         init = f"file://{c.run_dir / f'.rendezvous-{secrets.token_hex(4)}'}"

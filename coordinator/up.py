@@ -40,11 +40,11 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Coor
     for key in ("run_dir", "model_dir", "tasks_path"):
         if values.get(key) is not None:
             values[key] = Path(values[key])
-    if "harness" in values:
+    if "harness" in values and not isinstance(values["harness"], str):
         values["harness"] = tuple(values["harness"])
     try:
         return CoordinatorConfig(**values)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError) as e:  # HarnessError included
         raise ConfigError(str(e)) from None
 
 

@@ -20,7 +20,7 @@ import orjson
 
 from gyre.proxy.admission import Rows, Trajectory, admit, materialise
 from gyre.proxy.chat import ChatTokenizer, Ref
-from gyre.proxy.roles import CallInfo, RoleRule
+from gyre.proxy.roles import CallInfo, RoleRule, delegation_prompt
 from gyre.proxy.tree import Node, Tree
 from gyre.proxy.types import ChatRequest, ChatResult, RequestError
 
@@ -33,6 +33,7 @@ class Prepared:
     new_tokens: int  # prompt tokens that had to be encoded for this call
     role: str
     t_start: float
+    delegated_by: str | None = None  # the call whose Agent/Task tool call opened this sub-agent
 
 
 @dataclass
@@ -57,6 +58,7 @@ class Execution:
         self._n_calls = 0
         self._files: dict[str, IO[bytes]] = {}
         self._roles: dict[int, str] = {}  # node -> role of the call that ended there
+        self._delegations: dict[str, str] = {}  # delegated sub-agent prompt -> the delegating call
         if self.dir is not None:
             self.dir.mkdir(parents=True, exist_ok=True)
 
@@ -115,8 +117,9 @@ class Execution:
             self._write_node(node)
             path.append(node.id)
             parent = node.id
-        role = self._classify(req, headers, self.tree.nodes[path[0]].root)
-        return Prepared(call_id, path, self.tree.tokens(path), new_tokens, role, time.time())
+        delegated_by = self._delegated_by(req)
+        role = self._classify(req, headers, self.tree.nodes[path[0]].root, delegated_by)
+        return Prepared(call_id, path, self.tree.tokens(path), new_tokens, role, time.time(), delegated_by)
 
     def _resolve_outputs(self, req: ChatRequest) -> dict[int, tuple[str, str]]:
         """Assistant messages that are our recorded outputs: message index -> ("call", call
@@ -141,13 +144,27 @@ class Execution:
         cid = self._text_at.get((parent, key)) if parent is not None else None
         return self.tree.nodes[self._outputs[cid or self._text_last[key]]]
 
-    def _classify(self, req: ChatRequest, headers: dict[str, str], root: int) -> str:
+    def _delegated_by(self, req: ChatRequest) -> str | None:
+        """The call that delegated this request's conversation: its first user message ends
+        with (harnesses prepend reminders) the prompt of one of our Agent/Task tool calls."""
+        if not self._delegations:
+            return None
+        first = next((m.content for m in req.messages if m.role == "user"), "").strip()
+        for prompt, call_id in self._delegations.items():
+            if first.endswith(prompt):
+                return call_id
+        return None
+
+    def _classify(self, req: ChatRequest, headers: dict[str, str], root: int, delegated_by: str | None) -> str:
         if self._first_model is None:
             self._first_model, self._first_root_tools = req.model, bool(req.tools)
         last_user = next((m.content for m in reversed(req.messages) if m.role == "user"), "")
+        first_user = next((m.content for m in req.messages if m.role == "user"), "")
+        system = req.messages[0].content if req.messages and req.messages[0].role == "system" else ""
         return self.rule.classify(CallInfo(root=root, model=req.model, has_tools=bool(req.tools),
                                            last_user=last_user, first_model=self._first_model,
-                                           first_root_has_tools=self._first_root_tools, headers=headers))
+                                           first_root_has_tools=self._first_root_tools, headers=headers,
+                                           system=system, first_user=first_user, delegated_by=delegated_by))
 
     # --- a call's output ----------------------------------------------------------------
 
@@ -169,6 +186,9 @@ class Execution:
                 for c in result.tool_calls:
                     self._by_tool_id[c.id] = prep.call_id
                     self._args[c.id] = c.arguments
+                    prompt = delegation_prompt(self.rule, c.name, c.arguments)
+                    if prompt is not None:
+                        self._delegations[prompt] = prep.call_id
                 if not ids:
                     text = result.content.strip()
                     self._text_last[text] = prep.call_id
@@ -183,9 +203,17 @@ class Execution:
             "versions": sorted(set(versions)), "invalid_tool_calls": invalid_tool_calls,
             "tool_calls": [c.id for c in result.tool_calls] if result else [],
         }
+        if prep.delegated_by is not None:
+            record["delegated_by"] = prep.delegated_by
         self.calls.append(record)
         self._write("calls", record)
         return record
+
+    def record_request(self, body: Any, headers: dict[str, str], path: str) -> None:
+        """Keep a raw request (for harness debugging); credentials never reach the file."""
+        secret = {"authorization", "x-api-key", "proxy-authorization", "cookie"}
+        self._write("requests", {"seq": self._n_calls + 1, "t": time.time(), "path": path, "body": body,
+                                 "headers": {k: v for k, v in headers.items() if k.lower() not in secret}})
 
     # --- training data ------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ admission: admission.py reads the roles this module assigns.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Protocol
@@ -31,10 +32,14 @@ class CallInfo:
     first_model: str  # model name of the execution's first call
     first_root_has_tools: bool
     headers: dict[str, str]
+    system: str = ""  # the request's leading system text
+    first_user: str = ""  # text of the request's first user message
+    delegated_by: str | None = None  # call id whose delegation prompt opens this request
 
 
 class RoleRule(Protocol):
     name: str
+    delegation_tools: tuple[str, ...]  # tools whose `prompt` argument starts a sub-agent
 
     def classify(self, call: CallInfo) -> str: ...
 
@@ -49,6 +54,7 @@ class GenericRule:
     whose main agent has tools = side."""
 
     name = "generic"
+    delegation_tools: tuple[str, ...] = ()
 
     def classify(self, call: CallInfo) -> str:
         if is_summary_request(call.last_user):
@@ -60,7 +66,52 @@ class GenericRule:
         return "sub-agent"
 
 
-RULES: dict[str, type] = {"generic": GenericRule}
+# Claude Code's compaction instruction (2.1.x), appended to the last user message.
+_CC_COMPACTION = ("Your task is to create a detailed summary of the conversation so far",
+                  "CRITICAL: Respond with TEXT ONLY. Do NOT call any tools.")
+
+
+class ClaudeCodeRule:
+    """Claude Code (observed on 2.1.197, see HARNESS-NOTES.md):
+
+    - sub-agent: the request carries `x-claude-code-agent-id`, its billing header says
+      `cc_is_subagent=true`, or its first user message is the `prompt` of an Agent/Task
+      tool call this execution made (delegation matching);
+    - summary: the last user message is Claude Code's compaction instruction (or any
+      summary request), for the main agent or a sub-agent by the same signals;
+    - side: a tool-less call that is not a summary (title and other side requests);
+    - main: everything else, including the new root a compaction or `--continue` starts
+      ("This session is being continued...") and a changed system prompt.
+    """
+
+    name = "claude-code"
+    delegation_tools: tuple[str, ...] = ("Agent", "Task")
+
+    def classify(self, call: CallInfo) -> str:
+        headers = {k.lower(): v for k, v in call.headers.items()}
+        sub = ("x-claude-code-agent-id" in headers or "cc_is_subagent=true" in call.system[:500]
+               or call.delegated_by is not None)
+        tail = call.last_user[-20000:]
+        if any(marker in tail for marker in _CC_COMPACTION) or is_summary_request(call.last_user):
+            return "sub-agent-summary" if sub else "main-summary"
+        if not call.has_tools:
+            return "side"
+        return "sub-agent" if sub else "main"
+
+
+RULES: dict[str, type] = {"generic": GenericRule, "claude-code": ClaudeCodeRule}
+
+
+def delegation_prompt(rule: RoleRule, name: str, arguments: str) -> str | None:
+    """The sub-agent prompt a tool call delegates, when `rule` counts it as a delegation."""
+    if name not in rule.delegation_tools:
+        return None
+    try:
+        args = json.loads(arguments)
+    except ValueError:
+        return None
+    prompt = args.get("prompt") if isinstance(args, dict) else None
+    return prompt.strip() if isinstance(prompt, str) and prompt.strip() else None
 
 
 def rule(name: str) -> RoleRule:

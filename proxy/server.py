@@ -43,6 +43,7 @@ class ProxyConfig:
     ping_interval_s: float = 5.0
     role_rule: str = "generic"
     served_model: str = "gyre-policy"
+    record_requests: bool = False  # also keep each raw request body (keys stripped) in requests.jsonl
 
 
 class HttpError(Exception):
@@ -62,17 +63,20 @@ class ProxyServer:
         self._by_key: dict[str, Execution] = {}
         self._runner: web.AppRunner | None = None
         self.base_url = ""
-        self.inject_errors: list[tuple[int, dict[str, str]]] = []  # tests: (status, headers) to answer next
+        # Tests: answer the next model calls with (status, headers); status CUT_STREAM starts a
+        # stream (its opening events) and drops the connection before any content.
+        self.inject_errors: list[tuple[int, dict[str, str]]] = []
         self.on_record: Callable[[Execution, dict], None] | None = None  # called as each call is recorded
 
     # --- executions ---------------------------------------------------------------------
 
-    def register(self, exec_id: str) -> Execution:
-        """A new execution with a fresh random key; its calls are recorded under run_dir."""
+    def register(self, exec_id: str, role_rule: str | None = None) -> Execution:
+        """A new execution with a fresh random key; its calls are recorded under run_dir and
+        classified by `role_rule` (default: the config's)."""
         if exec_id in self.executions:
             raise ValueError(f"execution {exec_id!r} already registered")
         folder = self.run_dir / "executions" / exec_id if self.run_dir else None
-        ex = Execution(exec_id, new_key(), self.tokenizer, rule(self.config.role_rule), dir=folder)
+        ex = Execution(exec_id, new_key(), self.tokenizer, rule(role_rule or self.config.role_rule), dir=folder)
         self.executions[exec_id] = ex
         self._by_key[ex.key] = ex
         return ex
@@ -174,7 +178,11 @@ class ProxyServer:
             req = api.parse_request(body, dict(request.headers))
             if self.inject_errors:
                 status, headers = self.inject_errors.pop(0)
+                if status == CUT_STREAM:
+                    return await _cut_stream(request, api, req)
                 raise HttpError(status, "injected error (test)", headers)
+            if self.config.record_requests:
+                execution.record_request(body, dict(request.headers), str(request.rel_url))
             prep = execution.prepare(req, dict(request.headers), max_context=self.config.max_context)
         except HttpError as e:
             return _error(api, e.status, e.message, e.headers)
@@ -329,6 +337,19 @@ class _Call:
                          request=self.req, invalid_tool_calls=self.parser.invalid_tool_calls)
         if self.s.on_record is not None:
             self.s.on_record(self.ex, record)
+
+
+CUT_STREAM = 0
+
+
+async def _cut_stream(request: web.Request, api: ModuleType, req: ChatRequest) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    kwargs = {"input_tokens": 0} if api is api_anthropic else {}
+    for event in api.Stream(req, api.new_response_id(), **kwargs).start():
+        await resp.write(event)
+    request.transport.close()
+    return resp
 
 
 def _dumps(obj: Any) -> str:

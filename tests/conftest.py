@@ -14,6 +14,13 @@ def tiny_dir(tmp_path_factory):
     return init_tiny(tmp_path_factory.mktemp("tiny"), seed=0)
 
 
+@pytest.fixture(scope="session")
+def chat_tokenizer(tiny_dir):
+    from gyre.proxy.chat import ChatTokenizer
+
+    return ChatTokenizer(tiny_dir)
+
+
 @pytest.fixture
 def tiny_model(tiny_dir):
     from gyre.workerd.model import load_model

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import pytest
 
 from gyre.proxy.backend import ThreadEngineBackend
-from gyre.proxy.chat import ChatTokenizer
 from gyre.proxy.server import ProxyConfig, ProxyServer
 from tests.scripted import ScriptedEngine
 
@@ -21,11 +20,6 @@ class Live:
 
     def execution(self, name: str = "e1"):
         return self.server.register(name)
-
-
-@pytest.fixture(scope="session")
-def chat_tokenizer(tiny_dir):
-    return ChatTokenizer(tiny_dir)
 
 
 @pytest.fixture
