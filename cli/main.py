@@ -15,7 +15,7 @@ from gyre.cli.options import (CellOpt, CoordinatorOpt, DebugOpt, DevicesOpt, Hea
                               ModelKindArg, ModelOpt, NodeIdOpt, NodeRankOpt, RunDirOpt, SeedOpt, StepsOpt,
                               WelcomeTimeoutOpt, HostOpt, PortOpt, RunDirArg, ExecutionOpt, JsonOpt, JMaxOpt,
                               ConfigArg, PolicyOpt, NoLiveOpt, ParentPidOpt, HarnessOpt, TaskOpt, TimeoutOpt,
-                              MaxContextOpt, ServeConfigOpt)
+                              MaxContextOpt, ServeConfigOpt, TopTargetArg, IntervalOpt, OnceOpt)
 
 app = typer.Typer(name="gyre", no_args_is_help=True, add_completion=False,
                   help="Online RL for LLM agents in black-box harnesses.")
@@ -104,7 +104,7 @@ def up(
                            run_dir, seed)
     cfg = _guard(build_config, file_values=file_values, overrides=dict(
         steps=steps, policy=policy, run_dir=run_dir, model_dir=model_dir, seed=seed))
-    _guard(run_up, config=cfg)
+    _guard(run_up, config=cfg, live=not no_live and sys.stdout.isatty())
 
 
 @app.command()
@@ -201,15 +201,52 @@ def _model_dir(model, run_dir, seed: int):
     return init_tiny(run_dir / "model", seed=seed)
 
 
-def _not_yet(name: str, issue: str) -> None:
-    typer.echo(f"[error] `gyre {name}` is not built yet: it lands with the {issue} issue.", err=True)
-    raise typer.Exit(2)
-
-
 @app.command()
-def top() -> None:
-    """Attach a live view to a running coordinator (not built yet)."""
-    _not_yet("top", "'Operating gyre on bare metal'")
+def top(target: TopTargetArg = None, interval: IntervalOpt = 1.0, once: OnceOpt = False,
+        no_live: NoLiveOpt = False) -> None:
+    """Attach a live view to a running coordinator (by its run directory or proxy URL)."""
+    import asyncio
+
+    from rich.console import Console
+
+    from gyre.cli.live import fetch, follow, plain_line, render, status_url
+
+    try:
+        url = status_url(target or _latest_run())
+        first = fetch(url)
+    except (FileNotFoundError, ConnectionError) as e:
+        _fail(e)
+    console = Console()
+    if once:
+        if no_live or not sys.stdout.isatty():
+            typer.echo(plain_line(first))
+        else:
+            console.print(render(first, console.width))
+        return
+    gone: list[str] = []
+    last = [first]
+
+    async def get() -> dict:
+        try:
+            last[0] = await asyncio.to_thread(fetch, url)
+        except ConnectionError:
+            gone.append(url)  # the last state stays on screen
+        return last[0]
+
+    try:
+        asyncio.run(follow(get, interval_s=interval, live=not no_live and sys.stdout.isatty(),
+                           console=console, until=lambda: bool(gone)))
+    except KeyboardInterrupt:
+        return
+    typer.echo(f"the coordinator at {url} stopped answering (run finished or stopped)")
+
+
+def _latest_run() -> str:
+    """The newest run directory under ./runs with a coordinator.json."""
+    found = sorted(Path("runs").glob("*/coordinator.json"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise FileNotFoundError("no run directory given and none under ./runs has a coordinator.json")
+    return str(found[-1].parent)
 
 
 def _guard(fn, **kwargs):

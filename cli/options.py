@@ -36,3 +36,6 @@ TaskOpt = Annotated[Optional[str], typer.Option("--task", help="The task prompt 
 TimeoutOpt = Annotated[float, typer.Option("--timeout", help="Seconds the harness may run (--harness).")]
 MaxContextOpt = Annotated[Optional[int], typer.Option("--max-context", help="Prompt + output token limit per call (default 32768).")]
 ServeConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="A run config (TOML/JSON) whose [harnesses.NAME] tables add or override presets.")]
+TopTargetArg = Annotated[Optional[str], typer.Argument(help="Run directory of a running coordinator, or its proxy URL (default: the newest under ./runs).")]
+IntervalOpt = Annotated[float, typer.Option("--interval", help="Seconds between refreshes.")]
+OnceOpt = Annotated[bool, typer.Option("--once", help="Draw the state once and exit.")]

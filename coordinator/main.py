@@ -16,6 +16,7 @@ import asyncio
 import gc
 import json
 import logging
+import os
 import secrets
 import time
 from collections import deque
@@ -29,6 +30,7 @@ from gyre.coordinator.metrics import Metrics
 from gyre.coordinator.training import Batch, core_weights, memcpy_seconds, push_core_weights
 from gyre.coordinator.policies import POLICIES, Snapshot
 from gyre.coordinator.routing import LinkBackend, RoutingTable
+from gyre.coordinator.status import Rates, snapshot
 from gyre.coordinator.tasks import TaskSource, default_tasks, load_tasks
 from gyre.coordinator.waterlevel import Waterlevel
 from gyre.proxy.chat import ChatTokenizer
@@ -83,6 +85,14 @@ class Coordinator:
         self.on_step = on_step
         self.metrics: Metrics | None = None
         self.should_exit = False  # set by SIGINT/SIGTERM: stop at the next tick, gracefully
+        self.role_history: list[list[tuple[float, str]]] = [[(0.0, r)] for r in self.roles]  # per cell
+        self.role_switches: list[dict] = []
+        self.rates = Rates()
+        self.tokens_trained = 0
+
+    def status(self) -> dict:
+        """The live view's data (GET /gyre/status, `gyre top`)."""
+        return snapshot(self)
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -137,6 +147,9 @@ class Coordinator:
         self.proxy = ProxyServer(ChatTokenizer(c.model_dir), LinkBackend(self.link, self.table), proxy_cfg,
                                  run_dir=c.run_dir)
         await self.proxy.start()
+        self.proxy.status_provider = self.status
+        (c.run_dir / "coordinator.json").write_text(json.dumps({
+            "status_url": f"{self.proxy.base_url}/gyre/status", "pid": os.getpid(), "started": time.time()}))
         self.launcher = Launcher(self.proxy, c.run_dir, LaunchSpec(
             preset=c.preset(), timeout_s=c.execution_timeout_s, eval_attempts=c.eval_attempts,
             eval_budget_s=c.eval_budget_s), default_evaluator={"type": "similarity"})
@@ -185,6 +198,7 @@ class Coordinator:
         for task in (self.step_task, self.side_task, *self.runs.values()):
             if task is not None and task.done() and not task.cancelled() and task.exception():
                 raise task.exception()  # a failed step, transition or launch ends the run
+        self.rates.sample(self.metrics.now(), sum(r.tokens for r in self.table.routes.values()), self.tokens_trained)
         self._launch()
         self._publish_if_burst_done()
         self._place()  # the policy is asked before a step starts (e.g. right after a publication)
@@ -287,6 +301,9 @@ class Coordinator:
         if new == "rollout":
             self.table.routes[node].accepting = True  # every node has a route since start-up
         self.roles[cell] = new
+        t = self.metrics.now()
+        self.role_history[cell].append((t, new))
+        self.role_switches.append({"t": t, "cell": cell, "from": old, "to": new})
         self.metrics.emit("role", cell=cell, **{"from": old, "to": new}, seconds=round(time.monotonic() - t0, 4),
                           worker_seconds=round(reply.seconds, 4))
 
@@ -346,6 +363,7 @@ class Coordinator:
                          executions=executions, tokens_trained=sum(r.tokens for r in results),
                          cells_training=n_cells, loss=sum(r.loss for r in results), seconds=round(seconds, 3))
         self.reports.append(rep)
+        self.tokens_trained += rep.tokens_trained
         self.metrics.emit("step", **rep.__dict__, staleness=staleness, group_ids=[g.id for g in groups],
                           waterlevel=self.wl.c.waterlevel,
                           counters={"d": self.wl.c.d, "p": self.wl.c.p, "f": self.wl.c.f},

@@ -1,7 +1,7 @@
 """up.py: `gyre up`: build the run's config (file + flags), run the coordinator, print progress.
 
-Plain progress lines (one per step, one per role change); the rich live view is its own
-piece of work. Not the loop itself: that is main.py.
+On a terminal it draws the live view (cli/live.py); otherwise (or with --no-live) plain
+lines: one per step and a status line every 10 s. Not the loop itself: that is main.py.
 """
 
 from __future__ import annotations
@@ -58,16 +58,40 @@ def _print_step(steps: int):
     return show
 
 
-def run_up(config: CoordinatorConfig) -> list[StepReport]:
+def run_up(config: CoordinatorConfig, live: bool = False) -> list[StepReport]:
+    """Run the coordinator; with `live`, draw the live view (cli/live.py) while it runs."""
     import uvloop
 
     print(f"gyre up: policy {config.policy}, {config.cells} cells, B={config.groups_per_step} N={config.group_size} "
           f"phi={config.phi} mu={config.mu}, {config.steps} steps -> {config.run_dir}", flush=True)
-    reports = uvloop.run(Coordinator(config, on_step=_print_step(config.steps)).run())
+    coord = Coordinator(config, on_step=_print_step(config.steps))
+    reports = uvloop.run(_run_with_view(coord, live))
     rewards = " ".join("n/a" if r.reward_mean is None else f"{r.reward_mean:.3f}" for r in reports)
     print(f"done: {len(reports)} steps; reward by step: {rewards}", flush=True)
     write_timeline(config.run_dir)
     return reports
+
+
+async def _run_with_view(coord: Coordinator, live: bool) -> list[StepReport]:
+    """The run, with the live view (a terminal) or a plain status line every 10 s."""
+    import asyncio
+
+    from rich.console import Console
+
+    from gyre.cli.live import follow
+
+    task = asyncio.ensure_future(coord.run())
+
+    async def get() -> dict:
+        return coord.status()
+
+    view = asyncio.ensure_future(follow(get, interval_s=0.5 if live else 10.0, live=live, console=Console(),
+                                        until=task.done))
+    try:
+        return await task
+    finally:
+        view.cancel()  # the live view keeps its last frame on screen
+        await asyncio.gather(view, return_exceptions=True)
 
 
 def write_timeline(run_dir: Path) -> None:

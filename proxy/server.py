@@ -67,6 +67,7 @@ class ProxyServer:
         # stream (its opening events) and drops the connection before any content.
         self.inject_errors: list[tuple[int, dict[str, str]]] = []
         self.on_record: Callable[[Execution, dict], None] | None = None  # called as each call is recorded
+        self.status_provider: Callable[[], dict] | None = None  # the coordinator's live state
 
     # --- executions ---------------------------------------------------------------------
 
@@ -99,6 +100,7 @@ class ProxyServer:
         app.router.add_post("/v1/messages/count_tokens", self._count_tokens)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/gyre/status", self._status)
         app.router.add_get("/", self._health)
         return app
 
@@ -128,6 +130,12 @@ class ProxyServer:
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "executions": len(self._by_key)})
+
+    async def _status(self, request: web.Request) -> web.Response:
+        """The coordinator's state for `gyre top` (no keys, no prompts in it)."""
+        if self.status_provider is None:
+            return web.json_response({"error": "no coordinator behind this proxy"}, status=404)
+        return web.json_response(self.status_provider(), dumps=_dumps)
 
     async def _models(self, request: web.Request) -> web.Response:
         self._auth(request, api_openai)

@@ -37,9 +37,19 @@ async def test_statuses_rewards_and_validity(tiny_dir, tmp_path):
                             groups_per_step=5, group_size=2, min_valid=1, phi=0, mu=1,
                             harness=(sys.executable, str(HERE / "_harness.py")), tasks_path=tasks_file(tmp_path),
                             eval_attempts=3, eval_budget_s=60, seed=1)
-    coord = Coordinator(cfg)
+    seen: list[dict] = []
+    coord = Coordinator(cfg, on_step=lambda rep: seen.append(json.loads(json.dumps(coord.status()))))
     reports = await coord.run()
     assert len(reports) == 1
+    # The live view's data at the step, as `gyre top` gets it (plain JSON, no key in it).
+    (status,) = seen
+    assert status["steps"] == {"done": 1, "target": 1} and status["policy"] == "async"
+    assert status["last_step"]["step"] == 1 and status["version"] == 0 and status["trainer_version"] == 1
+    assert [c["role"] for c in status["cells"]] == ["training", "rollout"]
+    wl = status["waterlevel"]
+    assert wl["d"] == wl["queued"] + wl["running"] + wl["finished"] and wl["finished"] >= 5
+    info = json.loads((cfg.run_dir / "coordinator.json").read_text())
+    assert info["status_url"].endswith("/gyre/status") and "gyre-" not in json.dumps(status)
     lines = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     execs = [x for x in lines if x["event"] == "execution"]
     by_task: dict[str, list[dict]] = {}

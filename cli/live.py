@@ -1,0 +1,135 @@
+"""live.py: the live terminal view of a run, drawn from a status dict (coordinator/status.py).
+
+`render(status, width)` is a pure function of the data, so `gyre up` (in-process) and `gyre
+top` (over HTTP) draw the same thing, and tests render recorded states at any width. It
+stays readable at 80 columns: the role strip takes what the fixed columns leave. `plain_line`
+is the one-line form for logs and non-terminals. Not a poller: callers refresh it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from rich.console import Group
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
+ROLE_STYLE = {"rollout": ("-", "cyan"), "training": ("#", "magenta")}
+FIXED_COLUMNS = 52  # cell, role, running, claimed, in-role and the table's borders
+
+
+def _num(v, fmt: str = "{:.3f}", none: str = "n/a") -> str:
+    return none if v is None else fmt.format(v)
+
+
+def _clock(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600:d}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def strip(timeline: list, now: float, width: int) -> Text:
+    """A cell's roles over [0, now] as `width` characters (- rollout, # training)."""
+    out = Text()
+    if width <= 0:
+        return out
+    if now <= 0 or not timeline:
+        char, style = ROLE_STYLE.get(timeline[-1][1] if timeline else "", ("?", "dim"))
+        return Text(char * width, style=style)
+    j = 0
+    for k in range(width):
+        t = (k + 0.5) * now / width
+        while j + 1 < len(timeline) and timeline[j + 1][0] <= t:
+            j += 1
+        char, style = ROLE_STYLE.get(timeline[j][1], ("?", "dim"))
+        out.append(char, style=style)
+    return out
+
+
+def render(status: dict, width: int = 80) -> Group:
+    s = status
+    steps, wl, burst = s["steps"], s["waterlevel"], s["burst"]
+    head = Text.assemble(
+        ("gyre ", "bold"), f"{s['policy']}  ", ("step ", "dim"), f"{steps['done']}/{steps['target']}  ",
+        ("version ", "dim"), f"{s['version']}  ", ("burst ", "dim"), f"{burst['steps']}/{burst['mu']}  ",
+        ("pubs ", "dim"), f"{burst['publications']}  ", ("up ", "dim"), _clock(s["t"]))
+    bar = ProgressBar(total=max(1, steps["target"]), completed=steps["done"], width=max(10, width - 12))
+    progress = Table.grid(padding=(0, 1))
+    progress.add_row(bar, Text(f"{steps['done']}/{steps['target']}"))
+    water = Text.assemble(("waterlevel ", "dim"), f"queued {wl['queued']}  running {wl['running']}  "
+                          f"finished {wl['finished']}  ", ("(d ", "dim"), f"{wl['d']} ", ("p ", "dim"),
+                          f"{wl['p']} ", ("f ", "dim"), f"{wl['f']}", (")  ", "dim"),
+                          ("ready ", "dim"), f"{s['ready_groups']}")
+    last = s["last_step"] or {}
+    quality = Text.assemble(
+        ("reward ", "dim"), _num(last.get("reward_mean")), ("  valid ", "dim"),
+        _num(last.get("reward_valid_frac"), "{:.2f}"), ("  staleness ", "dim"),
+        _num(last.get("staleness_mean"), "{:.2f}"), ("  loss ", "dim"), _num(last.get("loss"), "{:.4g}"))
+    tps = s["tokens_per_s"]
+    speed = Text.assemble(("tokens/s ", "dim"), "rollout ", _num(tps["rollout"], "{:.0f}"),
+                          "  training ", _num(tps["training"], "{:.0f}"))
+    cells = Table(box=None, pad_edge=False, expand=False, header_style="dim")
+    for name, justify in (("cell", "right"), ("role", "left"), ("run", "right"), ("claim", "right"),
+                          ("in role", "right"), ("timeline", "left")):
+        cells.add_column(name, justify=justify, no_wrap=True)
+    strip_width = max(8, width - FIXED_COLUMNS)
+    for cell in s["cells"]:
+        dead = cell.get("alive") is False and s.get("state") == "running"  # not the shutdown's deregistration
+        role = Text("dead", style="bold red") if dead else Text(cell["role"], style=ROLE_STYLE.get(
+            cell["role"], ("", ""))[1])
+        cells.add_row(str(cell["cell"]), role, str(cell["running"]), str(cell["claimed"]),
+                      f"{cell['in_role_s']:.0f}s", strip(cell["timeline"], s["t"], strip_width))
+    switches = Text("switches ", style="dim")
+    recent = s["role_switches"][-3:]
+    switches.append("  ".join(f"{x['t']:.0f}s c{x['cell']}->{x['to']}" for x in recent) if recent else "none yet")
+    return Group(head, progress, water, quality, speed, cells, switches)
+
+
+def plain_line(status: dict) -> str:
+    """The state as one log line (for --no-live and non-terminals)."""
+    s, wl = status, status["waterlevel"]
+    last = s["last_step"] or {}
+    roles = "".join("T" if c["role"] == "training" else "x" if c.get("alive") is False else "R" for c in s["cells"])
+    return (f"t={s['t']:.0f}s step {s['steps']['done']}/{s['steps']['target']} version {s['version']} "
+            f"queued {wl['queued']} running {wl['running']} finished {wl['finished']} cells {roles} "
+            f"reward {_num(last.get('reward_mean'))} staleness {_num(last.get('staleness_mean'), '{:.2f}')}")
+
+
+# --- gyre top -----------------------------------------------------------------------------
+
+
+def status_url(target: str) -> str:
+    """A run directory (its coordinator.json names the URL) or a URL (http://HOST:PORT)."""
+    if target.startswith(("http://", "https://")):
+        return target.rstrip("/") + ("" if target.rstrip("/").endswith("/gyre/status") else "/gyre/status")
+    info = Path(target) / "coordinator.json"
+    if not info.exists():
+        raise FileNotFoundError(f"{info} does not exist: is a coordinator running with this run directory?")
+    return json.loads(info.read_text())["status_url"]
+
+
+def fetch(url: str, timeout: float = 5.0) -> dict:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - a URL the user gave
+            return json.loads(r.read())
+    except (urllib.error.URLError, OSError) as e:
+        raise ConnectionError(f"no coordinator answering at {url}: {e}") from None
+
+
+async def follow(get, *, interval_s: float, live: bool, console, until=None) -> None:
+    """Redraw (live) or print one plain line per interval from `get()` until `until()`."""
+    from rich.live import Live
+
+    if not live:
+        while until is None or not until():
+            console.print(plain_line(await get()), highlight=False, soft_wrap=True)
+            await asyncio.sleep(interval_s)
+        return
+    with Live(console=console, auto_refresh=False, transient=False) as view:
+        while until is None or not until():
+            view.update(render(await get(), console.width), refresh=True)
+            await asyncio.sleep(interval_s)

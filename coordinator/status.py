@@ -1,0 +1,83 @@
+"""status.py: the coordinator's state as one JSON-able dict, for the live view and `gyre top`.
+
+`snapshot(coord)` reads the counters, roles, routes, the batch in flight and the last
+step; `Rates` keeps a short window of cumulative token counts sampled each tick, so
+tokens/s is recent, not averaged over the run. Served at `GET /gyre/status` on the proxy
+and drawn by cli/live.py. Holds no secret (no keys, no prompts). Not a renderer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+WINDOW_S = 10.0
+TIMELINE_KEEP = 64  # role changes kept per cell
+
+
+class Rates:
+    """Tokens/s over the last WINDOW_S seconds, from cumulative counts sampled each tick."""
+
+    def __init__(self, window_s: float = WINDOW_S):
+        self.window_s = window_s
+        self.samples: deque[tuple[float, int, int]] = deque()
+
+    def sample(self, t: float, rollout_tokens: int, trained_tokens: int) -> None:
+        self.samples.append((t, rollout_tokens, trained_tokens))
+        while len(self.samples) > 2 and t - self.samples[1][0] >= self.window_s:
+            self.samples.popleft()
+
+    def per_second(self) -> tuple[float | None, float | None]:
+        """(rollout, training) tokens/s; None until two samples span some time."""
+        if len(self.samples) < 2 or self.samples[-1][0] <= self.samples[0][0]:
+            return None, None
+        (t0, r0, k0), (t1, r1, k1) = self.samples[0], self.samples[-1]
+        return (r1 - r0) / (t1 - t0), (k1 - k0) / (t1 - t0)
+
+
+def snapshot(coord) -> dict:
+    """Everything the live view shows, as plain data (times: seconds since the run started)."""
+    c, wl = coord.c, coord.wl.c
+    now = coord.metrics.now() if coord.metrics else 0.0
+    batch = coord.batch if not coord._idle(coord.step_task) else None
+    routes = coord.table.routes if getattr(coord, "table", None) else {}
+    links = coord.link.nodes if getattr(coord, "link", None) else {}
+    cells = []
+    for i, role in enumerate(coord.roles):
+        node = coord.nodes[i] if i < len(getattr(coord, "nodes", [])) else None
+        route = routes.get(node)
+        link = links.get(node)
+        history = coord.role_history[i]
+        cells.append({
+            "cell": i, "node": node, "nodes": 1, "role": role,
+            "alive": None if link is None else link.alive,
+            "running": route.inflight if route else 0,
+            "accepting": route.accepting if route else False,
+            "rollout_tokens": route.tokens if route else 0,
+            "claimed": batch.claimed.get(i, 0) if batch else 0,
+            "in_role_s": round(now - history[-1][0], 1),
+            "timeline": [[round(t, 2), r] for t, r in history[-TIMELINE_KEEP:]],
+        })
+    rollout_tps, train_tps = coord.rates.per_second()
+    last = coord.reports[-1] if coord.reports else None
+    return {
+        "t": now, "wall": time.time(), "policy": c.policy, "run_dir": str(c.run_dir),
+        "state": "finishing" if coord.should_exit or coord.steps_done >= c.steps else "running",
+        "proxy": coord.proxy.base_url if getattr(coord, "proxy", None) else None,
+        "steps": {"done": coord.steps_done, "target": c.steps},
+        "version": coord.version, "trainer_version": coord.trainer_version,
+        "burst": {"steps": coord.steps_in_burst, "mu": c.mu, "publications": coord.publications},
+        "waterlevel": {"queued": wl.queued, "running": wl.running, "finished": wl.f, "d": wl.d, "p": wl.p,
+                       "f": wl.f, "level": wl.waterlevel},
+        "ready_groups": coord.buffer.ready_count,
+        "step_in_flight": batch is not None,
+        "last_step": None if last is None else {
+            "step": last.step, "reward_mean": last.reward_mean, "reward_valid_frac": last.reward_valid_frac,
+            "staleness_mean": last.staleness_mean, "loss": last.loss, "tokens_trained": last.tokens_trained,
+            "seconds": last.seconds, "cells_training": last.cells_training},
+        "tokens_per_s": {"rollout": None if rollout_tps is None else round(rollout_tps, 1),
+                         "training": None if train_tps is None else round(train_tps, 1)},
+        "role_switches": coord.role_switches[-8:],
+        "statuses": dict(coord.status_counts),
+        "cells": cells,
+    }
