@@ -15,7 +15,7 @@ from gyre.cli.options import (CellOpt, CoordinatorOpt, DebugOpt, DevicesOpt, Hea
                               ModelKindArg, ModelOpt, NodeIdOpt, NodeRankOpt, RunDirOpt, SeedOpt, StepsOpt,
                               WelcomeTimeoutOpt, HostOpt, PortOpt, RunDirArg, ExecutionOpt, JsonOpt, JMaxOpt,
                               ConfigArg, PolicyOpt, NoLiveOpt, ParentPidOpt, HarnessOpt, TaskOpt, TimeoutOpt,
-                              MaxContextOpt, ServeConfigOpt, TopTargetArg, IntervalOpt, OnceOpt)
+                              MaxContextOpt, ServeConfigOpt, TopTargetArg, IntervalOpt, OnceOpt, SetOpt, RunSeedOpt)
 
 app = typer.Typer(name="gyre", no_args_is_help=True, add_completion=False,
                   help="Online RL for LLM agents in black-box harnesses.")
@@ -25,6 +25,28 @@ def _add_subapps() -> None:
     from gyre.cli.sim import sim_app
 
     app.add_typer(sim_app, name="sim")
+    app.add_typer(config_app, name="config")
+
+
+config_app = typer.Typer(no_args_is_help=True, help="The run config: see what a run would use.")
+
+
+@config_app.command("show")
+def config_show(config: ConfigArg = None, set_: SetOpt = None, steps: StepsOpt = None, policy: PolicyOpt = None,
+                run_dir: RunDirOpt = None, model: ModelOpt = None, as_json: JsonOpt = False) -> None:
+    """Print the resolved run config: every field, its value and where it came from."""
+    import json
+
+    from gyre.coordinator.runconfig import resolved, show_text
+
+    cfg, file_values, overrides = _resolve_config(config, set_ or [], create=False, steps=steps, policy=policy,
+                                                  run_dir=run_dir, model=model)
+    for key in ("run_dir", "model_dir"):  # named by a flag or derived: shown as given, not as defaults
+        if overrides.get(key) is not None and not (run_dir if key == "run_dir" else model) \
+                and key not in file_values:
+            overrides[key] = None
+    rows = resolved(cfg, file_values, overrides)
+    typer.echo(json.dumps(rows, indent=2) if as_json else show_text(rows))
 _debug = False
 
 
@@ -91,20 +113,37 @@ def up(
     policy: PolicyOpt = None,
     run_dir: RunDirOpt = None,
     model: ModelOpt = None,
-    seed: SeedOpt = 0,
+    seed: RunSeedOpt = None,
     no_live: NoLiveOpt = False,
+    set_: SetOpt = None,
 ) -> None:
     """Run online RL: the coordinator, local worker daemons, the harness and the tasks
     (with no CONFIG: the embedded default, tiny model and demo harness)."""
-    from gyre.coordinator.up import build_config, load_config_file, run_up
+    from gyre.coordinator.up import run_up
 
-    file_values = _guard(load_config_file, path=config) if config else {}
-    run_dir = _run_dir(run_dir or (Path(file_values["run_dir"]) if "run_dir" in file_values else None), "up")
-    model_dir = _model_dir(model or (Path(file_values["model_dir"]) if "model_dir" in file_values else None),
-                           run_dir, seed)
-    cfg = _guard(build_config, file_values=file_values, overrides=dict(
-        steps=steps, policy=policy, run_dir=run_dir, model_dir=model_dir, seed=seed))
+    cfg, _, _ = _resolve_config(config, set_ or [], steps=steps, policy=policy, run_dir=run_dir, model=model,
+                                seed=seed)
     _guard(run_up, config=cfg, live=not no_live and sys.stdout.isatty())
+
+
+def _resolve_config(path, sets: list[str], *, create: bool = True, **flags):
+    """(config, file values, overrides): file < --set < named flags; the run and model
+    directories made (or, with create=False, only named) as `gyre up` would."""
+    from gyre.coordinator.runconfig import build_config, load_config_file, parse_sets
+
+    file_values = _guard(load_config_file, path=path) if path else {}
+    overrides = {**_guard(parse_sets, items=sets),
+                 **{k: v for k, v in flags.items() if v is not None and k in ("steps", "policy", "seed")}}
+    run_dir = flags.get("run_dir") or overrides.get("run_dir") or file_values.get("run_dir")
+    model = flags.get("model") or overrides.get("model_dir") or file_values.get("model_dir")
+    if create:
+        run_dir = _run_dir(Path(run_dir) if run_dir else None, "up")
+        model = _model_dir(Path(model) if model else None, run_dir, overrides.get("seed", file_values.get("seed", 0)))
+    else:
+        run_dir = Path(run_dir) if run_dir else Path("runs") / "up-<timestamp>"
+        model = Path(model) if model else run_dir / "model"
+    overrides.update(run_dir=run_dir, model_dir=model)
+    return _guard(build_config, file_values=file_values, overrides=overrides), file_values, overrides
 
 
 @app.command()
@@ -131,7 +170,7 @@ def serve(model: ModelOpt = None, run_dir: RunDirOpt = None, host: HostOpt = "12
 def _preset(name: str, config: Path | None):
     """The named preset (user presets from `config` first), its executable checked."""
     from gyre.coordinator.harnesses import HarnessError, resolve
-    from gyre.coordinator.up import load_config_file
+    from gyre.coordinator.runconfig import load_config_file
 
     user = (_guard(load_config_file, path=config) if config else {}).get("harnesses", {})
     try:
@@ -148,7 +187,7 @@ def _preset(name: str, config: Path | None):
 def harnesses(config: ServeConfigOpt = None) -> None:
     """List the harness presets: command, API, role rule, and whether it is installed."""
     from gyre.coordinator.harnesses import HarnessError, presets
-    from gyre.coordinator.up import load_config_file
+    from gyre.coordinator.runconfig import load_config_file
 
     user = (_guard(load_config_file, path=config) if config else {}).get("harnesses", {})
     for name, p in presets(user).items():

@@ -6,46 +6,11 @@ lines: one per step and a status line every 10 s. Not the loop itself: that is m
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import tomllib
 from pathlib import Path
-from typing import Any
 
 from gyre.coordinator.config import CoordinatorConfig
 from gyre.coordinator.main import Coordinator, StepReport
-from gyre.workerd.wire import GyreError
-
-
-class ConfigError(GyreError):
-    """A config file or value that cannot be used; the message names the field."""
-
-
-def load_config_file(path: Path) -> dict[str, Any]:
-    if not path.exists():
-        raise ConfigError(f"config file {path} does not exist")
-    try:
-        data = tomllib.loads(path.read_text()) if path.suffix == ".toml" else json.loads(path.read_text())
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path}: {e}") from None
-    known = {f.name for f in dataclasses.fields(CoordinatorConfig)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ConfigError(f"{path}: unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
-    return data
-
-
-def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> CoordinatorConfig:
-    values = {**file_values, **{k: v for k, v in overrides.items() if v is not None}}
-    for key in ("run_dir", "model_dir", "tasks_path"):
-        if values.get(key) is not None:
-            values[key] = Path(values[key])
-    if "harness" in values and not isinstance(values["harness"], str):
-        values["harness"] = tuple(values["harness"])
-    try:
-        return CoordinatorConfig(**values)
-    except (TypeError, ValueError) as e:  # HarnessError included
-        raise ConfigError(str(e)) from None
+from gyre.coordinator.runconfig import ConfigError, build_config, load_config_file  # noqa: F401 - re-exported
 
 
 def _print_step(steps: int):

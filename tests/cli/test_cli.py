@@ -32,10 +32,10 @@ def test_init_model_unknown_kind_is_one_line_error(tmp_path):
     assert "Traceback" not in r.output
 
 
-@pytest.mark.parametrize("cmd", ["top"])
-def test_placeholders_say_what_brings_them(cmd):
-    r = runner.invoke(app, [cmd])
-    assert r.exit_code == 2 and "not built yet" in r.output
+def test_top_with_no_run_is_a_one_line_error(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    r = runner.invoke(app, ["top"])
+    assert r.exit_code == 1 and "[error] no run directory given" in r.output
 
 
 def test_workerd_passes_its_config(monkeypatch):

@@ -1,0 +1,160 @@
+"""runconfig.py: the run's config from a file (TOML, YAML or JSON) and the command line.
+
+`CoordinatorConfig` (config.py) is the one typed config. Here: loading a file, `--set
+FIELD=VALUE` overrides parsed by the field's type, type checks that name the field, the
+type wanted and the value given, and the resolved view `gyre config show` prints (each
+field with where its value came from: default, file or flag). Not the defaults
+themselves: those live on the dataclass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from gyre.coordinator.config import CoordinatorConfig
+from gyre.workerd.wire import GyreError
+
+
+class ConfigError(GyreError):
+    """A config file or value that cannot be used; the message names the field."""
+
+
+def _hints() -> dict[str, Any]:
+    return typing.get_type_hints(CoordinatorConfig)
+
+
+def field_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(CoordinatorConfig)]
+
+
+def load_config_file(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise ConfigError(f"config file {path} does not exist")
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            data = tomllib.loads(text)
+        elif path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        else:
+            data = json.loads(text)
+    except Exception as e:  # noqa: BLE001 - any parser's error, reported with the file
+        raise ConfigError(f"{path}: {type(e).__name__}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a table of fields, got {type(data).__name__}")
+    unknown = sorted(set(data) - set(field_names()))
+    if unknown:
+        raise ConfigError(f"{path}: unknown field(s) {', '.join(unknown)} (known: {', '.join(field_names())})")
+    return data
+
+
+def parse_sets(items: list[str]) -> dict[str, Any]:
+    """`FIELD=VALUE` strings -> values of the field's type (JSON for lists and tables)."""
+    hints = _hints()
+    out: dict[str, Any] = {}
+    for item in items:
+        name, sep, raw = item.partition("=")
+        name = name.strip().replace("-", "_")
+        if not sep:
+            raise ConfigError(f"--set {item!r}: expected FIELD=VALUE")
+        if name not in hints:
+            raise ConfigError(f"--set {name}: unknown field (known: {', '.join(field_names())})")
+        out[name] = _parse_value(name, hints[name], raw.strip())
+    return out
+
+
+def _parse_value(name: str, hint: Any, raw: str) -> Any:
+    kinds = _kinds(hint)
+    if raw.lower() in ("none", "null") and type(None) in kinds:
+        return None
+    for kind in kinds:
+        try:
+            if kind is bool:
+                if raw.lower() in ("true", "1", "yes", "on"):
+                    return True
+                if raw.lower() in ("false", "0", "no", "off"):
+                    return False
+                continue
+            if kind in (int, float):
+                return kind(raw)
+            if kind in (str, Path):
+                if str in kinds and raw.startswith("[") and tuple in kinds:
+                    continue  # `harness=[...]` is a command list, not a name
+                return kind(raw)
+            if kind in (tuple, list, dict):
+                value = json.loads(raw)
+                if isinstance(value, (list, dict)):
+                    return value
+        except ValueError:
+            continue
+    raise ConfigError(f"--set {name}={raw}: not a {_type_name(hint)}")
+
+
+def _kinds(hint: Any) -> list[type]:
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return [k for arg in typing.get_args(hint) for k in _kinds(arg)]
+    origin = typing.get_origin(hint)
+    return [origin or hint]
+
+
+def _type_name(hint: Any) -> str:
+    return " or ".join("none" if k is type(None) else "path" if k is Path else k.__name__ for k in _kinds(hint))
+
+
+def _check_types(values: dict[str, Any]) -> dict[str, Any]:
+    """Coerce what is unambiguous (paths, lists to tuples, ints to floats); name the rest."""
+    hints = _hints()
+    out = {}
+    for name, value in values.items():
+        kinds = _kinds(hints[name])
+        if value is None and type(None) in kinds:
+            out[name] = None
+        elif Path in kinds and isinstance(value, (str, Path)):
+            out[name] = Path(value)
+        elif tuple in kinds and isinstance(value, (list, tuple)) and not (str in kinds and isinstance(value, str)):
+            out[name] = tuple(value)
+        elif isinstance(value, bool) and bool not in kinds:
+            raise ConfigError(f"field {name}: expected {_type_name(hints[name])}, got {value!r}")
+        elif float in kinds and isinstance(value, int):
+            out[name] = float(value)
+        elif any(isinstance(value, k) for k in kinds if k is not type(None)):
+            out[name] = value
+        else:
+            raise ConfigError(f"field {name}: expected {_type_name(hints[name])}, got {value!r}")
+    return out
+
+
+def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> CoordinatorConfig:
+    values = _check_types({**file_values, **{k: v for k, v in overrides.items() if v is not None}})
+    try:
+        return CoordinatorConfig(**values)
+    except (TypeError, ValueError) as e:  # HarnessError included
+        raise ConfigError(str(e)) from None
+
+
+def resolved(config: CoordinatorConfig, file_values: dict[str, Any], overrides: dict[str, Any]) -> list[dict]:
+    """Every field: its value and where it came from (flag > file > default)."""
+    data = config.to_json()
+    rows = []
+    for name in field_names():
+        source = ("flag" if overrides.get(name) is not None else "file" if name in file_values else "default")
+        rows.append({"field": name, "value": data[name], "source": source,
+                     "type": _type_name(_hints()[name])})
+    return rows
+
+
+def show_text(rows: list[dict]) -> str:
+    """The resolved config as TOML-like lines, each with its source."""
+    width = max(len(r["field"]) for r in rows)
+    lines = []
+    for r in rows:
+        lines.append(f"{r['field']:<{width}} = {json.dumps(r['value'])}  # {r['source']}, {r['type']}")
+    return "\n".join(lines)

@@ -1,0 +1,94 @@
+"""The run config: TOML/YAML/JSON files, --set overrides by field type, errors that name the
+field, and `gyre config show` with each value's source."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from gyre.cli.main import app
+from gyre.coordinator.runconfig import ConfigError, build_config, load_config_file, parse_sets
+
+
+def show(*args) -> dict[str, dict]:
+    r = CliRunner().invoke(app, ["config", "show", "--json", *args])
+    assert r.exit_code == 0, r.output
+    return {row["field"]: row for row in json.loads(r.output)}
+
+
+@pytest.mark.parametrize("name, text", [
+    ("run.toml", 'steps = 7\npolicy = "elastic"\nharness = ["python", "agent.py"]\n[harnesses.x]\ncommand = ["a"]\n'),
+    ("run.yaml", 'steps: 7\npolicy: elastic\nharness: [python, agent.py]\nharnesses:\n  x:\n    command: [a]\n'),
+    ("run.json", '{"steps": 7, "policy": "elastic", "harness": ["python", "agent.py"], '
+                 '"harnesses": {"x": {"command": ["a"]}}}'),
+])
+def test_three_formats_one_config(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    values = load_config_file(path)
+    cfg = build_config(values, {"run_dir": tmp_path, "model_dir": tmp_path})
+    assert cfg.steps == 7 and cfg.policy == "elastic" and cfg.harness == ("python", "agent.py")
+    assert cfg.harnesses == {"x": {"command": ["a"]}}
+
+
+def test_set_parses_by_field_type():
+    got = parse_sets(["lr=0.01", "steps=3", "j_max=none", "harness=claude-code", 'harness=["sh", "-c", "x"]',
+                      "tasks-path=tasks.jsonl", 'harnesses={"a": {"command": ["b"]}}'])
+    assert got["lr"] == 0.01 and got["steps"] == 3 and got["j_max"] is None
+    assert got["harness"] == ["sh", "-c", "x"]  # the later --set wins; a JSON list is a command
+    assert got["tasks_path"] == Path("tasks.jsonl") and got["harnesses"] == {"a": {"command": ["b"]}}
+    assert parse_sets(["harness=demo"])["harness"] == "demo"
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["lr=fast"], "--set lr=fast: not a float"),
+    (["steps"], "expected FIELD=VALUE"),
+    (["warp=9"], "--set warp: unknown field"),
+    (["j_max=lots"], "not a int or none"),
+])
+def test_bad_sets_name_the_field(sets, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_sets(sets)
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"steps": "five"}, "field steps: expected int, got 'five'"),
+    ({"lr": True}, "field lr: expected float, got True"),
+    ({"policy": "warp"}, "policy must be one of elastic, colocate, async, got 'warp'"),
+    ({"harness": "nope"}, "unknown harness 'nope'"),
+    ({"min_valid": 99}, r"min_valid must be in \[1, group_size=8\]"),
+])
+def test_bad_values_name_the_field_and_the_allowed(tmp_path, values, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config(values, {"run_dir": tmp_path, "model_dir": tmp_path})
+
+
+def test_unknown_file_fields_and_bad_files(tmp_path):
+    bad = tmp_path / "a.toml"
+    bad.write_text("stepz = 3\n")
+    with pytest.raises(ConfigError, match="unknown field.*stepz"):
+        load_config_file(bad)
+    broken = tmp_path / "b.yaml"
+    broken.write_text("steps: [1,\n")
+    with pytest.raises(ConfigError, match="b.yaml"):
+        load_config_file(broken)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config_file(tmp_path / "none.toml")
+
+
+def test_config_show_resolves_with_sources(tmp_path):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('steps = 9\nlr = 0.5\npolicy = "async"\n')
+    rows = show(str(cfg), "--set", "lr=0.25", "--policy", "elastic", "--set", "policy=colocate")
+    assert rows["steps"]["value"] == 9 and rows["steps"]["source"] == "file"
+    assert rows["lr"]["value"] == 0.25 and rows["lr"]["source"] == "flag"  # --set over the file
+    assert rows["policy"]["value"] == "elastic"  # a named flag over --set
+    assert rows["cells"] == {"field": "cells", "value": 2, "source": "default", "type": "int"}
+    assert rows["harness"]["value"] == "demo" and rows["run_dir"]["source"] == "default"
+    text = CliRunner().invoke(app, ["config", "show", str(cfg)]).output
+    assert "steps" in text and "= 9  # file, int" in text
+    r = CliRunner().invoke(app, ["config", "show", "--set", "policy=warp"])
+    assert r.exit_code == 1 and "[error] policy must be one of elastic, colocate, async" in r.output
