@@ -15,7 +15,8 @@ from gyre.cli.options import (CellOpt, CoordinatorOpt, DebugOpt, DevicesOpt, Hea
                               ModelKindArg, ModelOpt, NodeIdOpt, NodeRankOpt, RunDirOpt, SeedOpt, StepsOpt,
                               WelcomeTimeoutOpt, HostOpt, PortOpt, RunDirArg, ExecutionOpt, JsonOpt, JMaxOpt,
                               ConfigArg, PolicyOpt, NoLiveOpt, ParentPidOpt, HarnessOpt, TaskOpt, TimeoutOpt,
-                              MaxContextOpt, ServeConfigOpt, TopTargetArg, IntervalOpt, OnceOpt, SetOpt, RunSeedOpt)
+                              MaxContextOpt, ServeConfigOpt, TopTargetArg, IntervalOpt, OnceOpt, SetOpt, RunSeedOpt,
+                              KeysOpt, KeyNameOpt, KeysDirArg, WorkerNamesOpt, KeyNameArg)
 
 app = typer.Typer(name="gyre", no_args_is_help=True, add_completion=False,
                   help="Online RL for LLM agents in black-box harnesses.")
@@ -26,6 +27,28 @@ def _add_subapps() -> None:
 
     app.add_typer(sim_app, name="sim")
     app.add_typer(config_app, name="config")
+    app.add_typer(keys_app, name="keys")
+
+
+keys_app = typer.Typer(no_args_is_help=True, help="CURVE keys for the coordinator <-> workerd link.")
+
+
+@keys_app.command("init")
+def keys_init(directory: KeysDirArg, worker: WorkerNamesOpt = None) -> None:
+    """Write a coordinator key pair and worker key pairs (authorised) into DIRECTORY."""
+    from gyre.workerd.keys import init_keys
+
+    files = _guard(init_keys, root=directory, workers=tuple(worker or ["worker"]))
+    for f in files:
+        typer.echo(str(f))
+
+
+@keys_app.command("add")
+def keys_add(directory: KeysDirArg, name: KeyNameArg) -> None:
+    """Add (and authorise) one more worker key pair; restart the coordinator to accept it."""
+    from gyre.workerd.keys import add_worker
+
+    typer.echo(str(_guard(add_worker, root=directory, name=name)))
 
 
 config_app = typer.Typer(no_args_is_help=True, help="The run config: see what a run would use.")
@@ -95,6 +118,8 @@ def workerd(
     heartbeat: HeartbeatOpt = 1.0,
     welcome_timeout: WelcomeTimeoutOpt = 60.0,
     parent_pid: ParentPidOpt = None,
+    keys: KeysOpt = None,
+    key_name: KeyNameOpt = "worker",
 ) -> None:
     """Run this node's worker daemon (rollout engine + trainer) until stopped."""
     from gyre.workerd.config import WorkerConfig
@@ -102,8 +127,9 @@ def workerd(
 
     config = WorkerConfig(coordinator=coordinator, cell=cell, node_rank=node_rank, node_id=node_id,
                           devices=tuple(d for d in devices.split(",") if d), heartbeat_s=heartbeat,
-                          welcome_timeout_s=welcome_timeout, parent_pid=parent_pid)
-    raise typer.Exit(serve(config))
+                          welcome_timeout_s=welcome_timeout, parent_pid=parent_pid,
+                          keys_dir=str(keys) if keys else None, key_name=key_name)
+    raise typer.Exit(_guard(serve, config=config))
 
 
 @app.command()

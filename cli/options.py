@@ -41,3 +41,8 @@ IntervalOpt = Annotated[float, typer.Option("--interval", help="Seconds between 
 OnceOpt = Annotated[bool, typer.Option("--once", help="Draw the state once and exit.")]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override any config field: --set FIELD=VALUE (repeatable; lists and tables as JSON).")]
 RunSeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Random seed (default 0).")]
+KeysOpt = Annotated[Optional[Path], typer.Option("--keys", help="CURVE key directory (gyre keys init); the link is encrypted and only authorised workers may register.")]
+KeyNameOpt = Annotated[str, typer.Option("--key-name", help="This worker's key pair in --keys.")]
+KeysDirArg = Annotated[Path, typer.Argument(help="Key directory.")]
+KeyNameArg = Annotated[str, typer.Argument(help="Worker key name.")]
+WorkerNamesOpt = Annotated[Optional[list[str]], typer.Option("--worker", help="Worker key names to create (repeatable; default: worker).")]

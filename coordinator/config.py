@@ -46,6 +46,7 @@ class CoordinatorConfig:
     lr: float = 3e-3
     seed: int = 0
     address: str = "tcp://127.0.0.1:0"  # ZeroMQ bind for workerds
+    keys_dir: Path | None = None  # CURVE keys (gyre keys init): encrypted link, authorised workers only
     proxy_host: str = "127.0.0.1"
     proxy_port: int = 0
     default_max_tokens: int = 64

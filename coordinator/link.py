@@ -13,6 +13,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 import zmq
@@ -53,8 +54,10 @@ class NodeLink:
 
 
 class WorkerLink:
-    def __init__(self, bind: str, on_event: Callable[[Any], None] | None = None):
+    def __init__(self, bind: str, on_event: Callable[[Any], None] | None = None, keys_dir: Path | None = None):
         self._bind = bind
+        self._keys_dir = keys_dir  # CURVE: only workers with an authorised key may connect
+        self._auth = None
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
         self._pending: dict[int, _Pending] = {}
@@ -66,6 +69,16 @@ class WorkerLink:
     async def start(self) -> str:
         """Bind (created here, after uvloop is installed); returns the bound address."""
         sock = self._ctx.socket(zmq.ROUTER)
+        if self._keys_dir is not None:
+            from zmq.auth.asyncio import AsyncioAuthenticator
+
+            from gyre.workerd.keys import server_keys
+
+            public, secret, authorized = server_keys(self._keys_dir)
+            self._auth = AsyncioAuthenticator(self._ctx)
+            self._auth.start()
+            self._auth.configure_curve(domain="*", location=str(authorized))
+            sock.curve_publickey, sock.curve_secretkey, sock.curve_server = public, secret, True
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable replies raise, never vanish
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
@@ -81,6 +94,8 @@ class WorkerLink:
         self._pending.clear()
         if self._sock is not None:
             self._sock.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.term()
 
     def new_req_id(self) -> int:

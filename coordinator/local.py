@@ -46,11 +46,13 @@ class LocalCluster:
     start_timeout_s: float = 120.0
     heartbeat_s: float = 0.5
     log_dir: Path | None = None
+    keys_dir: Path | None = None  # CURVE: the link authenticates workers; ours use key `key_name`
+    key_name: str = "worker"
 
     def __post_init__(self) -> None:
         # One cell per core at most: oversubscribed torch threads spin and crawl.
         self.engine = {"threads": max(1, (os.cpu_count() or 1) // self.cells), **self.engine}
-        self.link = WorkerLink(self.address, on_event=self._on_event)
+        self.link = WorkerLink(self.address, on_event=self._on_event, keys_dir=self.keys_dir)
         self.nodes: dict[str, NodeInfo] = {}
         self.procs: list[asyncio.subprocess.Process] = []
         self._ready = asyncio.Event()
@@ -96,6 +98,7 @@ class LocalCluster:
                 sys.executable, "-m", "gyre.cli", "workerd", "--coordinator", address,
                 "--cell", str(cell), "--node-id", f"local-{cell}", "--heartbeat", str(self.heartbeat_s),
                 "--parent-pid", str(os.getpid()),
+                *(("--keys", str(self.keys_dir), "--key-name", self.key_name) if self.keys_dir else ()),
                 env=env, stdout=out or asyncio.subprocess.DEVNULL, stderr=out or None,
             ))
             if out is not None:

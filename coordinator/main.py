@@ -103,7 +103,8 @@ class Coordinator:
         self.metrics = Metrics(c.run_dir / "metrics.jsonl")
         cluster = LocalCluster(c.model_dir, cells=c.cells, roles=tuple(self.roles), address=c.address,
                                trainer={"lr": c.lr}, log_dir=c.run_dir / "logs",
-                               engine={"seed": c.seed, "max_running": c.engine_max_running})
+                               engine={"seed": c.seed, "max_running": c.engine_max_running},
+                               keys_dir=c.keys_dir)
         self._install_signal_handlers()
         async with cluster:
             self.link = cluster.link

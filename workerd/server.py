@@ -17,6 +17,7 @@ import socket
 import threading
 import time
 import traceback
+from pathlib import Path
 
 import zmq
 
@@ -51,6 +52,7 @@ class WorkerServer:
         self._io_ready = threading.Event()
         self._io = threading.Thread(target=self._io_loop, name="gyre-workerd-io", daemon=True)
         self._send_to_io: zmq.Socket | None = None
+        self._curve: tuple[bytes, bytes, bytes] | None = None  # (public, secret, coordinator public)
 
     # --- I/O thread ---------------------------------------------------------------------
 
@@ -60,6 +62,8 @@ class WorkerServer:
         dealer.setsockopt(zmq.LINGER, 2000)  # let Deregister/WorkerDead leave on exit
         dealer.setsockopt(zmq.SNDHWM, 0)
         dealer.setsockopt(zmq.RCVHWM, 0)
+        if self._curve is not None:
+            dealer.curve_publickey, dealer.curve_secretkey, dealer.curve_serverkey = self._curve
         dealer.connect(self.config.coordinator)
         pull = self._ctx.socket(zmq.PULL)
         pull.bind(self._outbox_addr)
@@ -102,6 +106,10 @@ class WorkerServer:
             self.send(msg, tensors)
 
     def start(self) -> None:
+        if self.config.keys_dir is not None:  # read here: a bad key file fails start-up, named
+            from gyre.workerd.keys import client_keys
+
+            self._curve = client_keys(Path(self.config.keys_dir), self.config.key_name)
         self._io.start()
         if not self._io_ready.wait(10):
             raise RuntimeError("workerd I/O thread did not start")
@@ -123,8 +131,10 @@ class WorkerServer:
                 log.warning("parent %d is gone; shutting down", self.config.parent_pid)
                 break
             if not self.welcomed and time.monotonic() > deadline:
+                hint = (" (CURVE: is this worker's key in the coordinator's authorized/ directory?)"
+                        if self.config.keys_dir else "")
                 raise HandshakeTimeout(f"no Welcome from {self.config.coordinator} within "
-                                       f"{self.config.welcome_timeout_s:.0f}s")
+                                       f"{self.config.welcome_timeout_s:.0f}s{hint}")
             # 2) Advance running work by one step and publish results.
             if self.worker.busy:
                 self._send_all(self.worker.step())
