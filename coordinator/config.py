@@ -46,6 +46,10 @@ class CoordinatorConfig:
     lr: float = 3e-3
     seed: int = 0
     address: str = "tcp://127.0.0.1:0"  # ZeroMQ bind for workerds
+    workers: str = "local"  # local: spawn one workerd per cell here; external: wait for `cells` to register
+    topology_timeout_s: float = 600.0  # external: how long to wait for every cell's worker
+    reducer_init: str | None = None  # torch.distributed init for the gradient reducer; None: auto
+    worker_timeout_s: float = 10.0  # a worker silent this long is dead (heartbeats every 0.5 s)
     keys_dir: Path | None = None  # CURVE keys (gyre keys init): encrypted link, authorised workers only
     proxy_host: str = "127.0.0.1"
     proxy_port: int = 0
@@ -61,6 +65,11 @@ class CoordinatorConfig:
         if not 1 <= self.min_valid <= self.group_size:
             raise ValueError(f"min_valid must be in [1, group_size={self.group_size}], got {self.min_valid}")
         self.preset()  # an unknown or unusable harness fails here, named
+        if self.workers not in ("local", "external"):
+            raise ValueError(f"workers must be one of local, external, got {self.workers!r}")
+        if self.workers == "external" and self.address.rsplit(":", 1)[-1] == "0":
+            raise ValueError(f"workers = external needs a fixed address for workerds to connect to, e.g. "
+                             f"tcp://0.0.0.0:5555 (address is {self.address!r})")
         if self.policy == "async" and not 1 <= self.async_training_cells < self.cells:
             raise ValueError(f"async needs 1 <= async_training_cells < cells ({self.cells}); "
                              f"got {self.async_training_cells}")

@@ -14,6 +14,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from gyre.coordinator.link import WorkerLink
 from gyre.workerd import wire
@@ -33,6 +34,7 @@ class NodeInfo:
     ready: bool = False
     version: int = 0
     registered: wire.Register | None = None
+    rejoin: bool = False  # registered after start-up (a replacement for a dead node)
 
 
 @dataclass
@@ -48,6 +50,7 @@ class LocalCluster:
     log_dir: Path | None = None
     keys_dir: Path | None = None  # CURVE: the link authenticates workers; ours use key `key_name`
     key_name: str = "worker"
+    spawn: bool = True  # False: start nothing, wait for `cells` workerds started elsewhere to register
 
     def __post_init__(self) -> None:
         # One cell per core at most: oversubscribed torch threads spin and crawl.
@@ -58,9 +61,30 @@ class LocalCluster:
         self._ready = asyncio.Event()
         self._reader: asyncio.Task | None = None
         self.events: list = []  # lifecycle messages seen (Register, Ready, WorkerDead, ...)
+        self.on_rejoin: Callable[[int, str], None] | None = None  # (cell, node) ready after start-up
 
     def node_of_cell(self, cell: int) -> str:
         return next(n.node_id for n in self.nodes.values() if n.cell == cell)
+
+    def reducer_init(self, run_dir: Path, port: int = 29500) -> str:
+        """Where the gradient reducer's ranks meet: a file in the run directory when every
+        worker runs on this host, else a TCP store on cell 0's host."""
+        import secrets
+        import socket
+
+        hosts = {n.registered.host for n in self.nodes.values() if n.registered is not None}
+        if hosts <= {socket.gethostname()}:
+            return f"file://{run_dir / f'.rendezvous-{secrets.token_hex(4)}'}"
+        core = next(n for n in self.nodes.values() if n.cell == 0)
+        return f"tcp://{core.registered.host}:{port}"
+
+    def _alive(self, node: str) -> bool:
+        link = self.link.nodes.get(node)
+        return link is not None and link.alive
+
+    def _free_cell(self) -> int | None:
+        held = {n.cell for n in self.nodes.values() if self._alive(n.node_id)}
+        return next((c for c in range(self.cells) if c not in held), None)
 
     def _role_of(self, cell: int) -> str:
         if self.roles:
@@ -70,17 +94,32 @@ class LocalCluster:
     def _on_event(self, msg) -> None:
         self.events.append(msg)
         if isinstance(msg, wire.Register):
-            cell = msg.cell if msg.cell is not None else len(self.nodes)
-            info = NodeInfo(msg.node_id, cell, self._role_of(cell), registered=msg)
+            cell = msg.cell if msg.cell is not None else self._free_cell()
+            holder = next((n for n in self.nodes.values() if n.cell == cell and n.node_id != msg.node_id), None)
+            if cell is None or cell >= self.cells or (holder is not None and self._alive(holder.node_id)):
+                log.error("refusing workerd %s: cell %s is %s", msg.node_id, cell,
+                          "out of range" if cell is None or cell >= self.cells else f"held by {holder.node_id}")
+                return
+            if holder is not None:
+                del self.nodes[holder.node_id]
+            info = NodeInfo(msg.node_id, cell, self._role_of(cell), registered=msg,
+                            rejoin=holder is not None or self._ready.is_set())
             self.nodes[msg.node_id] = info
             welcome = wire.Welcome(req_id=msg.req_id, node_id=msg.node_id, cell=cell, role=info.role,
                                    model_dir=str(self.model_dir), engine=self.engine, trainer=self.trainer,
                                    heartbeat_s=self.heartbeat_s)
             asyncio.ensure_future(self.link.send(msg.node_id, welcome)).add_done_callback(_log_failure)
         elif isinstance(msg, wire.Ready):
-            info = self.nodes[msg.node_id]
+            info = self.nodes.get(msg.node_id)
+            if info is None:
+                return
             info.ready, info.version = True, msg.version
-            if len(self.nodes) == self.cells and all(n.ready for n in self.nodes.values()):
+            if not self._ready.is_set() and not info.rejoin:
+                log.info("workerd %s ready as cell %d (%d/%d)", msg.node_id, info.cell,
+                         sum(n.ready for n in self.nodes.values()), self.cells)
+            if info.rejoin and self.on_rejoin is not None:
+                self.on_rejoin(info.cell, msg.node_id)
+            elif len(self.nodes) == self.cells and all(n.ready for n in self.nodes.values()):
                 self._ready.set()
         elif isinstance(msg, wire.WorkerDead):
             log.error("workerd %s died: %s", msg.node_id, msg.reason)
@@ -89,7 +128,10 @@ class LocalCluster:
         address = await self.link.start()
         self._reader = asyncio.create_task(self.link.serve(), name="gyre-link-reader")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        for cell in range(self.cells):
+        if not self.spawn:
+            log.info("waiting up to %.0fs for %d workerds at %s (gyre workerd --coordinator ADDRESS)",
+                     self.start_timeout_s, self.cells, address)
+        for cell in range(self.cells if self.spawn else 0):
             out = None
             if self.log_dir is not None:
                 self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -109,7 +151,8 @@ class LocalCluster:
             await self.__aexit__(None, None, None)
             ready = sorted(n.node_id for n in self.nodes.values() if n.ready)
             raise ClusterStartError(f"{self.cells} workerd processes did not become ready in "
-                                    f"{self.start_timeout_s:.0f}s (ready: {ready or 'none'}): {e}") from None
+                                    f"{self.start_timeout_s:.0f}s (ready: {ready or 'none'}; "
+                                    f"registered: {len(self.nodes)}): {e}") from None
         return self
 
     async def _wait_ready(self) -> None:

@@ -17,7 +17,6 @@ import gc
 import json
 import logging
 import os
-import secrets
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 from gyre.coordinator.buffer import Group, Run, TrajectoryBuffer
 from gyre.coordinator.config import CoordinatorConfig
 from gyre.coordinator.launcher import LaunchSpec, Launcher
+from gyre.coordinator.link import WorkerDeadError
 from gyre.coordinator.local import LocalCluster
 from gyre.coordinator.metrics import Metrics
 from gyre.coordinator.training import Batch, core_weights, memcpy_seconds, push_core_weights
@@ -89,6 +89,9 @@ class Coordinator:
         self.role_switches: list[dict] = []
         self.rates = Rates()
         self.tokens_trained = 0
+        self.dead: set[int] = set()  # cells whose worker died; excluded until a worker re-registers
+        self.no_reducer: set[int] = set()  # rejoined cells: they roll out, they cannot reduce gradients
+        self.cluster: LocalCluster | None = None
 
     def status(self) -> dict:
         """The live view's data (GET /gyre/status, `gyre top`)."""
@@ -104,9 +107,12 @@ class Coordinator:
         cluster = LocalCluster(c.model_dir, cells=c.cells, roles=tuple(self.roles), address=c.address,
                                trainer={"lr": c.lr}, log_dir=c.run_dir / "logs",
                                engine={"seed": c.seed, "max_running": c.engine_max_running},
-                               keys_dir=c.keys_dir)
+                               keys_dir=c.keys_dir, spawn=c.workers == "local",
+                               start_timeout_s=c.topology_timeout_s if c.workers == "external" else 120.0)
         self._install_signal_handlers()
+        cluster.on_rejoin = self._on_rejoin
         async with cluster:
+            self.cluster = cluster
             self.link = cluster.link
             self.nodes = [cluster.node_of_cell(i) for i in range(c.cells)]
             await self._startup()
@@ -155,7 +161,7 @@ class Coordinator:
             preset=c.preset(), timeout_s=c.execution_timeout_s, eval_attempts=c.eval_attempts,
             eval_budget_s=c.eval_budget_s), default_evaluator={"type": "similarity"})
         # Gradient reduction: every cell joins one gloo world with prebuilt prefix groups.
-        init = f"file://{c.run_dir / f'.rendezvous-{secrets.token_hex(4)}'}"
+        init = c.reducer_init or self.cluster.reducer_init(c.run_dir)
         await asyncio.gather(*(self._call(n, "init_reducer", rank=i, world_size=c.cells, init_method=init)
                                for i, n in enumerate(self.nodes)))
         self._dispatch(c.initial_groups)
@@ -182,6 +188,7 @@ class Coordinator:
                           "rollout_tokens": route.tokens if route else 0,
                           "idle_frac": round(max(0.0, 1 - (rollout_busy + train_busy) / wall), 4) if wall else None})
         self.metrics.emit("summary", steps=self.steps_done, wall_s=wall, statuses=dict(self.status_counts),
+                          dead_cells=sorted(self.dead), rejoined_cells=sorted(self.no_reducer),
                           counters={"d": self.wl.c.d, "p": self.wl.c.p, "f": self.wl.c.f},
                           rollout_tokens=sum(c["rollout_tokens"] for c in cells),
                           tokens_trained=sum(r.tokens_trained for r in self.reports), cells=cells)
@@ -189,6 +196,56 @@ class Coordinator:
     async def _call(self, node: str, method: str, **args):
         reply, _ = await self.link.call(node, wire.Call(req_id=self.link.new_req_id(), method=method, args=args))
         return reply.result
+
+    # --- worker health ------------------------------------------------------------------
+
+    def _watch_workers(self) -> None:
+        """Silent workers are declared dead (their requests fail over and are rerouted);
+        a dead cell stops taking requests and leaves placement and training."""
+        for node in self.link.silent_nodes(self.c.worker_timeout_s):
+            self.link.mark_dead(node, f"no heartbeat for {self.c.worker_timeout_s:g}s")
+        for cell, node in enumerate(self.nodes):
+            link = self.link.nodes.get(node)
+            if cell in self.dead or link is None or link.alive:
+                continue
+            self.dead.add(cell)
+            self.table.routes[node].accepting = False
+            t = self.metrics.now()
+            self.role_history[cell].append((t, "dead"))
+            self.role_switches.append({"t": t, "cell": cell, "from": self.roles[cell], "to": "dead"})
+            log.error("cell %d (%s) is dead: excluded from rollout and training until a worker re-registers",
+                      cell, node)
+            self.metrics.emit("worker_dead", cell=cell, node=node, role=self.roles[cell])
+            if cell == 0:
+                raise WorkerDeadError(f"the core (cell 0, {node}) died: its trainer holds the optimizer state; "
+                                      "the run stops (resume from the last checkpoint)")
+            if self.batch is not None and cell in self.batch.participants and not self._idle(self.step_task):
+                raise WorkerDeadError(f"cell {cell} ({node}) died while training a batch: the step cannot complete")
+
+    def _on_rejoin(self, cell: int, node: str) -> None:
+        """A worker re-registered for a dead cell and is ready: bring it to the current
+        weights, then let it serve rollout (it is outside the reducer's world)."""
+        if cell not in self.dead:
+            return
+
+        async def rejoin() -> None:
+            self.nodes[cell] = node
+            self.table.set_nodes(self.nodes)
+            await push_core_weights(self, [cell], engine=True, version=self.version)
+            await self.link.call(node, wire.SetRole(req_id=self.link.new_req_id(), role="rollout"))
+            self.dead.discard(cell)
+            self.no_reducer.add(cell)
+            self.roles[cell] = "rollout"
+            self.table.routes[node].accepting = True
+            t = self.metrics.now()
+            self.role_history[cell].append((t, "rollout"))
+            self.role_switches.append({"t": t, "cell": cell, "from": "dead", "to": "rollout"})
+            self.metrics.emit("worker_rejoined", cell=cell, node=node, version=self.version)
+            log.warning("cell %d rejoined as %s (rollout only)", cell, node)
+
+        task = asyncio.ensure_future(rejoin())
+        task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or log.error(
+            "rejoin of cell %d failed: %s", cell, t.exception()))
 
     # --- the tick -----------------------------------------------------------------------
 
@@ -200,6 +257,7 @@ class Coordinator:
             if task is not None and task.done() and not task.cancelled() and task.exception():
                 raise task.exception()  # a failed step, transition or launch ends the run
         self.rates.sample(self.metrics.now(), sum(r.tokens for r in self.table.routes.values()), self.tokens_trained)
+        self._watch_workers()
         self._launch()
         self._publish_if_burst_done()
         self._place()  # the policy is asked before a step starts (e.g. right after a publication)
@@ -210,20 +268,67 @@ class Coordinator:
     def _idle(task: asyncio.Task | None) -> bool:
         return task is None or task.done()
 
-    def snapshot(self) -> Snapshot:
+    def trainable(self) -> int:
+        """Cells 0..k-1 that may train: alive and in the reducer's world, as a prefix (the
+        prefix process groups need it). Cells after a gap roll out only."""
+        k = 0
+        while k < len(self.roles) and k not in self.dead and k not in self.no_reducer:
+            k += 1
+        return k
+
+    def _wanted_roles(self) -> list[str]:
+        """The policy over the trainable prefix; every other live cell rolls out; a dead
+        cell keeps its last role (nothing can be asked of it)."""
+        k = self.trainable()
+        want = list(self.policy(self.snapshot(k))) if k else []
+        for cell in range(k, len(self.roles)):
+            want.append(self.roles[cell] if cell in self.dead else "rollout")
+        self._pause_or_resume(want)
+        return want
+
+    def _pause_or_resume(self, want: list[str]) -> None:
+        """A batch in flight that waits for groups while no live cell rolls out would wait
+        forever (a rollout cell died, or replacements of dropped groups need rollout): its
+        cells pause in rollout, keeping their accumulated gradients, and resume once there
+        is something to train and the other rollout cells cover the waterlevel."""
+        batch = self.batch if not self._idle(self.step_task) else None
+        if batch is None:
+            return
+        slots = self.c.exec_slots_per_cell
+        members = set(batch.participants)
+        level = self.wl.c.waterlevel
+        others = sum(slots for c, r in enumerate(want) if r == "rollout" and c not in self.dead and c not in members)
+        paused = all(self.roles[c] == "rollout" for c in members)
+        if not paused:
+            starving = not batch.packing_done and not batch.pending and level > 0
+            if starving and others == 0:
+                for c in members:
+                    want[c] = "rollout"
+            return
+        ready = bool(batch.pending) or batch.packing_done
+        for c in members:
+            want[c] = "training" if ready and others >= level else "rollout"
+
+    def snapshot(self, k: int | None = None) -> Snapshot:
+        """The policy's view of cells 0..k-1 (default: all); rollout capacity outside the
+        prefix counts as a standalone pool."""
+        k = len(self.roles) if k is None else k
         c = self.wl.c
         batch = self.batch if not self._idle(self.step_task) else None
-        return Snapshot(roles=tuple(self.roles), queued=c.queued, running=c.running,
+        outside = sum(self.c.exec_slots_per_cell for cell in range(k, len(self.roles))
+                      if cell not in self.dead)
+        return Snapshot(roles=tuple(self.roles[:k]), queued=c.queued, running=c.running,
                         ready_groups=self.buffer.ready_count, groups_per_step=self.c.groups_per_step,
                         mu=self.c.mu, steps_in_burst=self.steps_in_burst, step_in_flight=batch is not None,
                         async_training_cells=self.c.async_training_cells,
-                        capacity=(self.c.exec_slots_per_cell,) * self.c.cells, standalone=0,
+                        capacity=(self.c.exec_slots_per_cell,) * k, standalone=outside,
                         window_open=batch.window_open if batch else False,
                         unclaimed=batch.unclaimed if batch else 0)
 
     # 1) launch
     def _launch(self) -> None:
-        capacity = self.c.exec_slots_per_cell * sum(r == "rollout" for r in self.roles)
+        capacity = self.c.exec_slots_per_cell * sum(
+            r == "rollout" and i not in self.dead for i, r in enumerate(self.roles))
         while self.queue and self.wl.c.running < capacity and self.steps_done < self.c.steps:
             run = self.queue.popleft()
             self.wl.launch(run.tracked)
@@ -282,13 +387,20 @@ class Coordinator:
     def _place(self) -> None:
         if not self._idle(self.side_task):
             return
-        want = list(self.policy(self.snapshot()))
+        want = self._wanted_roles()
         if want == self.roles:
             return
         if self._idle(self.step_task):
             self.side_task = asyncio.create_task(self._transition(want), name="gyre-transition")
             return
-        # A batch is in flight: only satellites joining it (rollout -> training) move now.
+        # A batch is in flight: its participants pause or resume (see _pause_or_resume);
+        # other cells only join it (rollout -> training).
+        members = set(self.batch.participants)
+        moves = {c: new for c, (old, new) in enumerate(zip(self.roles, want)) if old != new and c in members}
+        if moves:
+            self.side_task = asyncio.create_task(
+                self._transition([moves.get(c, r) for c, r in enumerate(self.roles)]), name="gyre-pause")
+            return
         joins = [c for c, (old, new) in enumerate(zip(self.roles, want)) if old == "rollout" and new == "training"]
         if joins:
             self.side_task = asyncio.create_task(self._join(joins), name="gyre-join")
@@ -302,6 +414,9 @@ class Coordinator:
         if new == "rollout":
             self.table.routes[node].accepting = True  # every node has a route since start-up
         self.roles[cell] = new
+        if self.batch is not None:
+            async with self.batch.cond:
+                self.batch.cond.notify_all()  # a paused participant may claim again
         t = self.metrics.now()
         self.role_history[cell].append((t, new))
         self.role_switches.append({"t": t, "cell": cell, "from": old, "to": new})
@@ -310,7 +425,7 @@ class Coordinator:
 
     async def _transition(self, want: list[str]) -> None:
         for cell, (old, new) in enumerate(zip(self.roles, want)):
-            if old != new:
+            if old != new and cell not in self.dead:
                 await self._set_role(cell, new)
 
     async def _join(self, cells: list[int]) -> None:
@@ -329,7 +444,7 @@ class Coordinator:
             return
         if self.steps_done >= self.c.steps or self.steps_in_burst >= self.c.mu:
             return
-        cells = [i for i, r in enumerate(self.roles) if r == "training"]
+        cells = [i for i, r in enumerate(self.roles[:self.trainable()]) if r == "training"]
         if not cells:
             return
         # Colocate trains on a full batch; the others stream from the first ready group.
@@ -385,7 +500,8 @@ class Coordinator:
         version = self.trainer_version
         core = self.nodes[0]
         await self.link.call(core, wire.LoadWeights(req_id=self.link.new_req_id(), version=version))
-        nbytes = await push_core_weights(self, list(range(1, len(self.nodes))), engine=True, version=version)
+        nbytes = await push_core_weights(self, [i for i in range(1, len(self.nodes)) if i not in self.dead],
+                                         engine=True, version=version)
         self.version = version
         self.steps_in_burst = 0
         self.publications += 1

@@ -96,6 +96,8 @@ class Batch:
             await asyncio.gather(*running)
         for t in self.workers.values():
             t.result()  # a failed micro-step fails the step
+        async with self.cond:  # paused participants (main.py _pause_or_resume) resume first
+            await self.cond.wait_for(lambda: all(c.roles[i] == "training" for i in self.participants))
         # Reduce over the participants' prefix group; only the core applies the update.
         k = len(self.participants)
         await asyncio.gather(*(c._call(nodes[i], "set_participants", participants=k) for i in self.participants))
@@ -112,8 +114,9 @@ class Batch:
         c = self.c
         node = c.nodes[cell]
         while True:
-            async with self.cond:
-                await self.cond.wait_for(lambda: self.pending or self.packing_done)
+            async with self.cond:  # a paused cell (rollout for now) claims nothing
+                await self.cond.wait_for(lambda: not self.pending and self.packing_done or (
+                    self.pending and c.roles[cell] == "training"))
                 if not self.pending:
                     return
                 ms = self.pending.popleft()
