@@ -15,7 +15,7 @@ from gyre.cli.options import (CellOpt, CoordinatorOpt, DebugOpt, DevicesOpt, Hea
                               ModelKindArg, ModelOpt, NodeIdOpt, NodeRankOpt, RunDirOpt, SeedOpt, StepsOpt,
                               WelcomeTimeoutOpt, HostOpt, PortOpt, RunDirArg, ExecutionOpt, JsonOpt, JMaxOpt,
                               ConfigArg, PolicyOpt, NoLiveOpt, ParentPidOpt, HarnessOpt, TaskOpt, TimeoutOpt,
-                              MaxContextOpt, ServeConfigOpt, TopTargetArg, IntervalOpt, OnceOpt, SetOpt, RunSeedOpt,
+                              MaxContextOpt, ServeConfigOpt, TopTargetArg, IntervalOpt, OnceOpt, SetOpt, RunSeedOpt, ResumeOpt,
                               KeysOpt, KeyNameOpt, KeysDirArg, WorkerNamesOpt, KeyNameArg)
 
 app = typer.Typer(name="gyre", no_args_is_help=True, add_completion=False,
@@ -142,14 +142,25 @@ def up(
     seed: RunSeedOpt = None,
     no_live: NoLiveOpt = False,
     set_: SetOpt = None,
+    resume: ResumeOpt = None,
 ) -> None:
     """Run online RL: the coordinator, local worker daemons, the harness and the tasks
     (with no CONFIG: the embedded default, tiny model and demo harness)."""
     from gyre.coordinator.up import run_up
 
+    live = not no_live and sys.stdout.isatty()
+    if resume is not None:
+        if config or policy or run_dir or model or seed is not None or set_:
+            _fail(ValueError("--resume takes the run's own config.json; only --steps may change"))
+        saved = resume / "config.json"
+        if not saved.exists():
+            _fail(FileNotFoundError(f"{saved} does not exist: not a gyre run directory"))
+        cfg, _, _ = _resolve_config(saved, [], steps=steps, run_dir=resume)
+        _guard(run_up, config=cfg, live=live, resume=True)
+        return
     cfg, _, _ = _resolve_config(config, set_ or [], steps=steps, policy=policy, run_dir=run_dir, model=model,
                                 seed=seed)
-    _guard(run_up, config=cfg, live=not no_live and sys.stdout.isatty())
+    _guard(run_up, config=cfg, live=live)
 
 
 def _resolve_config(path, sets: list[str], *, create: bool = True, **flags):

@@ -46,3 +46,4 @@ KeyNameOpt = Annotated[str, typer.Option("--key-name", help="This worker's key p
 KeysDirArg = Annotated[Path, typer.Argument(help="Key directory.")]
 KeyNameArg = Annotated[str, typer.Argument(help="Worker key name.")]
 WorkerNamesOpt = Annotated[Optional[list[str]], typer.Option("--worker", help="Worker key names to create (repeatable; default: worker).")]
+ResumeOpt = Annotated[Optional[Path], typer.Option("--resume", help="Continue this run directory from its latest checkpoint (after a crash or a stop).")]

@@ -49,6 +49,7 @@ class CoordinatorConfig:
     workers: str = "local"  # local: spawn one workerd per cell here; external: wait for `cells` to register
     topology_timeout_s: float = 600.0  # external: how long to wait for every cell's worker
     reducer_init: str | None = None  # torch.distributed init for the gradient reducer; None: auto
+    checkpoint_every: int = 5  # steps between checkpoints (at a publication); 0: never
     worker_timeout_s: float = 10.0  # a worker silent this long is dead (heartbeats every 0.5 s)
     keys_dir: Path | None = None  # CURVE keys (gyre keys init): encrypted link, authorised workers only
     proxy_host: str = "127.0.0.1"

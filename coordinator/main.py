@@ -21,6 +21,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from gyre.coordinator import resume
 from gyre.coordinator.buffer import Group, Run, TrajectoryBuffer
 from gyre.coordinator.config import CoordinatorConfig
 from gyre.coordinator.launcher import LaunchSpec, Launcher
@@ -34,6 +35,7 @@ from gyre.coordinator.status import Rates, snapshot
 from gyre.coordinator.tasks import TaskSource, default_tasks, load_tasks
 from gyre.coordinator.waterlevel import Waterlevel
 from gyre.proxy.chat import ChatTokenizer
+from gyre.proxy.records import load_execution
 from gyre.proxy.server import ProxyConfig, ProxyServer
 from gyre.workerd import wire
 
@@ -57,8 +59,9 @@ class StepReport:
 
 
 class Coordinator:
-    def __init__(self, config: CoordinatorConfig, *, on_step=None):
+    def __init__(self, config: CoordinatorConfig, *, on_step=None, resume: bool = False):
         self.c = config
+        self.resume = resume  # continue RUN_DIR from its latest checkpoint (resume.py)
         tasks = load_tasks(config.tasks_path) if config.tasks_path else default_tasks()
         self.tasks = TaskSource(tasks, seed=config.seed)
         self.policy = POLICIES[config.policy]
@@ -102,8 +105,13 @@ class Coordinator:
     async def run(self) -> list[StepReport]:
         c = self.c
         c.run_dir.mkdir(parents=True, exist_ok=True)
+        t0 = None
+        if self.resume:
+            self._checkpoint_dir, self._state = resume.latest(c.run_dir)  # fails before anything starts
+            self._journal = resume.read_journal(c.run_dir)
+            t0 = time.monotonic() - self._journal[2]  # times continue from the journal's last
         (c.run_dir / "config.json").write_text(json.dumps(c.to_json(), indent=2))
-        self.metrics = Metrics(c.run_dir / "metrics.jsonl")
+        self.metrics = Metrics(c.run_dir / "metrics.jsonl", t0=t0)
         cluster = LocalCluster(c.model_dir, cells=c.cells, roles=tuple(self.roles), address=c.address,
                                trainer={"lr": c.lr}, log_dir=c.run_dir / "logs",
                                engine={"seed": c.seed, "max_running": c.engine_max_running},
@@ -164,7 +172,10 @@ class Coordinator:
         init = c.reducer_init or self.cluster.reducer_init(c.run_dir)
         await asyncio.gather(*(self._call(n, "init_reducer", rank=i, world_size=c.cells, init_method=init)
                                for i, n in enumerate(self.nodes)))
-        self._dispatch(c.initial_groups)
+        if self.resume:
+            await self._restore()
+        else:
+            self._dispatch(c.initial_groups)
         gc.freeze()  # start-up objects out of the collector's way: full GCs were the proxy's p99
         log.info("coordinator up: %d cells, policy %s, proxy %s", c.cells, c.policy, self.proxy.base_url)
 
@@ -188,6 +199,7 @@ class Coordinator:
                           "rollout_tokens": route.tokens if route else 0,
                           "idle_frac": round(max(0.0, 1 - (rollout_busy + train_busy) / wall), 4) if wall else None})
         self.metrics.emit("summary", steps=self.steps_done, wall_s=wall, statuses=dict(self.status_counts),
+                          pending_groups=sorted(g.id for g in self.buffer.groups.values() if g.state != "consumed"),
                           dead_cells=sorted(self.dead), rejoined_cells=sorted(self.no_reducer),
                           counters={"d": self.wl.c.d, "p": self.wl.c.p, "f": self.wl.c.f},
                           rollout_tokens=sum(c["rollout_tokens"] for c in cells),
@@ -382,6 +394,11 @@ class Coordinator:
                 group.runs.append(run)
                 self.queue.append(run)
             self.buffer.add(group)
+            self._journal_group(group)
+
+    def _journal_group(self, group: Group) -> None:
+        self.metrics.emit("dispatch", group=group.id, task=group.task.id, version=group.version,
+                          runs=[r.id for r in group.runs])
 
     # 2) placement
     def _place(self) -> None:
@@ -510,3 +527,78 @@ class Coordinator:
                           engines=len(self.nodes), memcpy_seconds=round(memcpy_seconds(frames), 5))
         if self.steps_done < self.c.steps:
             self._dispatch(self.c.dispatch_target(self.publications) - self.c.dispatch_target(self.publications - 1))
+        if self.c.checkpoint_every and self.steps_done % self.c.checkpoint_every == 0 and self.steps_done:
+            await self._checkpoint()
+
+    # 5) checkpoints and resume (resume.py)
+    async def _checkpoint(self) -> None:
+        """At a publication (no batch in flight): the core's trainer, then the state."""
+        t0 = time.monotonic()
+        folder = resume.step_dir(self.c.run_dir, self.steps_done)
+        folder.mkdir(parents=True, exist_ok=True)
+        await self._call(self.nodes[0], "save_checkpoint", path=str(folder / "trainer.pt"))
+        resume.write_state(self.c.run_dir, self.steps_done, {
+            "step": self.steps_done, "version": self.version, "trainer_version": self.trainer_version,
+            "publications": self.publications, "groups_dispatched": self.groups_dispatched,
+            "consumed": sorted(g.id for g in self.buffer.groups.values() if g.state == "consumed"),
+            "tasks": resume.task_order_state(self.tasks), "status_counts": self.status_counts,
+            "tokens_trained": self.tokens_trained})
+        self.metrics.emit("checkpoint", step=self.steps_done, version=self.version, path=str(folder),
+                          seconds=round(time.monotonic() - t0, 3))
+
+    async def _restore(self) -> None:
+        """The latest checkpoint into the core and every engine; the buffer from the journal."""
+        st, folder = self._state, self._checkpoint_dir
+        dispatches, outcomes, _ = self._journal
+        core = self.nodes[0]
+        loaded = await self._call(core, "load_checkpoint", path=str(folder / "trainer.pt"))
+        self.trainer_version = self.version = int(loaded["version"])
+        self.steps_done, self.publications = st["step"], st["publications"]
+        self.status_counts = {}
+        for out in outcomes.values():  # every closed execution of the run, before and after the checkpoint
+            self.status_counts[out["status"]] = self.status_counts.get(out["status"], 0) + 1
+        self.tokens_trained = st.get("tokens_trained", 0)
+        self._core_cache = None
+        await self.link.call(core, wire.LoadWeights(req_id=self.link.new_req_id(), version=self.version))
+        await push_core_weights(self, [i for i in range(1, len(self.nodes))], engine=True, version=self.version)
+        resume.restore_task_order(self.tasks, st["tasks"])
+        tasks = {t.id: t for t in self.tasks.tasks}
+        consumed = set(st["consumed"])
+        restored = redone = 0
+        for gid in sorted(dispatches):
+            ev = dispatches[gid]
+            if gid >= st["groups_dispatched"]:
+                self.tasks.next_task()  # dispatched after the checkpoint: keep the task order aligned
+            if ev["task"] not in tasks:
+                raise resume.ResumeError(f"group {gid}: task {ev['task']!r} is no longer in the task set")
+            group = Group(gid, tasks[ev["task"]], ev["version"], self.c.group_size)
+            self.buffer.add(group)
+            if gid in consumed:
+                group.state = "consumed"
+                continue
+            for i, run_id in enumerate(ev["runs"]):
+                out = outcomes.get(run_id)
+                tracked = self.wl.dispatch(1)[0]
+                if out is not None and out["status"] != "cancelled":
+                    run = Run(run_id, gid, i, group.task, tracked, ev["version"], status=out["status"],
+                              reward=out["reward"], valid=out["valid"], ref=out.get("ref", ""))
+                    folder_ex = self.c.run_dir / "executions" / run_id
+                    run.recorder = load_execution(folder_ex) if folder_ex.is_dir() else None
+                    self.wl.launch(tracked)
+                    self.wl.terminate(tracked)
+                    group.runs.append(run)
+                    self.buffer.on_closed(run)
+                    restored += 1
+                else:
+                    run = Run(resume.redo_id(self.c.run_dir, run_id), gid, i, group.task, tracked, self.version)
+                    group.runs.append(run)
+                    self.queue.append(run)
+                    redone += 1
+            if any(r.id not in ev["runs"] for r in group.runs):
+                self._journal_group(group)  # the new ids, for a later resume
+        self.groups_dispatched = max([st["groups_dispatched"], *(g + 1 for g in dispatches)])
+        self.metrics.emit("resume", step=self.steps_done, version=self.version, checkpoint=str(folder),
+                          executions_restored=restored, executions_redispatched=redone,
+                          groups=len(dispatches) - len(consumed & set(dispatches)))
+        log.info("resumed at step %d (version %d): %d closed executions restored, %d dispatched again",
+                 self.steps_done, self.version, restored, redone)

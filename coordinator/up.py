@@ -23,13 +23,16 @@ def _print_step(steps: int):
     return show
 
 
-def run_up(config: CoordinatorConfig, live: bool = False) -> list[StepReport]:
-    """Run the coordinator; with `live`, draw the live view (cli/live.py) while it runs."""
+def run_up(config: CoordinatorConfig, live: bool = False, resume: bool = False) -> list[StepReport]:
+    """Run the coordinator; with `live`, draw the live view (cli/live.py) while it runs;
+    with `resume`, continue config.run_dir from its latest checkpoint."""
     import uvloop
 
     print(f"gyre up: policy {config.policy}, {config.cells} cells, B={config.groups_per_step} N={config.group_size} "
           f"phi={config.phi} mu={config.mu}, {config.steps} steps -> {config.run_dir}", flush=True)
-    coord = Coordinator(config, on_step=_print_step(config.steps))
+    if resume:
+        print(f"resuming {config.run_dir} from its latest checkpoint", flush=True)
+    coord = Coordinator(config, on_step=_print_step(config.steps), resume=resume)
     reports = uvloop.run(_run_with_view(coord, live))
     rewards = " ".join("n/a" if r.reward_mean is None else f"{r.reward_mean:.3f}" for r in reports)
     print(f"done: {len(reports)} steps; reward by step: {rewards}", flush=True)

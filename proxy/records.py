@@ -7,11 +7,13 @@ appends the files as calls happen.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
 
+from gyre.proxy.admission import Rows, Trajectory, admit, materialise
 from gyre.proxy.tree import Node, Tree
 
 
@@ -21,6 +23,11 @@ class Recorded:
     tree: Tree
     calls: list[dict]
     leaf_roles: dict[int, str]
+
+    def admit(self, j_max: int | None = 5, seed: int = 0) -> tuple[list[Trajectory], Rows]:
+        """As Execution.admit: a resumed coordinator trains recorded executions through this."""
+        trajectories = admit(self.tree, self.leaf_roles, j_max=j_max, rng=random.Random(seed))
+        return trajectories, materialise(self.tree, trajectories)
 
 
 def _lines(path: Path) -> list[dict]:
