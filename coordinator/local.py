@@ -123,6 +123,12 @@ class LocalCluster:
                 self._ready.set()
         elif isinstance(msg, wire.WorkerDead):
             log.error("workerd %s died: %s", msg.node_id, msg.reason)
+        elif isinstance(msg, wire.Heartbeat) and msg.node_id not in self.nodes:
+            # A worker welcomed by an earlier coordinator (we restarted, e.g. to resume): it
+            # must register again to be part of this session.
+            log.info("workerd %s is from an earlier session: asking it to register again", msg.node_id)
+            asyncio.ensure_future(self.link.send(msg.node_id, wire.Reregister(reason="new coordinator session"))
+                                  ).add_done_callback(_log_failure)
 
     async def __aenter__(self) -> LocalCluster:
         address = await self.link.start()

@@ -116,6 +116,9 @@ class WorkerServer:
         self._send_to_io = self._ctx.socket(zmq.PUSH)
         self._send_to_io.setsockopt(zmq.SNDHWM, 0)
         self._send_to_io.connect(self._outbox_addr)
+        self._register()
+
+    def _register(self) -> None:
         cfg = self.config
         self.send(wire.Register(req_id=0, node_id=self.node_id, cell=cfg.cell, node_rank=cfg.node_rank,
                                 host=socket.gethostname(), pid=os.getpid(), devices=list(cfg.devices),
@@ -123,14 +126,14 @@ class WorkerServer:
 
     def run_forever(self) -> int:
         """Serve until Shutdown or a signal; returns the process exit code."""
-        deadline = time.monotonic() + self.config.welcome_timeout_s
+        self._deadline = time.monotonic() + self.config.welcome_timeout_s
         while not (self.should_exit or self.worker.should_exit):
             # 1) Block for input only when nothing is running.
             self._drain_inbox(block=not self.worker.busy)
             if self.config.parent_pid is not None and os.getppid() != self.config.parent_pid:
                 log.warning("parent %d is gone; shutting down", self.config.parent_pid)
                 break
-            if not self.welcomed and time.monotonic() > deadline:
+            if not self.welcomed and time.monotonic() > self._deadline:
                 hint = (" (CURVE: is this worker's key in the coordinator's authorized/ directory?)"
                         if self.config.keys_dir else "")
                 raise HandshakeTimeout(f"no Welcome from {self.config.coordinator} within "
@@ -166,6 +169,12 @@ class WorkerServer:
                                  message=f"{type(msg).__name__} is not a workerd command"))
             return
         outs = self.worker.handle(msg, tensors)
+        if isinstance(msg, wire.Reregister):
+            log.warning("coordinator asks to register again (%s)", msg.reason or "new session")
+            self.welcomed = False
+            self._deadline = time.monotonic() + self.config.welcome_timeout_s
+            self._register()
+            return
         if isinstance(msg, wire.Welcome):
             errors = [m for m, _ in outs if isinstance(m, wire.Error)]
             if errors:  # no backends, nothing to serve: die loudly (systemd restarts us)

@@ -186,6 +186,14 @@ class Shutdown:
     reason: str = ""
 
 
+@_msg
+class Reregister:
+    """From a coordinator that does not know this node (it restarted, e.g. `gyre up
+    --resume`): drop the session's state and register again."""
+
+    reason: str = ""
+
+
 # --- workerd -> coordinator: replies ----------------------------------------------------
 
 
@@ -266,7 +274,7 @@ WIRE_TYPES: dict[bytes, type] = {
     for cls in (
         Register, Ready, Heartbeat, Deregister, WorkerDead,
         Welcome, Generate, Abort, SetRole, TrainMicroStep, OptimizerStep, ExportWeights,
-        LoadWeights, Call, Shutdown,
+        LoadWeights, Call, Shutdown, Reregister,
         GenerateChunk, RoleChanged, TrainResult, StepResult, Weights, Loaded, CallResult, Error,
     )
 }
@@ -274,7 +282,7 @@ WIRE_TYPES: dict[bytes, type] = {
 # Messages a workerd receives (each must have a handler in the worker's table).
 WORKER_COMMANDS: tuple[type, ...] = (
     Welcome, Generate, Abort, SetRole, TrainMicroStep, OptimizerStep, ExportWeights,
-    LoadWeights, Call, Shutdown,
+    LoadWeights, Call, Shutdown, Reregister,
 )
 
 

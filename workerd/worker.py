@@ -84,6 +84,7 @@ class Worker:
             wire.LoadWeights: self.load_weights,
             wire.Call: self.call,
             wire.Shutdown: self.shutdown,
+            wire.Reregister: self.reset,
         }
         self.calls: dict[str, Callable[..., Any]] = {
             "echo": lambda **kw: kw,
@@ -140,6 +141,17 @@ class Worker:
             self.engine.release_memory()
         return [(wire.Ready(node_id=self.node_id, role=self.role.value, version=self.engine.version,
                             params=params, load_seconds=time.perf_counter() - t0), None)]
+
+    def reset(self, msg: wire.Reregister | None = None, _=None) -> list[Out]:
+        """Back to the state before Welcome: the old coordinator's session is gone (its
+        requests' streams with it), so nothing is answered; the server registers again."""
+        self._streams.clear()
+        if self.reducer is not None:
+            self.reducer.close()
+            self.reducer = None
+        self.engine = self.trainer = None
+        self.role = Role.SWITCHING
+        return []
 
     def shutdown(self, msg: wire.Shutdown, _) -> list[Out]:
         self.should_exit = True

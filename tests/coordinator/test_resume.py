@@ -102,3 +102,45 @@ def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path):
     assert r.exit_code == 1 and "[error]" in r.output
     r = CliRunner().invoke(app, ["up", "--resume", str(tmp_path / "nothing")])
     assert r.exit_code == 1 and "not a gyre run directory" in r.output
+
+
+@pytest.mark.timeout(400)
+def test_workers_started_by_hand_survive_a_coordinator_kill_and_rejoin_the_resume(tiny_dir, tmp_path):
+    """The operator's path: workerds started by hand stay up when the coordinator is killed;
+    the resumed coordinator asks them to register again and finishes the run with them."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"tcp://127.0.0.1:{port}"
+    run = tmp_path / "run"
+    cfg = write_config(tmp_path, tiny_dir)
+    cfg.write_text(cfg.read_text() + f'workers = "external"\naddress = "{address}"\ntopology_timeout_s = 120.0\n')
+    workers = [subprocess.Popen([sys.executable, "-m", "gyre.cli", "workerd", "--coordinator", address,
+                                 "--node-id", f"hand-{i}", "--heartbeat", "0.5"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(2)]
+    try:
+        first = subprocess.Popen([sys.executable, "-m", "gyre.cli", "up", str(cfg), "--run-dir", str(run),
+                                  "--no-live"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        for line in first.stdout:
+            if line.startswith("step 2/4"):
+                break
+        else:
+            pytest.fail(f"the first run ended before step 2 (exit {first.wait()})")
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(60)
+        first.stdout.close()
+        assert all(w.poll() is None for w in workers)  # the daemons outlive the coordinator
+        r = CliRunner().invoke(app, ["up", "--resume", str(run), "--no-live"])
+        assert r.exit_code == 0, r.output
+        assert [w.wait(60) for w in workers] == [0, 0]  # told to shut down at the end of the run
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+                w.wait()
+    after = events(run)
+    (res,) = [e for e in after if e["event"] == "resume"]
+    steps = [e["step"] for e in after[after.index(res):] if e["event"] == "step"]
+    assert steps == list(range(res["step"] + 1, 5))
