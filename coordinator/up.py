@@ -35,7 +35,8 @@ def run_up(config: CoordinatorConfig, live: bool = False, resume: bool = False) 
     coord = Coordinator(config, on_step=_print_step(config.steps), resume=resume)
     reports = uvloop.run(_run_with_view(coord, live))
     rewards = " ".join("n/a" if r.reward_mean is None else f"{r.reward_mean:.3f}" for r in reports)
-    print(f"done: {len(reports)} steps; reward by step: {rewards}", flush=True)
+    total = reports[-1].step if reports else coord.steps_done
+    print(f"done: step {total}/{config.steps} ({len(reports)} this session); reward by step: {rewards}", flush=True)
     write_timeline(config.run_dir)
     return reports
 

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import orjson
 
 from gyre.proxy.api_openai import expect, optional_int, optional_number, stop_list
-from gyre.proxy.types import (ChatRequest, ChatResult, Delta, Message, RequestError, TextDelta, ToolCall,
+from gyre.proxy.types import (ChatRequest, ChatResult, Delta, Message, ParseMemo, RequestError, TextDelta, ToolCall,
                               ToolCallDelta, ToolSpec)
 
 NAME = "anthropic"
@@ -132,27 +132,27 @@ def _assistant_message(content: Any, field: str) -> Message:
     return msg
 
 
-def parse_messages(raw: Any, field: str = "messages") -> list[Message]:
+def parse_messages(raw: Any, field: str = "messages", memo: ParseMemo | None = None) -> list[Message]:
     if raw is None:
         raise RequestError(field, "is required")
     expect(raw, list, field, "a list")
     if not raw:
         raise RequestError(field, "must not be empty")
-    out: list[Message] = []
-    for i, m in enumerate(raw):
+
+    def one(m: Any, i: int) -> list[Message]:
         f = f"{field}[{i}]"
         expect(m, dict, f, "an object")
         role = expect(m.get("role"), str, f"{f}.role", "a string")
         content = m.get("content")
         if role == "user":
-            out.extend(_user_messages(content, f"{f}.content"))
-        elif role == "assistant":
-            out.append(_assistant_message(content, f"{f}.content"))
-        elif role == "system":  # Claude Code puts these mid-list, after tool results
-            out.append(Message(role="system", content=_text_blocks(content, f"{f}.content")))
-        else:
-            raise RequestError(f"{f}.role", f"unknown role {role!r}")
-    return out
+            return _user_messages(content, f"{f}.content")
+        if role == "assistant":
+            return [_assistant_message(content, f"{f}.content")]
+        if role == "system":  # Claude Code puts these mid-list, after tool results
+            return [Message(role="system", content=_text_blocks(content, f"{f}.content"))]
+        raise RequestError(f"{f}.role", f"unknown role {role!r}")
+
+    return (memo or ParseMemo()).parse(raw, one)
 
 
 def parse_tools(raw: Any, field: str = "tools") -> list[ToolSpec]:
@@ -187,12 +187,12 @@ def _metadata(body: dict, headers: Mapping[str, str]) -> dict[str, Any]:
     return meta
 
 
-def _parse(body: Any, headers: Mapping[str, str]) -> ChatRequest:
+def _parse(body: Any, headers: Mapping[str, str], memo: ParseMemo | None = None) -> ChatRequest:
     """Shared by both endpoints. `thinking`, `context_management`, `output_config` and other
     unknown fields are accepted and ignored."""
     expect(body, dict, "", "a JSON object")
     system = _text_blocks(body.get("system"), "system")
-    messages = parse_messages(body.get("messages"))
+    messages = parse_messages(body.get("messages"), memo=memo)
     return ChatRequest(
         api=NAME,
         model=str(body.get("model") or "default"),
@@ -206,8 +206,8 @@ def _parse(body: Any, headers: Mapping[str, str]) -> ChatRequest:
     )
 
 
-def parse_request(body: Any, headers: Mapping[str, str]) -> ChatRequest:
-    req = _parse(body, headers)
+def parse_request(body: Any, headers: Mapping[str, str], memo: ParseMemo | None = None) -> ChatRequest:
+    req = _parse(body, headers, memo)
     req.max_tokens = optional_int(body, "max_tokens")  # required by Anthropic; None: server default
     req.stream = expect(body.get("stream", False), bool, "stream", "a boolean")
     return req

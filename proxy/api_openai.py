@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import orjson
 
-from gyre.proxy.types import (ChatRequest, ChatResult, Delta, Message, RequestError, TextDelta, ToolCall,
+from gyre.proxy.types import (ChatRequest, ChatResult, Delta, Message, ParseMemo, RequestError, TextDelta, ToolCall,
                               ToolCallDelta, ToolSpec)
 
 NAME = "openai"
@@ -140,7 +140,7 @@ def parse_message(m: Any, field: str) -> Message:
     return msg
 
 
-def parse_request(body: Any, headers: Mapping[str, str]) -> ChatRequest:
+def parse_request(body: Any, headers: Mapping[str, str], memo: ParseMemo | None = None) -> ChatRequest:
     expect(body, dict, "", "a JSON object")
     raw = body.get("messages")
     if raw is None:
@@ -156,7 +156,7 @@ def parse_request(body: Any, headers: Mapping[str, str]) -> ChatRequest:
     return ChatRequest(
         api=NAME,
         model=str(body.get("model") or "default"),
-        messages=[parse_message(m, f"messages[{i}]") for i, m in enumerate(raw)],
+        messages=(memo or ParseMemo()).parse(raw, lambda m, i: [parse_message(m, f"messages[{i}]")]),
         tools=parse_tools(body.get("tools")),
         tool_choice=body.get("tool_choice"),
         max_tokens=optional_int(body, "max_completion_tokens", "max_tokens"),

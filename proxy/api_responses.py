@@ -17,7 +17,7 @@ import orjson
 
 # error_body: the Responses API answers errors in the same shape as Chat Completions.
 from gyre.proxy.api_openai import arguments_text, error_body, expect, optional_int, optional_number, text_of
-from gyre.proxy.types import (ChatRequest, ChatResult, Delta, Message, RequestError, TextDelta, ToolCall,
+from gyre.proxy.types import (ChatRequest, ChatResult, Delta, Message, ParseMemo, RequestError, TextDelta, ToolCall,
                               ToolCallDelta, ToolSpec)
 
 __all__ = ["NAME", "Stream", "error_body", "new_response_id", "new_tool_call_id", "parse_request",
@@ -129,7 +129,9 @@ def _metadata(body: dict) -> dict[str, Any]:
     return keep
 
 
-def parse_request(body: Any, headers: Mapping[str, str]) -> ChatRequest:
+def parse_request(body: Any, headers: Mapping[str, str], memo: ParseMemo | None = None) -> ChatRequest:
+    """`memo` is accepted for the common signature; input items can merge into the
+    previous message, so they are parsed whole each time."""
     expect(body, dict, "", "a JSON object")
     if body.get("previous_response_id") is not None:
         raise RequestError("previous_response_id", "is not supported: this proxy is stateless and keeps no "

@@ -19,10 +19,10 @@ from typing import IO, Any
 import orjson
 
 from gyre.proxy.admission import Rows, Trajectory, admit, materialise
-from gyre.proxy.chat import ChatTokenizer, Ref
+from gyre.proxy.chat import ChatTokenizer, Ref, Segmenter
 from gyre.proxy.roles import CallInfo, RoleRule, delegation_prompt
 from gyre.proxy.tree import Node, Tree
-from gyre.proxy.types import ChatRequest, ChatResult, RequestError
+from gyre.proxy.types import ChatRequest, ChatResult, ParseMemo, RequestError
 
 
 @dataclass(slots=True)
@@ -59,6 +59,8 @@ class Execution:
         self._files: dict[str, IO[bytes]] = {}
         self._roles: dict[int, str] = {}  # node -> role of the call that ended there
         self._delegations: dict[str, str] = {}  # delegated sub-agent prompt -> the delegating call
+        self._segmenter = Segmenter(self.tokenizer)  # re-renders only what changed since a recent call
+        self.parse_memo = ParseMemo()  # re-parses only what changed (the server passes it to the API parser)
         if self.dir is not None:
             self.dir.mkdir(parents=True, exist_ok=True)
 
@@ -68,8 +70,7 @@ class Execution:
         """The call's exact prompt. Nothing is added to the tree until the prompt is known to
         fit `max_context` (a refused request touches no record)."""
         refs = self._resolve_outputs(req)
-        segments = self.tokenizer.segments(req.messages, req.tools, {i: str(i) for i in refs},
-                                           restore_args=self._args)
+        segments = self._segmenter.segments(req.messages, req.tools, {i: str(i) for i in refs}, self._args)
         # 1) Follow existing nodes as far as they match; plan the rest without adding it.
         parent, path, plan, strip = -1, [], [], None
         for seg in segments:

@@ -183,7 +183,7 @@ class ProxyServer:
         try:
             execution = self._auth(request, api)
             body = await self._json(request)
-            req = api.parse_request(body, dict(request.headers))
+            req = api.parse_request(body, dict(request.headers), memo=execution.parse_memo)
             if self.inject_errors:
                 status, headers = self.inject_errors.pop(0)
                 if status == CUT_STREAM:

@@ -106,3 +106,30 @@ class ToolCallDelta:
 
 
 Delta = Union[TextDelta, ToolCallDelta]
+
+
+class ParseMemo:
+    """One execution's recent raw message lists and their parses. A harness resends its
+    whole history every call; a raw message equal to the one at the same index of a
+    recent request (dict equality, which runs in C) reuses that parse instead of being
+    validated and built again. Parsed messages are never mutated after parsing."""
+
+    KEEP = 4
+
+    def __init__(self) -> None:
+        self.recent: list[tuple[list, list[list[Message]]]] = []
+
+    def parse(self, raw: list, parse_one) -> list[Message]:
+        """`parse_one(raw_message, index) -> list[Message]` for what is new."""
+        prev_raw, prev_out = next(((r, o) for r, o in self.recent if r and raw and r[0] == raw[0]), ((), ()))
+        per: list[list[Message]] = []
+        same = True
+        for i, m in enumerate(raw):
+            if same and i < len(prev_raw) and prev_raw[i] == m:
+                per.append(prev_out[i])
+            else:
+                same = False
+                per.append(parse_one(m, i))
+        self.recent.insert(0, (raw, per))
+        del self.recent[self.KEEP:]
+        return [msg for msgs in per for msg in msgs]
