@@ -24,7 +24,7 @@ class CoordinatorConfig:
     run_dir: Path
     model_dir: Path
     steps: int = 5
-    policy: str = "colocate"
+    policy: str = "elastic"  # measured fastest of the three on the embedded default (README, Benchmarks)
     phi: float = 0.0  # boundary-dispatch lead, in batches
     mu: int = 1  # steps per burst (between weight publications)
     groups_per_step: int = 2  # B
@@ -49,6 +49,8 @@ class CoordinatorConfig:
     workers: str = "local"  # local: spawn one workerd per cell here; external: wait for `cells` to register
     topology_timeout_s: float = 600.0  # external: how long to wait for every cell's worker
     reducer_init: str | None = None  # torch.distributed init for the gradient reducer; None: auto
+    weight_transfer: str = "zmq"  # how weights reach other cells: zmq (via the link) | mooncake (pulled)
+    transfer_host: str | None = None  # Mooncake: the address peers reach a node at; None: loopback or its host
     checkpoint_every: int = 5  # steps between checkpoints (at a publication); 0: never
     worker_timeout_s: float = 10.0  # a worker silent this long is dead (heartbeats every 0.5 s)
     keys_dir: Path | None = None  # CURVE keys (gyre keys init): encrypted link, authorised workers only
@@ -66,6 +68,8 @@ class CoordinatorConfig:
         if not 1 <= self.min_valid <= self.group_size:
             raise ValueError(f"min_valid must be in [1, group_size={self.group_size}], got {self.min_valid}")
         self.preset()  # an unknown or unusable harness fails here, named
+        if self.weight_transfer not in ("zmq", "mooncake"):
+            raise ValueError(f"weight_transfer must be one of zmq, mooncake, got {self.weight_transfer!r}")
         if self.workers not in ("local", "external"):
             raise ValueError(f"workers must be one of local, external, got {self.workers!r}")
         if self.workers == "external" and self.address.rsplit(":", 1)[-1] == "0":

@@ -78,6 +78,16 @@ class LocalCluster:
         core = next(n for n in self.nodes.values() if n.cell == 0)
         return f"tcp://{core.registered.host}:{port}"
 
+    def transfer_host(self, node: str, configured: str | None) -> str:
+        """Where other nodes reach `node`'s transfer engine: the configured address, else
+        loopback for workers we started, else the host it registered from."""
+        if configured:
+            return configured
+        info = self.nodes.get(node)
+        if self.spawn or info is None or info.registered is None:
+            return "127.0.0.1"
+        return info.registered.host
+
     def _alive(self, node: str) -> bool:
         link = self.link.nodes.get(node)
         return link is not None and link.alive

@@ -28,7 +28,7 @@ from gyre.coordinator.launcher import LaunchSpec, Launcher
 from gyre.coordinator.link import WorkerDeadError
 from gyre.coordinator.local import LocalCluster
 from gyre.coordinator.metrics import Metrics
-from gyre.coordinator.training import Batch, core_weights, memcpy_seconds, push_core_weights
+from gyre.coordinator.training import Batch, memcpy_seconds, push_core_weights
 from gyre.coordinator.policies import POLICIES, Snapshot
 from gyre.coordinator.routing import LinkBackend, RoutingTable
 from gyre.coordinator.status import Rates, snapshot
@@ -80,6 +80,7 @@ class Coordinator:
         self.step_task: asyncio.Task | None = None
         self.batch: Batch | None = None
         self._core_cache: tuple | None = None  # (trainer version, bytes, frames) of the core's weights
+        self._core_offer: dict | None = None  # Mooncake: the core's handle for the trainer version
         self.side_task: asyncio.Task | None = None  # a transition or a publication
         self.changed = asyncio.Event()  # a run closed (the streaming packer waits on it)
         self.status_counts: dict[str, int] = {}
@@ -170,6 +171,10 @@ class Coordinator:
             eval_budget_s=c.eval_budget_s), default_evaluator={"type": "similarity"})
         # Gradient reduction: every cell joins one gloo world with prebuilt prefix groups.
         init = c.reducer_init or self.cluster.reducer_init(c.run_dir)
+        if c.weight_transfer == "mooncake":  # fail at start-up, named, where Mooncake cannot run
+            await asyncio.gather(*(self._call(n, "init_transfer", backend="mooncake",
+                                              host=self.cluster.transfer_host(n, c.transfer_host))
+                                   for n in self.nodes))
         await asyncio.gather(*(self._call(n, "init_reducer", rank=i, world_size=c.cells, init_method=init)
                                for i, n in enumerate(self.nodes)))
         if self.resume:
@@ -522,9 +527,9 @@ class Coordinator:
         self.version = version
         self.steps_in_burst = 0
         self.publications += 1
-        _, frames = await core_weights(self)
         self.metrics.emit("publish", version=version, seconds=round(time.monotonic() - t0, 4), bytes=nbytes,
-                          engines=len(self.nodes), memcpy_seconds=round(memcpy_seconds(frames), 5))
+                          engines=len(self.nodes), transfer=self.c.weight_transfer,
+                          memcpy_seconds=round(memcpy_seconds(nbytes), 5) if nbytes else None)
         if self.steps_done < self.c.steps:
             self._dispatch(self.c.dispatch_target(self.publications) - self.c.dispatch_target(self.publications - 1))
         if self.c.checkpoint_every and self.steps_done % self.c.checkpoint_every == 0 and self.steps_done:
@@ -558,7 +563,7 @@ class Coordinator:
         for out in outcomes.values():  # every closed execution of the run, before and after the checkpoint
             self.status_counts[out["status"]] = self.status_counts.get(out["status"], 0) + 1
         self.tokens_trained = st.get("tokens_trained", 0)
-        self._core_cache = None
+        self._core_cache = self._core_offer = None
         await self.link.call(core, wire.LoadWeights(req_id=self.link.new_req_id(), version=self.version))
         await push_core_weights(self, [i for i in range(1, len(self.nodes))], engine=True, version=self.version)
         resume.restore_task_order(self.tasks, st["tasks"])

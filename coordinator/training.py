@@ -13,6 +13,8 @@ is decided by policies.py; this module only carries it out.
 from __future__ import annotations
 
 import asyncio
+
+import torch
 import logging
 from collections import deque
 from dataclasses import dataclass, field
@@ -69,7 +71,8 @@ class Batch:
     async def run(self) -> BatchResult:
         c = self.c
         nodes = c.nodes
-        await core_weights(c)  # cached before the core gets busy: joins read it from here
+        # Cached before the core gets busy: joins read it from here.
+        await (core_offer(c) if c.c.weight_transfer == "mooncake" else core_weights(c))
         for cell in self.participants:
             self.workers[cell] = asyncio.create_task(self._worker(cell), name=f"gyre-claim-{cell}")
         exec_index = 0
@@ -127,6 +130,16 @@ class Batch:
             c.train_busy_s[cell] = c.train_busy_s.get(cell, 0.0) + res.seconds
 
 
+async def core_offer(coord) -> dict:
+    """Mooncake: the core's handle for the current trainer version (cached; the core packs
+    and registers its parameters once per version, before it gets busy)."""
+    cached = coord._core_offer
+    if cached is not None and cached["version"] == coord.trainer_version:
+        return cached
+    coord._core_offer = await coord._call(coord.nodes[0], "offer_weights", version=coord.trainer_version)
+    return coord._core_offer
+
+
 async def core_weights(coord) -> tuple[int, list[wire.TensorFrame]]:
     """The core's parameters at the current trainer version, exported once per version and
     cached, so a joining satellite never waits for the core (busy training) to answer."""
@@ -139,15 +152,14 @@ async def core_weights(coord) -> tuple[int, list[wire.TensorFrame]]:
     return w.nbytes, frames
 
 
-def memcpy_seconds(frames: list[wire.TensorFrame]) -> float:
-    """A local copy of the same bytes: the baseline every weight transfer is reported against."""
+def memcpy_seconds(nbytes: int) -> float:
+    """A local copy of as many bytes: the baseline every weight transfer is reported against."""
     import time
 
-    import numpy as np
-
+    src = torch.empty(nbytes, dtype=torch.uint8)
+    src.fill_(1)
     t0 = time.perf_counter()
-    for f in frames:
-        np.frombuffer(f.data, dtype=np.uint8).copy()
+    src.clone()
     return time.perf_counter() - t0
 
 
@@ -157,6 +169,11 @@ async def push_core_weights(coord, cells: list[int], *, engine: bool, version: i
     if not cells:
         return 0
     link, nodes = coord.link, coord.nodes
+    if coord.c.weight_transfer == "mooncake":  # each cell pulls from the core's registered buffer
+        handle = await core_offer(coord)
+        await asyncio.gather(*(coord._call(nodes[i], "pull_weights", handle=handle, engine=engine, trainer=True)
+                               for i in cells))
+        return handle["nbytes"]
     nbytes, frames = await core_weights(coord)
     await asyncio.gather(*(link.call(nodes[i], wire.LoadWeights(req_id=link.new_req_id(), version=version,
                                                                 trainer=True, engine=engine), frames)

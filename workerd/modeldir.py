@@ -213,8 +213,9 @@ def build_tokenizer():
     return tok
 
 
-def init_tiny(out_dir: str | Path, *, seed: int = 0) -> Path:
-    """Write the embedded default model directory; returns it."""
+def init_tiny(out_dir: str | Path, *, seed: int = 0, overrides: dict | None = None) -> Path:
+    """Write the embedded default model directory; returns it. `overrides` changes config
+    fields (benchmarks size the model up with hidden_size, intermediate_size, layers)."""
     import torch
     from safetensors.torch import save_file
 
@@ -236,11 +237,12 @@ def init_tiny(out_dir: str | Path, *, seed: int = 0) -> Path:
         clean_up_tokenization_spaces=False,
         chat_template=CHAT_TEMPLATE,
     ), indent=2))
-    (root / "config.json").write_text(json.dumps(TINY_CONFIG, indent=2))
+    hf_config = {**TINY_CONFIG, **(overrides or {})}
+    (root / "config.json").write_text(json.dumps(hf_config, indent=2))
     (root / "generation_config.json").write_text(json.dumps(
         dict(eos_token_id=[258, 256], pad_token_id=256, temperature=1.0, top_p=1.0), indent=2
     ))
-    config = ModelConfig.from_hf(TINY_CONFIG)
+    config = ModelConfig.from_hf(hf_config)
     torch.manual_seed(seed)
     model = CausalLM(config)
     model.init_weights(seed)

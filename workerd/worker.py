@@ -95,7 +95,11 @@ class Worker:
             "init_reducer": self._init_reducer,
             "set_participants": self._set_participants,
             "logprobs": self._logprobs,
+            "init_transfer": self._init_transfer,
+            "offer_weights": self._offer_weights,
+            "pull_weights": self._pull_weights,
         }
+        self.transfer = None  # the weight-transfer backend (transfer.py), when not the ZeroMQ default
 
     # --- dispatch -----------------------------------------------------------------------
 
@@ -284,6 +288,37 @@ class Worker:
         trainer = self._need_trainer()
         trainer.load_checkpoint(path)
         return {"version": trainer.version}
+
+    def _init_transfer(self, backend: str, host: str) -> dict:
+        from gyre.workerd.transfer import MooncakeTransfer, TransferError
+
+        if backend != "mooncake":
+            raise TransferError(f"unknown weight-transfer backend {backend!r}")
+        if self.transfer is None or self.transfer.host != host:
+            self.transfer = MooncakeTransfer(host)
+        return {"session": self.transfer.session}
+
+    def _offer_weights(self, version: int) -> dict:
+        """This node's trainer parameters, pullable by other nodes (cached per version)."""
+        if self.transfer is None:
+            raise RuntimeError("no weight-transfer backend: init_transfer first")
+        trainer = self._need_trainer()
+        if trainer.version != version:
+            raise RuntimeError(f"offer of version {version}, but the trainer is at {trainer.version}")
+        return self.transfer.offer(trainer.export_weights(), version)
+
+    def _pull_weights(self, handle: dict, engine: bool, trainer: bool) -> dict:
+        if self.transfer is None:
+            raise RuntimeError("no weight-transfer backend: init_transfer first")
+        t0 = time.perf_counter()
+        named, wire_seconds = self.transfer.pull(handle)
+        version = int(handle["version"])
+        if engine:
+            self.engine.load_weights(named.items(), version)
+        if trainer:
+            self._need_trainer().load_weights(named.items(), version)
+        return {"version": version, "nbytes": int(handle["nbytes"]), "transfer_seconds": wire_seconds,
+                "seconds": time.perf_counter() - t0}
 
     def _init_reducer(self, rank: int, world_size: int, init_method: str) -> dict:
         from gyre.workerd.reducer import GradReducer

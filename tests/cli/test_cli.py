@@ -67,7 +67,7 @@ def test_gyre_up_runs_the_embedded_default(tmp_path):
     assert roles and {(x["from"], x["to"]) for x in roles} == {("rollout", "training"), ("training", "rollout")}
     execs = [x for x in lines if x["event"] == "execution"]
     assert execs and all(x["status"] in ("completed", "timed_out", "harness_error", "placeholder") for x in execs)
-    # Colocate at phi=0, mu=1: every group is consumed by the step right after its dispatch.
+    # The default (elastic) at phi=0, mu=1: every group is consumed by the step after its dispatch.
     assert all(s["staleness_mean"] == 0 for s in steps)
     config = json.loads((run / "config.json").read_text())
-    assert config["policy"] == "colocate" and config["steps"] == 3
+    assert config["policy"] == "elastic" and config["steps"] == 3

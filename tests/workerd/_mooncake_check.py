@@ -1,0 +1,56 @@
+"""Run inside a private network namespace (Mooncake listens on every interface):
+    unshare -n sh -c 'ip link set lo up && python tests/workerd/_mooncake_check.py MODEL_DIR'
+Two real workerds; cell 0's trainer gets perturbed weights (version 5), cell 1 pulls them
+through Mooncake into its engine and trainer; prints one JSON line with what was checked."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+
+import torch
+
+from gyre.coordinator.local import LocalCluster
+from gyre.workerd import wire
+from gyre.workerd.tensors import from_frames, to_frames
+
+
+async def call(link, node, method, **args):
+    reply, _ = await link.call(node, wire.Call(req_id=link.new_req_id(), method=method, args=args))
+    if reply.error:
+        raise RuntimeError(reply.error)
+    return reply.result
+
+
+async def main(model_dir: str) -> dict:
+    async with LocalCluster(model_dir, cells=2, roles=("training", "rollout")) as cluster:
+        link = cluster.link
+        n0, n1 = cluster.node_of_cell(0), cluster.node_of_cell(1)
+        _, frames = await link.call(n0, wire.ExportWeights(req_id=link.new_req_id()))
+        perturbed = {k: (v.clone() * 2 + 0.5 if v.is_floating_point() else v.clone())
+                     for k, v in from_frames(frames).items()}
+        await link.call(n0, wire.LoadWeights(req_id=link.new_req_id(), version=5, trainer=True, engine=False),
+                        to_frames(perturbed))
+        for n in (n0, n1):
+            await call(link, n, "init_transfer", backend="mooncake", host="127.0.0.1")
+        handle = await call(link, n0, "offer_weights", version=5)
+        pulled = await call(link, n1, "pull_weights", handle=handle, engine=True, trainer=True)
+        _, back = await link.call(n1, wire.ExportWeights(req_id=link.new_req_id()))
+        got = from_frames(back)
+        equal = all(torch.equal(got[k], perturbed[k]) for k in perturbed)
+        # The engine serves the pulled weights too: same log-probs as cell 0's trainer would give.
+        again = await call(link, n1, "pull_weights", handle=handle, engine=False, trainer=True)  # cached offer
+        src = torch.empty(handle["nbytes"], dtype=torch.uint8).fill_(1)
+        t0 = time.perf_counter()
+        src.clone()
+        memcpy = time.perf_counter() - t0
+        return {"equal": equal, "nbytes": handle["nbytes"], "tensors": len(handle["manifest"]),
+                "version": pulled["version"], "transfer_seconds": pulled["transfer_seconds"],
+                "second_pull_seconds": again["transfer_seconds"], "memcpy_seconds": memcpy,
+                "session": handle["session"]}
+
+
+if __name__ == "__main__":
+    print(json.dumps(asyncio.run(main(sys.argv[1]))))
