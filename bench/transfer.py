@@ -1,6 +1,6 @@
 """bench/transfer.py: weight transfer between two real workerds: ZeroMQ frames vs Mooncake.
 
-    python bench/transfer.py [--sizes tiny,77M,300M] [--repeat 3]
+    python bench/transfer.py [--sizes tiny,15M,62M] [--repeat 3]   (parameters; fp32)
 
 For each model size: (a) zmq: the core's ExportWeights frames relayed by the coordinator to
 the other cell's LoadWeights (engine + trainer), as `weight_transfer = zmq` publishes;
@@ -29,9 +29,9 @@ from gyre.coordinator.local import LocalCluster
 from gyre.workerd import wire
 from gyre.workerd.modeldir import init_tiny
 
-SIZES = {"tiny": {}, "77M": {"hidden_size": 512, "intermediate_size": 1408, "num_attention_heads": 8,
+SIZES = {"tiny": {}, "15M": {"hidden_size": 512, "intermediate_size": 1408, "num_attention_heads": 8,
                               "num_key_value_heads": 4},
-         "300M": {"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16,
+         "62M": {"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16,
                   "num_key_value_heads": 8}}
 
 
@@ -81,7 +81,7 @@ async def one_size(model_dir: Path, repeat: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="tiny,77M,300M")
+    ap.add_argument("--sizes", default="tiny,15M,62M")
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     if os.environ.get("GYRE_BENCH_NETNS") != "1":
