@@ -34,6 +34,20 @@ async def test_unknown_key_is_401_in_the_provider_shape_and_records_nothing(live
     assert ex.calls == [] and ex.tree.nodes == [] and live.engine.prompts == []
 
 
+async def test_a_stale_key_is_401_and_records_nothing(live):
+    """An execution's key stops working when it ends (revoked), and a key of one execution
+    never records into another."""
+    old, other = live.execution("old"), live.execution("other")
+    status, _ = await post(live, "/v1/chat/completions", key=old.key, body=CHAT)
+    assert status == 200 and len(old.calls) == 1
+    live.server.revoke("old")
+    n_nodes, n_prompts = len(old.tree.nodes), len(live.engine.prompts)
+    status, body = await post(live, "/v1/chat/completions", key=old.key, body=CHAT)
+    assert status == 401 and body["error"]["type"] == "authentication_error"
+    assert len(old.calls) == 1 and len(old.tree.nodes) == n_nodes and len(live.engine.prompts) == n_prompts
+    assert other.calls == [] and other.tree.nodes == []
+
+
 @pytest.mark.parametrize("kwargs, status, needle", [
     (dict(raw=b"{not json"), 400, "malformed JSON"),
     (dict(body={"model": "m"}), 400, "messages"),
