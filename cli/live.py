@@ -93,7 +93,7 @@ def plain_line(status: dict) -> str:
     """The state as one log line (for --no-live and non-terminals)."""
     s, wl = status, status["waterlevel"]
     last = s["last_step"] or {}
-    roles = "".join("T" if c["role"] == "training" else "x" if c.get("alive") is False else "R" for c in s["cells"])
+    roles = "".join("x" if c.get("alive") is False else "T" if c["role"] == "training" else "R" for c in s["cells"])
     return (f"t={s['t']:.0f}s step {s['steps']['done']}/{s['steps']['target']} version {s['version']} "
             f"queued {wl['queued']} running {wl['running']} finished {wl['finished']} cells {roles} "
             f"reward {_num(last.get('reward_mean'))} staleness {_num(last.get('staleness_mean'), '{:.2f}')}")

@@ -65,10 +65,9 @@ def config_show(config: ConfigArg = None, set_: SetOpt = None, steps: StepsOpt =
 
     cfg, file_values, overrides = _resolve_config(config, set_ or [], create=False, steps=steps, policy=policy,
                                                   run_dir=run_dir, model=model)
-    for key in ("run_dir", "model_dir"):  # named by a flag or derived: shown as given, not as defaults
-        if overrides.get(key) is not None and not (run_dir if key == "run_dir" else model) \
-                and key not in file_values:
-            overrides[key] = None
+    for key in ("run_dir", "model_dir"):  # derived, not given: shown as defaults
+        if not (run_dir if key == "run_dir" else model) and key not in file_values:
+            overrides.pop(key, None)
     rows = resolved(cfg, file_values, overrides)
     typer.echo(json.dumps(rows, indent=2) if as_json else show_text(rows))
 _debug = False

@@ -10,7 +10,8 @@ exactly one status:
     harness               calls recorded   evaluation     status
     exit 0                any              ok / failed    completed / evaluator_error
     exit != 0             >= 1             ok / failed    harness_error / evaluator_error
-    exit != 0, no start   0                -              placeholder (valid zero)
+    exit != 0, no call    0                -              placeholder (valid zero)
+    could not start       0                -              aborted_infra (invalid)
     deadline              any              ok / failed    timed_out / evaluator_error
 
 Not the scheduler: the coordinator decides when to launch.
@@ -55,7 +56,9 @@ class Launcher:
         """Run `run` to its end; sets status, reward, valid, ref, times and the recorder."""
         code, timed_out, workspace = await self.execute(run)
         called = bool(run.recorder.calls)
-        if code is None or (code != 0 and not called and not timed_out):
+        if code is None:  # the harness could not even start: infrastructure, not a zero
+            run.status, run.reward, run.valid, run.ref = "aborted_infra", None, False, "harness could not start"
+        elif code != 0 and not called and not timed_out:
             run.status, run.reward, run.valid, run.ref = "placeholder", 0.0, True, f"harness exit {code}"
         else:
             task = run.task

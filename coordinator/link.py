@@ -103,9 +103,11 @@ class WorkerLink:
 
     # --- sending ------------------------------------------------------------------------
 
-    async def send(self, node: str, msg: Any, tensors: list[wire.TensorFrame] | None = None) -> None:
+    async def send(self, node: str, msg: Any, tensors: list[wire.TensorFrame] | None = None,
+                   force: bool = False) -> None:
+        """`force`: to a node marked dead that still talks (Reregister), bypassing the check."""
         link = self.nodes.get(node)
-        if link is None or not link.alive:
+        if link is None or (not link.alive and not force):
             raise WorkerDeadError(f"node {node} is not connected")
         try:
             await self._sock.send_multipart([node.encode(), *wire.encode(msg, tensors)], copy=False)
@@ -173,8 +175,10 @@ class WorkerLink:
             if isinstance(msg, (wire.Deregister, wire.WorkerDead)):
                 reason = getattr(msg, "reason", "")
                 self.mark_dead(node, f"{type(msg).__name__}: {reason}")
-            else:
+            elif isinstance(msg, (wire.Register, wire.Ready)):
                 link.alive = True
+            # A Heartbeat never revives a node marked dead: it must register again (the
+            # cluster answers such heartbeats with Reregister), so its state is fresh.
             self.on_event(msg)
             return
         pending = self._pending.get(getattr(msg, "req_id", -1))

@@ -62,6 +62,7 @@ class LocalCluster:
         self._reader: asyncio.Task | None = None
         self.events: list = []  # lifecycle messages seen (Register, Ready, WorkerDead, ...)
         self.on_rejoin: Callable[[int, str], None] | None = None  # (cell, node) ready after start-up
+        self._reregistering: set[str] = set()  # nodes asked to register again, not yet registered
 
     def node_of_cell(self, cell: int) -> str:
         return next(n.node_id for n in self.nodes.values() if n.cell == cell)
@@ -104,6 +105,7 @@ class LocalCluster:
     def _on_event(self, msg) -> None:
         self.events.append(msg)
         if isinstance(msg, wire.Register):
+            self._reregistering.discard(msg.node_id)
             cell = msg.cell if msg.cell is not None else self._free_cell()
             holder = next((n for n in self.nodes.values() if n.cell == cell and n.node_id != msg.node_id), None)
             if cell is None or cell >= self.cells or (holder is not None and self._alive(holder.node_id)):
@@ -112,8 +114,7 @@ class LocalCluster:
                 return
             if holder is not None:
                 del self.nodes[holder.node_id]
-            info = NodeInfo(msg.node_id, cell, self._role_of(cell), registered=msg,
-                            rejoin=holder is not None or self._ready.is_set())
+            info = NodeInfo(msg.node_id, cell, self._role_of(cell), registered=msg, rejoin=self._ready.is_set())
             self.nodes[msg.node_id] = info
             welcome = wire.Welcome(req_id=msg.req_id, node_id=msg.node_id, cell=cell, role=info.role,
                                    model_dir=str(self.model_dir), engine=self.engine, trainer=self.trainer,
@@ -127,18 +128,21 @@ class LocalCluster:
             if not self._ready.is_set() and not info.rejoin:
                 log.info("workerd %s ready as cell %d (%d/%d)", msg.node_id, info.cell,
                          sum(n.ready for n in self.nodes.values()), self.cells)
-            if info.rejoin and self.on_rejoin is not None:
-                self.on_rejoin(info.cell, msg.node_id)
+            if info.rejoin:
+                if self.on_rejoin is not None:
+                    self.on_rejoin(info.cell, msg.node_id)
             elif len(self.nodes) == self.cells and all(n.ready for n in self.nodes.values()):
                 self._ready.set()
         elif isinstance(msg, wire.WorkerDead):
             log.error("workerd %s died: %s", msg.node_id, msg.reason)
-        elif isinstance(msg, wire.Heartbeat) and msg.node_id not in self.nodes:
-            # A worker welcomed by an earlier coordinator (we restarted, e.g. to resume): it
-            # must register again to be part of this session.
-            log.info("workerd %s is from an earlier session: asking it to register again", msg.node_id)
-            asyncio.ensure_future(self.link.send(msg.node_id, wire.Reregister(reason="new coordinator session"))
-                                  ).add_done_callback(_log_failure)
+        elif isinstance(msg, wire.Heartbeat) and (msg.node_id not in self.nodes or not self._alive(msg.node_id)):
+            # A worker welcomed by an earlier coordinator (we restarted, e.g. to resume), or one
+            # declared dead after a silence that has come back: it must register again.
+            if msg.node_id not in self._reregistering:
+                self._reregistering.add(msg.node_id)
+                log.info("workerd %s is unknown or was declared dead: asking it to register again", msg.node_id)
+                asyncio.ensure_future(self.link.send(msg.node_id, wire.Reregister(reason="new session"), force=True)
+                                      ).add_done_callback(_log_failure)
 
     async def __aenter__(self) -> LocalCluster:
         address = await self.link.start()

@@ -25,7 +25,7 @@ from gyre.coordinator import resume
 from gyre.coordinator.buffer import Group, Run, TrajectoryBuffer
 from gyre.coordinator.config import CoordinatorConfig
 from gyre.coordinator.launcher import LaunchSpec, Launcher
-from gyre.coordinator.link import WorkerDeadError
+from gyre.coordinator.link import WorkerDeadError, WorkerError
 from gyre.coordinator.local import LocalCluster
 from gyre.coordinator.metrics import Metrics
 from gyre.coordinator.training import Batch, memcpy_seconds, push_core_weights
@@ -38,6 +38,7 @@ from gyre.proxy.chat import ChatTokenizer
 from gyre.proxy.records import load_execution
 from gyre.proxy.server import ProxyConfig, ProxyServer
 from gyre.workerd import wire
+from gyre.workerd.wire import GyreError
 
 log = logging.getLogger("gyre.coordinator")
 TICK_S = 0.1
@@ -95,6 +96,7 @@ class Coordinator:
         self.tokens_trained = 0
         self.dead: set[int] = set()  # cells whose worker died; excluded until a worker re-registers
         self.no_reducer: set[int] = set()  # rejoined cells: they roll out, they cannot reduce gradients
+        self._rejoins: dict[int, str] = {}  # dead cell -> the ready replacement node, not yet brought in
         self.cluster: LocalCluster | None = None
 
     def status(self) -> dict:
@@ -105,6 +107,13 @@ class Coordinator:
 
     async def run(self) -> list[StepReport]:
         c = self.c
+        preset = c.preset()
+        if preset.executable() is None:  # before anything starts: no run of placeholder zeros
+            hint = f"; install: {preset.install}" if preset.install else ""
+            raise GyreError(f"harness {preset.name!r}: {preset.command[0]!r} is not on PATH{hint}")
+        if c.weight_transfer == "mooncake" and c.keys_dir is not None:
+            log.warning("weight_transfer = mooncake with CURVE keys: Mooncake's transfer engine listens on every "
+                        "interface without authentication; keep it on a private network")
         c.run_dir.mkdir(parents=True, exist_ok=True)
         t0 = None
         if self.resume:
@@ -205,13 +214,18 @@ class Coordinator:
                           "idle_frac": round(max(0.0, 1 - (rollout_busy + train_busy) / wall), 4) if wall else None})
         self.metrics.emit("summary", steps=self.steps_done, wall_s=wall, statuses=dict(self.status_counts),
                           pending_groups=sorted(g.id for g in self.buffer.groups.values() if g.state != "consumed"),
+                          dropped_groups=sorted(g.id for g in self.buffer.groups.values() if g.state == "dropped"),
                           dead_cells=sorted(self.dead), rejoined_cells=sorted(self.no_reducer),
                           counters={"d": self.wl.c.d, "p": self.wl.c.p, "f": self.wl.c.f},
                           rollout_tokens=sum(c["rollout_tokens"] for c in cells),
-                          tokens_trained=sum(r.tokens_trained for r in self.reports), cells=cells)
+                          tokens_trained=self.tokens_trained, cells=cells)
 
-    async def _call(self, node: str, method: str, **args):
-        reply, _ = await self.link.call(node, wire.Call(req_id=self.link.new_req_id(), method=method, args=args))
+    async def _call(self, node: str, method: str, _timeout: float | None = 120.0, **args):
+        """A generic call; a worker-side failure raises (never a silent None)."""
+        reply, _ = await self.link.call(node, wire.Call(req_id=self.link.new_req_id(), method=method, args=args),
+                                        timeout=_timeout)
+        if reply.error:
+            raise WorkerError("CallError", f"{method} on {node}: {reply.error}")
         return reply.result
 
     # --- worker health ------------------------------------------------------------------
@@ -240,29 +254,36 @@ class Coordinator:
                 raise WorkerDeadError(f"cell {cell} ({node}) died while training a batch: the step cannot complete")
 
     def _on_rejoin(self, cell: int, node: str) -> None:
-        """A worker re-registered for a dead cell and is ready: bring it to the current
-        weights, then let it serve rollout (it is outside the reducer's world)."""
-        if cell not in self.dead:
-            return
+        """A worker re-registered for a dead cell and is ready; tick() brings it in as a side
+        task (never beside a step or a publication, whose weight transfers it would race)."""
+        if cell in self.dead:
+            self._rejoins[cell] = node
 
-        async def rejoin() -> None:
-            self.nodes[cell] = node
-            self.table.set_nodes(self.nodes)
-            await push_core_weights(self, [cell], engine=True, version=self.version)
+    def _start_rejoin(self) -> None:
+        if self._rejoins and self._idle(self.side_task) and self._idle(self.step_task):
+            cell, node = self._rejoins.popitem()
+            self.side_task = asyncio.create_task(self._rejoin(cell, node), name=f"gyre-rejoin-{cell}")
+
+    async def _rejoin(self, cell: int, node: str) -> None:
+        """Current weights (the core's trainer, labelled with its version), then rollout: the
+        cell is outside the reducer's world, so it does not train in this run."""
+        self.nodes[cell] = node
+        self.table.set_nodes(self.nodes)
+        try:
+            await push_core_weights(self, [cell], engine=True, version=self.trainer_version)
             await self.link.call(node, wire.SetRole(req_id=self.link.new_req_id(), role="rollout"))
-            self.dead.discard(cell)
-            self.no_reducer.add(cell)
-            self.roles[cell] = "rollout"
-            self.table.routes[node].accepting = True
-            t = self.metrics.now()
-            self.role_history[cell].append((t, "rollout"))
-            self.role_switches.append({"t": t, "cell": cell, "from": "dead", "to": "rollout"})
-            self.metrics.emit("worker_rejoined", cell=cell, node=node, version=self.version)
-            log.warning("cell %d rejoined as %s (rollout only)", cell, node)
-
-        task = asyncio.ensure_future(rejoin())
-        task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or log.error(
-            "rejoin of cell %d failed: %s", cell, t.exception()))
+        except WorkerDeadError as e:
+            log.warning("rejoin of cell %d failed: %s (it stays excluded)", cell, e)
+            return
+        self.dead.discard(cell)
+        self.no_reducer.add(cell)
+        self.roles[cell] = "rollout"
+        self.table.routes[node].accepting = True
+        t = self.metrics.now()
+        self.role_history[cell].append((t, "rollout"))
+        self.role_switches.append({"t": t, "cell": cell, "from": "dead", "to": "rollout"})
+        self.metrics.emit("worker_rejoined", cell=cell, node=node, version=self.trainer_version)
+        log.warning("cell %d rejoined as %s (rollout only)", cell, node)
 
     # --- the tick -----------------------------------------------------------------------
 
@@ -275,6 +296,7 @@ class Coordinator:
                 raise task.exception()  # a failed step, transition or launch ends the run
         self.rates.sample(self.metrics.now(), sum(r.tokens for r in self.table.routes.values()), self.tokens_trained)
         self._watch_workers()
+        self._start_rejoin()
         self._launch()
         self._publish_if_burst_done()
         self._place()  # the policy is asked before a step starts (e.g. right after a publication)
@@ -448,14 +470,23 @@ class Coordinator:
     async def _transition(self, want: list[str]) -> None:
         for cell, (old, new) in enumerate(zip(self.roles, want)):
             if old != new and cell not in self.dead:
-                await self._set_role(cell, new)
+                try:
+                    await self._set_role(cell, new)
+                except WorkerDeadError as e:  # the health watch excludes the cell
+                    log.warning("role change of cell %d to %s: %s", cell, new, e)
 
     async def _join(self, cells: list[int]) -> None:
         """Satellites join the batch in flight: switch, pull the core's (fixed) weights, claim."""
         for cell in cells:
-            await self._set_role(cell, "training")
+            try:
+                await self._set_role(cell, "training")
+            except WorkerDeadError as e:
+                log.warning("cell %d could not join: %s", cell, e)
+                continue
             t0 = time.monotonic()
             nbytes = await push_core_weights(self, [cell], engine=False, version=self.trainer_version)
+            if not self.link.nodes[self.nodes[cell]].alive:
+                continue  # died while pulling: never a participant
             joined = await self.batch.join(cell)
             self.metrics.emit("join", cell=cell, joined=joined, seconds=round(time.monotonic() - t0, 4),
                               bytes=nbytes, step=self.steps_done + 1)
@@ -541,7 +572,7 @@ class Coordinator:
         t0 = time.monotonic()
         folder = resume.step_dir(self.c.run_dir, self.steps_done)
         folder.mkdir(parents=True, exist_ok=True)
-        await self._call(self.nodes[0], "save_checkpoint", path=str(folder / "trainer.pt"))
+        await self._call(self.nodes[0], "save_checkpoint", _timeout=None, path=str(folder / "trainer.pt"))
         resume.write_state(self.c.run_dir, self.steps_done, {
             "step": self.steps_done, "version": self.version, "trainer_version": self.trainer_version,
             "publications": self.publications, "groups_dispatched": self.groups_dispatched,
@@ -556,7 +587,7 @@ class Coordinator:
         st, folder = self._state, self._checkpoint_dir
         dispatches, outcomes, _ = self._journal
         core = self.nodes[0]
-        loaded = await self._call(core, "load_checkpoint", path=str(folder / "trainer.pt"))
+        loaded = await self._call(core, "load_checkpoint", _timeout=None, path=str(folder / "trainer.pt"))
         self.trainer_version = self.version = int(loaded["version"])
         self.steps_done, self.publications = st["step"], st["publications"]
         self.status_counts = {}
@@ -576,29 +607,45 @@ class Coordinator:
                 self.tasks.next_task()  # dispatched after the checkpoint: keep the task order aligned
             if ev["task"] not in tasks:
                 raise resume.ResumeError(f"group {gid}: task {ev['task']!r} is no longer in the task set")
-            group = Group(gid, tasks[ev["task"]], ev["version"], self.c.group_size)
+            # A group dispatched after the checkpoint carries a version the restored model
+            # does not have yet: clamp it, so staleness never reads negative.
+            group = Group(gid, tasks[ev["task"]], min(ev["version"], self.version), self.c.group_size)
             self.buffer.add(group)
             if gid in consumed:
                 group.state = "consumed"
                 continue
-            for i, run_id in enumerate(ev["runs"]):
+            closed: list[Run] = []
+            for i, run_id in enumerate(ev["runs"]):  # every run first: the group settles on all of them
                 out = outcomes.get(run_id)
                 tracked = self.wl.dispatch(1)[0]
                 if out is not None and out["status"] != "cancelled":
-                    run = Run(run_id, gid, i, group.task, tracked, ev["version"], status=out["status"],
+                    run = Run(run_id, gid, i, group.task, tracked, group.version, status=out["status"],
                               reward=out["reward"], valid=out["valid"], ref=out.get("ref", ""))
                     folder_ex = self.c.run_dir / "executions" / run_id
                     run.recorder = load_execution(folder_ex) if folder_ex.is_dir() else None
                     self.wl.launch(tracked)
                     self.wl.terminate(tracked)
-                    group.runs.append(run)
-                    self.buffer.on_closed(run)
+                    closed.append(run)
                     restored += 1
                 else:
                     run = Run(resume.redo_id(self.c.run_dir, run_id), gid, i, group.task, tracked, self.version)
-                    group.runs.append(run)
+                group.runs.append(run)
+            surplus: set[str] = set()
+            for run in closed:
+                for extra in self.buffer.on_closed(run):  # enough valid outcomes: the rest is surplus
+                    surplus.add(extra.id)
+            for run in group.runs:
+                if run.closed:
+                    continue
+                if run.id in surplus or group.state != "open":
+                    run.status, run.valid = "cancelled", False
+                    self.wl.launch(run.tracked)
+                    self.wl.terminate(run.tracked)
+                else:
                     self.queue.append(run)
                     redone += 1
+            if surplus and group.state == "open":
+                self.buffer.on_closed(closed[-1])  # all closed now: settle (ready)
             if any(r.id not in ev["runs"] for r in group.runs):
                 self._journal_group(group)  # the new ids, for a later resume
         self.groups_dispatched = max([st["groups_dispatched"], *(g + 1 for g in dispatches)])

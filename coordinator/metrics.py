@@ -18,6 +18,11 @@ class Metrics:
         self.t0 = time.monotonic() if t0 is None else t0
         self.t0_wall = time.time() - (time.monotonic() - self.t0)
         self._f = open(path, "ab")
+        if self._f.tell() > 0:  # a run continuing this file (resume): never append to a torn last line
+            with open(path, "rb") as f:
+                f.seek(-1, 2)
+                if f.read(1) != b"\n":
+                    self._f.write(b"\n")
         self.last: dict[str, dict] = {}
 
     def now(self) -> float:

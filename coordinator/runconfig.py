@@ -133,7 +133,8 @@ def _check_types(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> CoordinatorConfig:
-    values = _check_types({**file_values, **{k: v for k, v in overrides.items() if v is not None}})
+    """`overrides` holds only what was given (a None there clears a field, as `--set F=none`)."""
+    values = _check_types({**file_values, **overrides})
     try:
         return CoordinatorConfig(**values)
     except (TypeError, ValueError) as e:  # HarnessError included
@@ -145,7 +146,7 @@ def resolved(config: CoordinatorConfig, file_values: dict[str, Any], overrides: 
     data = config.to_json()
     rows = []
     for name in field_names():
-        source = ("flag" if overrides.get(name) is not None else "file" if name in file_values else "default")
+        source = "flag" if name in overrides else "file" if name in file_values else "default"
         rows.append({"field": name, "value": data[name], "source": source,
                      "type": _type_name(_hints()[name])})
     return rows

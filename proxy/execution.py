@@ -58,7 +58,7 @@ class Execution:
         self._n_calls = 0
         self._files: dict[str, IO[bytes]] = {}
         self._roles: dict[int, str] = {}  # node -> role of the call that ended there
-        self._delegations: dict[str, str] = {}  # delegated sub-agent prompt -> the delegating call
+        self._delegations: dict[str, tuple[str, int]] = {}  # sub-agent prompt -> (delegating call, its root)
         self._segmenter = Segmenter(self.tokenizer)  # re-renders only what changed since a recent call
         self.parse_memo = ParseMemo()  # re-parses only what changed (the server passes it to the API parser)
         if self.dir is not None:
@@ -118,8 +118,9 @@ class Execution:
             self._write_node(node)
             path.append(node.id)
             parent = node.id
-        delegated_by = self._delegated_by(req)
-        role = self._classify(req, headers, self.tree.nodes[path[0]].root, delegated_by)
+        root = self.tree.nodes[path[0]].root
+        delegated_by = self._delegated_by(req, root)
+        role = self._classify(req, headers, root, delegated_by)
         return Prepared(call_id, path, self.tree.tokens(path), new_tokens, role, time.time(), delegated_by)
 
     def _resolve_outputs(self, req: ChatRequest) -> dict[int, tuple[str, str]]:
@@ -145,14 +146,16 @@ class Execution:
         cid = self._text_at.get((parent, key)) if parent is not None else None
         return self.tree.nodes[self._outputs[cid or self._text_last[key]]]
 
-    def _delegated_by(self, req: ChatRequest) -> str | None:
+    def _delegated_by(self, req: ChatRequest, root: int) -> str | None:
         """The call that delegated this request's conversation: its first user message ends
-        with (harnesses prepend reminders) the prompt of one of our Agent/Task tool calls."""
+        with (harnesses prepend reminders) the prompt of one of our Agent/Task tool calls
+        made in another conversation (a main agent delegating its own task verbatim stays
+        the main agent)."""
         if not self._delegations:
             return None
         first = next((m.content for m in req.messages if m.role == "user"), "").strip()
-        for prompt, call_id in self._delegations.items():
-            if first.endswith(prompt):
+        for prompt, (call_id, from_root) in self._delegations.items():
+            if from_root != root and first.endswith(prompt):
                 return call_id
         return None
 
@@ -189,7 +192,7 @@ class Execution:
                     self._args[c.id] = c.arguments
                     prompt = delegation_prompt(self.rule, c.name, c.arguments)
                     if prompt is not None:
-                        self._delegations[prompt] = prep.call_id
+                        self._delegations[prompt] = (prep.call_id, self.tree.nodes[prep.path[0]].root)
                 if not ids:
                     text = result.content.strip()
                     self._text_last[text] = prep.call_id

@@ -34,7 +34,11 @@ def _create(folder: Path, name: str) -> None:
     import zmq.auth
 
     folder.mkdir(parents=True, exist_ok=True)
-    public, secret = zmq.auth.create_certificates(str(folder), name)
+    old = os.umask(0o077)  # the secret is never readable by others, not even for a moment
+    try:
+        public, secret = zmq.auth.create_certificates(str(folder), name)
+    finally:
+        os.umask(old)
     os.chmod(secret, 0o600)
     os.chmod(public, 0o644)
 

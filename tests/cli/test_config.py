@@ -92,3 +92,10 @@ def test_config_show_resolves_with_sources(tmp_path):
     assert "steps" in text and "= 9  # file, int" in text
     r = CliRunner().invoke(app, ["config", "show", "--set", "policy=warp"])
     assert r.exit_code == 1 and "[error] policy must be one of elastic, colocate, async" in r.output
+
+
+def test_set_none_clears_a_file_value(tmp_path):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('reducer_init = "tcp://10.0.0.1:29500"\n')
+    rows = show(str(cfg), "--set", "reducer_init=none")
+    assert rows["reducer_init"]["value"] is None and rows["reducer_init"]["source"] == "flag"

@@ -28,7 +28,7 @@ def write_config(tmp_path: Path, tiny_dir: Path) -> Path:
     harness = json.dumps([sys.executable, str(HERE / "_harness.py")])
     cfg = tmp_path / "run.toml"
     # async with a dispatch lead: executions are running when the coordinator is killed.
-    cfg.write_text(f'steps = 4\npolicy = "async"\nphi = 1.0\ngroups_per_step = 2\ngroup_size = 3\nmin_valid = 1\n'
+    cfg.write_text(f'steps = 4\npolicy = "async"\nphi = 1.0\ngroups_per_step = 2\ngroup_size = 3\nmin_valid = 2\n'
                    f'checkpoint_every = 1\nharness = {harness}\ntasks_path = "{tasks}"\n'
                    f'model_dir = "{tiny_dir}"\ndefault_max_tokens = 16\n')
     return cfg
@@ -77,6 +77,7 @@ def test_kill9_then_resume_loses_nothing(tiny_dir, tmp_path):
     (summary,) = [e for e in after if e["event"] == "summary"]
     pending = set(summary["pending_groups"])
     assert not pending & set(trained)
+    assert summary["dropped_groups"] == []  # every outcome is valid: a restored group never settles early
 
     # Every execution closed before the kill: exactly once trained or pending, never re-run.
     ex_events = [e for e in after if e["event"] == "execution"]

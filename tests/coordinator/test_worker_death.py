@@ -151,3 +151,50 @@ def test_external_workers_need_a_fixed_address(tiny_dir, tmp_path):
         config(tiny_dir, tmp_path, workers="external")
     with pytest.raises(ValueError, match="workers must be one of local, external"):
         config(tiny_dir, tmp_path, workers="remote")
+
+
+class Stalled(Coordinator):
+    """Cell 1's workerd is stopped (SIGSTOP) mid-rollout and continued once declared dead:
+    its late heartbeats must not revive it; it is asked to register again and rejoins."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.continued, self.rejoined = False, asyncio.Event()
+
+    def _watch_workers(self) -> None:
+        super()._watch_workers()
+        if 1 in self.dead and not self.continued:
+            self.continued = True
+            assert self.link.nodes[self.nodes[1]].alive is False
+            os.kill(self.cluster.procs[1].pid, signal.SIGCONT)
+        if self.continued and 1 not in self.dead:
+            self.rejoined.set()
+
+    async def tick(self) -> bool:
+        done = await super().tick()
+        return done and self.rejoined.is_set()
+
+
+@pytest.mark.timeout(300)
+async def test_a_stalled_worker_is_declared_dead_and_rejoins_after_registering_again(tiny_dir, tmp_path,
+                                                                                     monkeypatch):
+    cfg = config(tiny_dir, tmp_path, steps=2, policy="elastic")
+    coord = Stalled(cfg)
+    stopped: list[str] = []
+    generate = WorkerLink.generate
+
+    async def generate_and_stop(self, node, msg, tensors=None, on_frames=None):
+        async for chunk in generate(self, node, msg, tensors, on_frames=on_frames):
+            yield chunk
+            if not stopped and node == coord.nodes[1]:
+                stopped.append(msg.rid)
+                os.kill(coord.cluster.procs[1].pid, signal.SIGSTOP)
+
+    monkeypatch.setattr(WorkerLink, "generate", generate_and_stop)
+    reports = await coord.run()
+    assert stopped and len(reports) == 2 and coord.rejoined.is_set()
+    lines = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["cell"] for x in lines if x["event"] == "worker_dead"] == [1]
+    (rejoin,) = [x for x in lines if x["event"] == "worker_rejoined"]
+    assert rejoin["node"] == "local-1"  # the same process, registered again
+    assert {x["status"] for x in lines if x["event"] == "execution"} <= {"completed", "cancelled"}
