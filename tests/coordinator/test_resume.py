@@ -77,7 +77,6 @@ def test_kill9_then_resume_loses_nothing(tiny_dir, tmp_path):
     (summary,) = [e for e in after if e["event"] == "summary"]
     pending = set(summary["pending_groups"])
     assert not pending & set(trained)
-    assert summary["dropped_groups"] == []  # every outcome is valid: a restored group never settles early
 
     # Every execution closed before the kill: exactly once trained or pending, never re-run.
     ex_events = [e for e in after if e["event"] == "execution"]
@@ -89,6 +88,10 @@ def test_kill9_then_resume_loses_nothing(tiny_dir, tmp_path):
         assert e["group"] in set(trained) | pending, e
     consumed_at_ckpt = {g for s in after[:cut] if s["event"] == "step" and s["step"] <= ckpt for g in s["group_ids"]}
     assert res["executions_restored"] == sum(e["group"] not in consumed_at_ckpt for e in closed_before)
+    # Every outcome is valid: a restored group never settles early (dropped) on its first runs;
+    # groups still in flight when the run ends may drop (their runs are cancelled at shutdown).
+    restored_groups = {e["group"] for e in closed_before if e["group"] not in consumed_at_ckpt}
+    assert restored_groups and not restored_groups & set(summary["dropped_groups"])
     # Executions that were queued or running at the kill ran again under new ids.
     assert res["executions_redispatched"] > 0
     redone = [e for e in after[cut:] if e["event"] == "execution" and e["id"].endswith("-r1")]
