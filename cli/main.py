@@ -17,7 +17,8 @@ from gyre.cli.options import (CellOpt, CoordinatorOpt, DebugOpt, DevicesOpt, Hea
                               ConfigArg, PolicyOpt, NoLiveOpt, ParentPidOpt, HarnessOpt, TaskOpt, TimeoutOpt,
                               MaxContextOpt, ServeConfigOpt, TopTargetArg, IntervalOpt, OnceOpt, SetOpt, RunSeedOpt,
                               ResumeOpt,
-                              KeysOpt, KeyNameOpt, KeysDirArg, WorkerNamesOpt, KeyNameArg)
+                              KeysOpt, KeyNameOpt, KeysDirArg, WorkerNamesOpt, KeyNameArg, EngineBackendOpt,
+                              TrainerBackendOpt)
 
 app = typer.Typer(name="gyre", no_args_is_help=True, add_completion=False,
                   help="Online RL for LLM agents in black-box harnesses.")
@@ -120,15 +121,21 @@ def workerd(
     parent_pid: ParentPidOpt = None,
     keys: KeysOpt = None,
     key_name: KeyNameOpt = "worker",
+    engine_backend: EngineBackendOpt = "cpu",
+    trainer_backend: TrainerBackendOpt = "cpu",
 ) -> None:
     """Run this node's worker daemon (rollout engine + trainer) until stopped."""
+    from gyre.workerd.backends import check_backends
+
+    _guard(check_backends, engine=engine_backend, trainer=trainer_backend)  # before registering
     from gyre.workerd.config import WorkerConfig
     from gyre.workerd.server import serve
 
     config = WorkerConfig(coordinator=coordinator, cell=cell, node_rank=node_rank, node_id=node_id,
                           devices=tuple(d for d in devices.split(",") if d), heartbeat_s=heartbeat,
                           welcome_timeout_s=welcome_timeout, parent_pid=parent_pid,
-                          keys_dir=str(keys) if keys else None, key_name=key_name)
+                          keys_dir=str(keys) if keys else None, key_name=key_name,
+                          engine_backend=engine_backend, trainer_backend=trainer_backend)
     raise typer.Exit(_guard(serve, config=config))
 
 

@@ -1,7 +1,8 @@
 """backends.py: builds a node's rollout engine and trainer from a model directory.
 
-The one place that maps backend names ("cpu", later "sglang", "megatron") to classes,
-so worker.py never imports a heavy library it does not use.
+The one place that maps backend names to classes, so worker.py never imports a heavy
+library it does not use. Engines: cpu (sglang named, not built yet); trainers: cpu
+(megatron named, not built yet). Selecting a GPU backend says which package it needs.
 """
 
 from __future__ import annotations
@@ -15,13 +16,31 @@ class BackendError(GyreError):
     """An unknown backend, or one whose package is not installed."""
 
 
+ENGINES = {"cpu": None, "sglang": ("sglang", "sglang>=0.5.23")}
+TRAINERS = {"cpu": None, "megatron": ("megatron.core", "megatron-core>=0.16.1")}
+BUILT = {"cpu"}  # backends this build can construct
+
+
+def check_backends(engine: str, trainer: str) -> None:
+    """Unknown names, missing packages and not-yet-built adapters are errors that say which."""
+    import importlib.util
+
+    for kind, name, table in (("engine", engine, ENGINES), ("trainer", trainer, TRAINERS)):
+        if name not in table:
+            raise BackendError(f"unknown {kind} backend {name!r} (known: {', '.join(table)})")
+        need = table[name]
+        if need is not None and importlib.util.find_spec(need[0].split(".")[0]) is None:
+            raise BackendError(f"{kind} backend {name!r} needs {need[1]}: pip install 'gyre[gpu]'")
+        if name not in BUILT:
+            raise BackendError(f"{kind} backend {name!r}: its adapter is not built yet (this build runs: "
+                               f"{', '.join(sorted(BUILT))})")
+
+
 def build_backends(model_dir: str, *, engine: str, trainer: str,
                    engine_options: dict[str, Any], trainer_options: dict[str, Any]):
     """Returns (engine, trainer, parameter count). Engine and trainer hold separate copies
     of the weights, as SGLang and Megatron do on a GPU node."""
-    if engine != "cpu" or trainer != "cpu":
-        raise BackendError(f"backend engine={engine!r} trainer={trainer!r} is not available "
-                           "(this build has: cpu)")
+    check_backends(engine, trainer)
     import torch
 
     from gyre.workerd.engines.cpu import CpuEngine

@@ -172,3 +172,33 @@ async def test_killed_worker_fails_pending_requests(tiny_dir):
         with pytest.raises(WorkerDeadError, match="missed heartbeats"):
             async for _ in gen:
                 pass
+
+
+@pytest.mark.parametrize("engine, trainer, needle", [
+    ("vllm", "cpu", "unknown engine backend 'vllm' (known: cpu, sglang)"),
+    ("cpu", "deepspeed", "unknown trainer backend 'deepspeed' (known: cpu, megatron)"),
+])
+def test_backend_selection_errors_name_what_is_wrong(engine, trainer, needle):
+    from gyre.workerd.backends import BackendError, check_backends
+
+    with pytest.raises(BackendError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        check_backends(engine, trainer)
+
+
+def test_a_gpu_backend_names_its_package_or_its_status():
+    import importlib.util
+
+    from gyre.workerd.backends import BackendError, check_backends
+
+    with pytest.raises(BackendError) as e:
+        check_backends("sglang", "cpu")
+    if importlib.util.find_spec("sglang") is None:
+        assert "needs sglang>=0.5.23: pip install 'gyre[gpu]'" in str(e.value)
+    else:
+        assert "not built yet" in str(e.value)
+    from typer.testing import CliRunner
+
+    from gyre.cli.main import app
+
+    r = CliRunner().invoke(app, ["workerd", "--coordinator", "tcp://127.0.0.1:1", "--trainer-backend", "megatron"])
+    assert r.exit_code == 1 and "[error] trainer backend 'megatron'" in r.output
