@@ -236,13 +236,13 @@ def harnesses(config: ServeConfigOpt = None) -> None:
     user = (_guard(load_config_file, path=config) if config else {}).get("harnesses", {})
     for name, p in presets(user).items():
         if isinstance(p, HarnessError):
-            typer.echo(f"{name}: unusable: {e_text(p)}")
+            typer.echo(f"{name}: unusable: {_reason(p)}")
             continue
         found = "installed" if p.executable() else f"not installed ({p.install or 'command not on PATH'})"
         typer.echo(f"{name}: api {p.api}, role rule {p.role_rule}, {found}\n  command: {' '.join(p.command)}")
 
 
-def e_text(e: Exception) -> str:
+def _reason(e: Exception) -> str:
     return str(e).split(": ", 1)[-1]
 
 

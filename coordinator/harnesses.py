@@ -46,7 +46,8 @@ class HarnessPreset:
     install: str = ""  # how to install the command, shown when it is missing
 
     def check(self) -> None:
-        """Raise HarnessError naming what is wrong; a missing executable included."""
+        """Raise HarnessError naming what is wrong in the preset itself (whether its
+        executable is installed is `executable()`, asked where the harness will run)."""
         where = f"harness preset {self.name!r}"
         if not self.command:
             raise HarnessError(f"{where}: `command` is empty (give the harness's argv, e.g. "

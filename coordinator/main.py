@@ -21,7 +21,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from gyre.coordinator import resume
+from gyre.coordinator import health, resume
 from gyre.coordinator.buffer import Group, Run, TrajectoryBuffer
 from gyre.coordinator.config import CoordinatorConfig
 from gyre.coordinator.launcher import LaunchSpec, Launcher
@@ -35,7 +35,6 @@ from gyre.coordinator.status import Rates, snapshot
 from gyre.coordinator.tasks import TaskSource, default_tasks, load_tasks
 from gyre.coordinator.waterlevel import Waterlevel
 from gyre.proxy.chat import ChatTokenizer
-from gyre.proxy.records import load_execution
 from gyre.proxy.server import ProxyConfig, ProxyServer
 from gyre.workerd import wire
 from gyre.workerd.wire import GyreError
@@ -187,7 +186,7 @@ class Coordinator:
         await asyncio.gather(*(self._call(n, "init_reducer", rank=i, world_size=c.cells, init_method=init)
                                for i, n in enumerate(self.nodes)))
         if self.resume:
-            await self._restore()
+            await resume.restore(self)
         else:
             self._dispatch(c.initial_groups)
         gc.freeze()  # start-up objects out of the collector's way: full GCs were the proxy's p99
@@ -230,60 +229,19 @@ class Coordinator:
 
     # --- worker health ------------------------------------------------------------------
 
+    # --- worker health (health.py) ------------------------------------------------------
+
     def _watch_workers(self) -> None:
-        """Silent workers are declared dead (their requests fail over and are rerouted);
-        a dead cell stops taking requests and leaves placement and training."""
-        for node in self.link.silent_nodes(self.c.worker_timeout_s):
-            self.link.mark_dead(node, f"no heartbeat for {self.c.worker_timeout_s:g}s")
-        for cell, node in enumerate(self.nodes):
-            link = self.link.nodes.get(node)
-            if cell in self.dead or link is None or link.alive:
-                continue
-            self.dead.add(cell)
-            self.table.routes[node].accepting = False
-            t = self.metrics.now()
-            self.role_history[cell].append((t, "dead"))
-            self.role_switches.append({"t": t, "cell": cell, "from": self.roles[cell], "to": "dead"})
-            log.error("cell %d (%s) is dead: excluded from rollout and training until a worker re-registers",
-                      cell, node)
-            self.metrics.emit("worker_dead", cell=cell, node=node, role=self.roles[cell])
-            if cell == 0:
-                raise WorkerDeadError(f"the core (cell 0, {node}) died: its trainer holds the optimizer state; "
-                                      "the run stops (resume from the last checkpoint)")
-            if self.batch is not None and cell in self.batch.participants and not self._idle(self.step_task):
-                raise WorkerDeadError(f"cell {cell} ({node}) died while training a batch: the step cannot complete")
+        health.watch(self)
 
     def _on_rejoin(self, cell: int, node: str) -> None:
-        """A worker re-registered for a dead cell and is ready; tick() brings it in as a side
-        task (never beside a step or a publication, whose weight transfers it would race)."""
-        if cell in self.dead:
-            self._rejoins[cell] = node
+        health.on_rejoin(self, cell, node)
 
-    def _start_rejoin(self) -> None:
-        if self._rejoins and self._idle(self.side_task) and self._idle(self.step_task):
-            cell, node = self._rejoins.popitem()
-            self.side_task = asyncio.create_task(self._rejoin(cell, node), name=f"gyre-rejoin-{cell}")
-
-    async def _rejoin(self, cell: int, node: str) -> None:
-        """Current weights (the core's trainer, labelled with its version), then rollout: the
-        cell is outside the reducer's world, so it does not train in this run."""
-        self.nodes[cell] = node
-        self.table.set_nodes(self.nodes)
-        try:
-            await push_core_weights(self, [cell], engine=True, version=self.trainer_version)
-            await self.link.call(node, wire.SetRole(req_id=self.link.new_req_id(), role="rollout"))
-        except WorkerDeadError as e:
-            log.warning("rejoin of cell %d failed: %s (it stays excluded)", cell, e)
-            return
-        self.dead.discard(cell)
-        self.no_reducer.add(cell)
-        self.roles[cell] = "rollout"
-        self.table.routes[node].accepting = True
+    def record_role(self, cell: int, old: str, new: str) -> None:
+        """A role change (or death, or rejoin) for the live view's timeline and switch list."""
         t = self.metrics.now()
-        self.role_history[cell].append((t, "rollout"))
-        self.role_switches.append({"t": t, "cell": cell, "from": "dead", "to": "rollout"})
-        self.metrics.emit("worker_rejoined", cell=cell, node=node, version=self.trainer_version)
-        log.warning("cell %d rejoined as %s (rollout only)", cell, node)
+        self.role_history[cell].append((t, new))
+        self.role_switches.append({"t": t, "cell": cell, "from": old, "to": new})
 
     # --- the tick -----------------------------------------------------------------------
 
@@ -296,7 +254,7 @@ class Coordinator:
                 raise task.exception()  # a failed step, transition or launch ends the run
         self.rates.sample(self.metrics.now(), sum(r.tokens for r in self.table.routes.values()), self.tokens_trained)
         self._watch_workers()
-        self._start_rejoin()
+        health.start_rejoin(self)
         self._launch()
         self._publish_if_burst_done()
         self._place()  # the policy is asked before a step starts (e.g. right after a publication)
@@ -461,9 +419,7 @@ class Coordinator:
         if self.batch is not None:
             async with self.batch.cond:
                 self.batch.cond.notify_all()  # a paused participant may claim again
-        t = self.metrics.now()
-        self.role_history[cell].append((t, new))
-        self.role_switches.append({"t": t, "cell": cell, "from": old, "to": new})
+        self.record_role(cell, old, new)
         self.metrics.emit("role", cell=cell, **{"from": old, "to": new}, seconds=round(time.monotonic() - t0, 4),
                           worker_seconds=round(reply.seconds, 4))
 
@@ -564,93 +520,4 @@ class Coordinator:
         if self.steps_done < self.c.steps:
             self._dispatch(self.c.dispatch_target(self.publications) - self.c.dispatch_target(self.publications - 1))
         if self.c.checkpoint_every and self.steps_done % self.c.checkpoint_every == 0 and self.steps_done:
-            await self._checkpoint()
-
-    # 5) checkpoints and resume (resume.py)
-    async def _checkpoint(self) -> None:
-        """At a publication (no batch in flight): the core's trainer, then the state."""
-        t0 = time.monotonic()
-        folder = resume.step_dir(self.c.run_dir, self.steps_done)
-        folder.mkdir(parents=True, exist_ok=True)
-        await self._call(self.nodes[0], "save_checkpoint", _timeout=None, path=str(folder / "trainer.pt"))
-        resume.write_state(self.c.run_dir, self.steps_done, {
-            "step": self.steps_done, "version": self.version, "trainer_version": self.trainer_version,
-            "publications": self.publications, "groups_dispatched": self.groups_dispatched,
-            "consumed": sorted(g.id for g in self.buffer.groups.values() if g.state == "consumed"),
-            "tasks": resume.task_order_state(self.tasks), "status_counts": self.status_counts,
-            "tokens_trained": self.tokens_trained})
-        self.metrics.emit("checkpoint", step=self.steps_done, version=self.version, path=str(folder),
-                          seconds=round(time.monotonic() - t0, 3))
-
-    async def _restore(self) -> None:
-        """The latest checkpoint into the core and every engine; the buffer from the journal."""
-        st, folder = self._state, self._checkpoint_dir
-        dispatches, outcomes, _ = self._journal
-        core = self.nodes[0]
-        loaded = await self._call(core, "load_checkpoint", _timeout=None, path=str(folder / "trainer.pt"))
-        self.trainer_version = self.version = int(loaded["version"])
-        self.steps_done, self.publications = st["step"], st["publications"]
-        self.status_counts = {}
-        for out in outcomes.values():  # every closed execution of the run, before and after the checkpoint
-            self.status_counts[out["status"]] = self.status_counts.get(out["status"], 0) + 1
-        self.tokens_trained = st.get("tokens_trained", 0)
-        self._core_cache = self._core_offer = None
-        await self.link.call(core, wire.LoadWeights(req_id=self.link.new_req_id(), version=self.version))
-        await push_core_weights(self, [i for i in range(1, len(self.nodes))], engine=True, version=self.version)
-        resume.restore_task_order(self.tasks, st["tasks"])
-        tasks = {t.id: t for t in self.tasks.tasks}
-        consumed = set(st["consumed"])
-        restored = redone = 0
-        for gid in sorted(dispatches):
-            ev = dispatches[gid]
-            if gid >= st["groups_dispatched"]:
-                self.tasks.next_task()  # dispatched after the checkpoint: keep the task order aligned
-            if ev["task"] not in tasks:
-                raise resume.ResumeError(f"group {gid}: task {ev['task']!r} is no longer in the task set")
-            # A group dispatched after the checkpoint carries a version the restored model
-            # does not have yet: clamp it, so staleness never reads negative.
-            group = Group(gid, tasks[ev["task"]], min(ev["version"], self.version), self.c.group_size)
-            self.buffer.add(group)
-            if gid in consumed:
-                group.state = "consumed"
-                continue
-            closed: list[Run] = []
-            for i, run_id in enumerate(ev["runs"]):  # every run first: the group settles on all of them
-                out = outcomes.get(run_id)
-                tracked = self.wl.dispatch(1)[0]
-                if out is not None and out["status"] != "cancelled":
-                    run = Run(run_id, gid, i, group.task, tracked, group.version, status=out["status"],
-                              reward=out["reward"], valid=out["valid"], ref=out.get("ref", ""))
-                    folder_ex = self.c.run_dir / "executions" / run_id
-                    run.recorder = load_execution(folder_ex) if folder_ex.is_dir() else None
-                    self.wl.launch(tracked)
-                    self.wl.terminate(tracked)
-                    closed.append(run)
-                    restored += 1
-                else:
-                    run = Run(resume.redo_id(self.c.run_dir, run_id), gid, i, group.task, tracked, self.version)
-                group.runs.append(run)
-            surplus: set[str] = set()
-            for run in closed:
-                for extra in self.buffer.on_closed(run):  # enough valid outcomes: the rest is surplus
-                    surplus.add(extra.id)
-            for run in group.runs:
-                if run.closed:
-                    continue
-                if run.id in surplus or group.state != "open":
-                    run.status, run.valid = "cancelled", False
-                    self.wl.launch(run.tracked)
-                    self.wl.terminate(run.tracked)
-                else:
-                    self.queue.append(run)
-                    redone += 1
-            if surplus and group.state == "open":
-                self.buffer.on_closed(closed[-1])  # all closed now: settle (ready)
-            if any(r.id not in ev["runs"] for r in group.runs):
-                self._journal_group(group)  # the new ids, for a later resume
-        self.groups_dispatched = max([st["groups_dispatched"], *(g + 1 for g in dispatches)])
-        self.metrics.emit("resume", step=self.steps_done, version=self.version, checkpoint=str(folder),
-                          executions_restored=restored, executions_redispatched=redone,
-                          groups=len(dispatches) - len(consumed & set(dispatches)))
-        log.info("resumed at step %d (version %d): %d closed executions restored, %d dispatched again",
-                 self.steps_done, self.version, restored, redone)
+            await resume.checkpoint(self)

@@ -16,19 +16,28 @@ rebuilds the buffer from the journal: groups consumed by a checkpointed step sta
 (later steps were lost with the model, so their groups are trained again); every closed
 execution of any other group comes back with its recorded tree, exactly once; executions
 that were queued or running (or cancelled by a shutdown) are dispatched again under new
-ids (`<id>-r1`). Metrics continue in the same file. Not the loop: main.py calls these.
+ids (`<id>-r1`). Metrics continue in the same file. Not the loop: main.py calls
+`checkpoint` and `restore` with itself.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 import orjson
 
+from gyre.coordinator.buffer import Group, Run
+from gyre.coordinator.training import push_core_weights
+from gyre.proxy.records import load_execution
+from gyre.workerd import wire
 from gyre.workerd.wire import GyreError
+
+log = logging.getLogger("gyre.coordinator")
 
 CHECKPOINTS = "checkpoints"
 
@@ -118,3 +127,95 @@ def redo_id(run_dir: Path, run_id: str) -> str:
     while (run_dir / "executions" / f"{run_id}-r{k}").exists():
         k += 1
     return f"{run_id}-r{k}"
+
+
+# --- the coordinator's side --------------------------------------------------------------
+
+
+async def checkpoint(coord) -> None:
+    """At a publication (no batch in flight): the core's trainer, then the state."""
+    t0 = time.monotonic()
+    folder = step_dir(coord.c.run_dir, coord.steps_done)
+    folder.mkdir(parents=True, exist_ok=True)
+    await coord._call(coord.nodes[0], "save_checkpoint", _timeout=None, path=str(folder / "trainer.pt"))
+    write_state(coord.c.run_dir, coord.steps_done, {
+        "step": coord.steps_done, "version": coord.version, "publications": coord.publications,
+        "groups_dispatched": coord.groups_dispatched,
+        "consumed": sorted(g.id for g in coord.buffer.groups.values() if g.state == "consumed"),
+        "tasks": task_order_state(coord.tasks), "tokens_trained": coord.tokens_trained})
+    coord.metrics.emit("checkpoint", step=coord.steps_done, version=coord.version, path=str(folder),
+                       seconds=round(time.monotonic() - t0, 3))
+
+
+async def restore(coord) -> None:
+    """The latest checkpoint into the core and every engine; the buffer from the journal."""
+    st, folder = coord._state, coord._checkpoint_dir
+    dispatches, outcomes, _ = coord._journal
+    core = coord.nodes[0]
+    loaded = await coord._call(core, "load_checkpoint", _timeout=None, path=str(folder / "trainer.pt"))
+    coord.trainer_version = coord.version = int(loaded["version"])
+    coord.steps_done, coord.publications = st["step"], st["publications"]
+    coord.status_counts = {}
+    for out in outcomes.values():  # every closed execution of the run, before and after the checkpoint
+        coord.status_counts[out["status"]] = coord.status_counts.get(out["status"], 0) + 1
+    coord.tokens_trained = st.get("tokens_trained", 0)
+    coord._core_cache = coord._core_offer = None
+    await coord.link.call(core, wire.LoadWeights(req_id=coord.link.new_req_id(), version=coord.version))
+    await push_core_weights(coord, [i for i in range(1, len(coord.nodes))], engine=True, version=coord.version)
+    restore_task_order(coord.tasks, st["tasks"])
+    tasks = {t.id: t for t in coord.tasks.tasks}
+    consumed = set(st["consumed"])
+    restored = redone = 0
+    for gid in sorted(dispatches):
+        ev = dispatches[gid]
+        if gid >= st["groups_dispatched"]:
+            coord.tasks.next_task()  # dispatched after the checkpoint: keep the task order aligned
+        if ev["task"] not in tasks:
+            raise ResumeError(f"group {gid}: task {ev['task']!r} is no longer in the task set")
+        # A group dispatched after the checkpoint carries a version the restored model
+        # does not have yet: clamp it, so staleness never reads negative.
+        group = Group(gid, tasks[ev["task"]], min(ev["version"], coord.version), coord.c.group_size)
+        coord.buffer.add(group)
+        if gid in consumed:
+            group.state = "consumed"
+            continue
+        closed: list[Run] = []
+        for i, run_id in enumerate(ev["runs"]):  # every run first: the group settles on all of them
+            out = outcomes.get(run_id)
+            tracked = coord.wl.dispatch(1)[0]
+            if out is not None and out["status"] != "cancelled":
+                run = Run(run_id, gid, i, group.task, tracked, group.version, status=out["status"],
+                          reward=out["reward"], valid=out["valid"], ref=out.get("ref", ""))
+                folder_ex = coord.c.run_dir / "executions" / run_id
+                run.recorder = load_execution(folder_ex) if folder_ex.is_dir() else None
+                coord.wl.launch(tracked)
+                coord.wl.terminate(tracked)
+                closed.append(run)
+                restored += 1
+            else:
+                run = Run(redo_id(coord.c.run_dir, run_id), gid, i, group.task, tracked, coord.version)
+            group.runs.append(run)
+        surplus: set[str] = set()
+        for run in closed:
+            for extra in coord.buffer.on_closed(run):  # enough valid outcomes: the rest is surplus
+                surplus.add(extra.id)
+        for run in group.runs:
+            if run.closed:
+                continue
+            if run.id in surplus or group.state != "open":
+                run.status, run.valid = "cancelled", False
+                coord.wl.launch(run.tracked)
+                coord.wl.terminate(run.tracked)
+            else:
+                coord.queue.append(run)
+                redone += 1
+        if surplus and group.state == "open":
+            coord.buffer.on_closed(closed[-1])  # all closed now: settle (ready)
+        if any(r.id not in ev["runs"] for r in group.runs):
+            coord._journal_group(group)  # the new ids, for a later resume
+    coord.groups_dispatched = max([st["groups_dispatched"], *(g + 1 for g in dispatches)])
+    coord.metrics.emit("resume", step=coord.steps_done, version=coord.version, checkpoint=str(folder),
+                       executions_restored=restored, executions_redispatched=redone,
+                       groups=len(dispatches) - len(consumed & set(dispatches)))
+    log.info("resumed at step %d (version %d): %d closed executions restored, %d dispatched again",
+             coord.steps_done, coord.version, restored, redone)

@@ -13,13 +13,12 @@ is decided by policies.py; this module only carries it out.
 from __future__ import annotations
 
 import asyncio
-
-import torch
 import logging
 from collections import deque
 from dataclasses import dataclass, field
 
 from gyre.coordinator.buffer import Group
+from gyre.coordinator.link import WorkerDeadError
 from gyre.coordinator.packing import MicroStep, group_rows, pack
 from gyre.workerd import wire
 
@@ -160,10 +159,12 @@ def memcpy_seconds(nbytes: int) -> float:
     timed on at most 16 MiB and scaled (the coordinator never holds a big model's weights)."""
     import time
 
+    import numpy as np
+
     sample = max(1, min(nbytes, MEMCPY_SAMPLE))
-    src = torch.ones(sample, dtype=torch.uint8)
+    src = np.ones(sample, dtype=np.uint8)
     t0 = time.perf_counter()
-    src.clone()
+    src.copy()
     return (time.perf_counter() - t0) * nbytes / sample
 
 
@@ -190,8 +191,6 @@ async def push_core_weights(coord, cells: list[int], *, engine: bool, version: i
 def _tolerate_dead(results: list) -> None:
     """A destination that died mid-transfer is the health watch's business (it excludes the
     cell); any other failure fails the caller."""
-    from gyre.coordinator.link import WorkerDeadError
-
     for r in results:
         if isinstance(r, BaseException) and not isinstance(r, WorkerDeadError):
             raise r

@@ -185,6 +185,24 @@ def _marked(m: Message, i: int, refs: dict[int, str]) -> bool:
     return bool(m.content) and i not in refs
 
 
+def _marks(messages: list[Message], refs: dict[int, str]) -> list[int]:
+    """Per message, the index of the chunk its mark ends (-1: no mark)."""
+    marks, q = [], 0
+    for i, m in enumerate(messages):
+        if _marked(m, i, refs):
+            marks.append(q)
+            q += 1
+        else:
+            marks.append(-1)
+    return marks
+
+
+def _reduced(messages: list[Message], refs: dict[int, str], p: int) -> tuple[list[Message], dict[int, str]]:
+    """[messages[0]] + messages[p:], with the refs renumbered to match."""
+    index = [0, *range(p, len(messages))]
+    return [messages[i] for i in index], {j: refs[i] for j, i in enumerate(index) if i in refs}
+
+
 def _key(m: Message, ref: str | None) -> tuple:
     """What a message renders from, as plain data (tuple equality runs in C)."""
     return (m.role, m.content, m.tool_call_id, m.name, ref, *((c.id, c.name, c.arguments) for c in m.tool_calls))
@@ -223,13 +241,7 @@ class Segmenter:
                  restore_args: dict[str, str]) -> list[Text | Ref]:
         tools_t = [t.as_template_tool() for t in tools]
         keys = [_key(m, refs.get(i)) for i, m in enumerate(messages)]
-        marks, q = [], 0
-        for i, m in enumerate(messages):
-            if _marked(m, i, refs):
-                marks.append(q)
-                q += 1
-            else:
-                marks.append(-1)
+        marks = _marks(messages, refs)
         chunks = self._incremental(messages, keys, marks, tools_t, refs, restore_args) if self.tok.local else None
         if chunks is None:
             chunks = self.tok.chunks(messages, tools_t, refs, restore_args)
@@ -253,9 +265,7 @@ class Segmenter:
         p = next((i for i in range(common - 2, 0, -1) if marks[i] >= 0), None)
         if best is None or p is None:
             return None
-        reduced = [messages[0], *messages[p:]]
-        reduced_refs = {j: refs[i] for j, i in [(0, 0), *((k - p + 1, k) for k in range(p, len(messages)))]
-                        if i in refs}
+        reduced, reduced_refs = _reduced(messages, refs, p)
         try:
             tail = self.tok.chunks(reduced, tools_t, reduced_refs, restore_args, start=1)
         except RequestError:
@@ -302,10 +312,7 @@ def probe_locality(tok: ChatTokenizer, seed: int = 0) -> bool:
             msgs, refs = conversation()
             tools_t = tools if trial % 2 else []
             full = tok.chunks(msgs, tools_t, refs, {})
-            marks, q = [], 0
-            for i, m in enumerate(msgs):
-                marks.append(q if _marked(m, i, refs) else -1)
-                q += _marked(m, i, refs)
+            marks = _marks(msgs, refs)
             for k in range(2, len(msgs)):
                 prefix = tok.chunks(msgs[:k], tools_t, {i: r for i, r in refs.items() if i < k}, {})
                 for p in range(1, k - 1):  # earlier text never depends on later messages
@@ -314,9 +321,7 @@ def probe_locality(tok: ChatTokenizer, seed: int = 0) -> bool:
             for p in range(1, len(msgs)):  # later text depends only on messages[0] and the neighbours
                 if marks[p] < 0:
                     continue
-                reduced = [msgs[0], *msgs[p:]]
-                rrefs = {j: refs[i] for j, i in [(0, 0), *((k - p + 1, k) for k in range(p, len(msgs)))]
-                         if i in refs}
+                reduced, rrefs = _reduced(msgs, refs, p)
                 tail = tok.chunks(reduced, tools_t, rrefs, {})
                 first = 1 if marks[0] >= 0 else 0
                 if tail[first + 1:] != full[marks[p] + 1:]:
