@@ -1,0 +1,231 @@
+"""The megatron-core trainer on CPU (the shim of DEPS-NOTES.md): HF <-> Megatron names and
+TP shards round-trip exactly; on the same micro-steps its log-probs, GSPO loss, gradients and
+update equal the CPU torch trainer's; TP=2 over gloo in two processes gives the same
+log-probs and gradients; offload frees every storage and onload restores the bytes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gyre.workerd.model import CausalLM, load_model
+from gyre.workerd.modeldir import ModelConfig, ModelDirError, init_tiny, load_config
+from gyre.workerd.trainers.cpu import CpuTrainer
+from gyre.workerd.trainers.hf_megatron import to_hf, to_megatron
+from tests.workerd.test_loss import make_rows, micro_batch
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'gyre[test]')")
+
+FAMILIES = {
+    # Qwen2: QKV bias, GQA (4 heads, 2 groups), tied embeddings: the embedded default.
+    "qwen2": dict(),
+    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", tie_word_embeddings=False),
+    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", tie_word_embeddings=False,
+                  num_key_value_heads=4),
+}
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    out = {}
+    for name, over in FAMILIES.items():
+        d = init_tiny(tmp_path_factory.mktemp(name), seed=5, overrides={**over, "num_hidden_layers": 2})
+        model = load_model(d)
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():  # biases and norms away from their init, so misplacing one shows
+            for pname, p in model.named_parameters():
+                if pname.endswith(".bias") or pname.endswith("norm.weight"):
+                    p.add_(0.3 * torch.randn(p.shape, generator=g))
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in model.hf_state_dict().items()}, str(d / "model.safetensors"))
+        out[name] = d
+    return out
+
+
+def hf_weights(d) -> dict[str, torch.Tensor]:
+    return load_model(d).hf_state_dict()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("tp", [1, 2])
+def test_names_and_values_round_trip_exactly(family_dirs, family, tp):
+    d = family_dirs[family]
+    config, hf = load_config(d), hf_weights(d)
+    shards = [to_megatron(hf, config, rank=r, tp=tp) for r in range(tp)]
+    back = to_hf(shards, config)
+    assert set(back) == set(hf)
+    assert all(torch.equal(back[k], hf[k]) for k in hf)
+    again = [to_megatron(back, config, rank=r, tp=tp) for r in range(tp)]
+    for a, b in zip(shards, again):
+        assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    if tp == 2:  # every rank holds half of each split tensor, and the halves differ
+        qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
+        assert shards[0][qkv].shape[0] * 2 == (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
+        assert not torch.equal(shards[0][qkv], shards[1][qkv])
+
+
+def test_fused_qkv_is_grouped_per_kv_head(family_dirs):
+    """Megatron's layout: for each KV group, its query heads, then its key, then its value."""
+    config, hf = load_config(family_dirs["qwen2"]), hf_weights(family_dirs["qwen2"])
+    fused = to_megatron(hf, config)["decoder.layers.0.self_attention.linear_qkv.weight"]
+    d, per = config.head_dim, config.num_attention_heads // config.num_key_value_heads
+    q, k, v = (hf[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
+    group1 = fused[(per + 2) * d: 2 * (per + 2) * d]
+    assert torch.equal(group1[: per * d], q[per * d: 2 * per * d])
+    assert torch.equal(group1[per * d: (per + 1) * d], k[d: 2 * d])
+    assert torch.equal(group1[(per + 1) * d:], v[d: 2 * d])
+
+
+def test_unknown_or_incomplete_weights_are_named(family_dirs):
+    config, hf = load_config(family_dirs["qwen2"]), hf_weights(family_dirs["qwen2"])
+    with pytest.raises(ModelDirError, match="model.layers.0.self_attn.rotary.weight"):
+        to_megatron({**hf, "model.layers.0.self_attn.rotary.weight": torch.zeros(1)}, config)
+    partial = {k: v for k, v in hf.items() if k != "model.layers.1.self_attn.k_proj.weight"}
+    with pytest.raises(ModelDirError, match="layer 1 weight: q, k and v"):
+        to_megatron(partial, config)
+    with pytest.raises(ModelDirError, match="num_key_value_heads=2 is not divisible by tensor-parallel size 4"):
+        to_megatron(hf, config, tp=4)
+
+
+# --- the trainer, in this process (TP=1) ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def megatron_module():
+    from gyre.workerd.trainers import megatron
+
+    megatron.setup_parallel(1)
+    return megatron
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_built_model_has_the_mapped_names_and_shapes(megatron_module, family_dirs, family):
+    config = load_config(family_dirs[family])
+    model = megatron_module.build_gpt(config)
+    own = {k: tuple(v.shape) for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    mapped = {k: tuple(v.shape) for k, v in to_megatron(hf_weights(family_dirs[family]), config).items()}
+    assert own == mapped
+
+
+def _trainers(megatron_module, d, lr=1e-3):
+    meg = megatron_module.MegatronTrainer(str(d), load_config(d), lr=lr)
+    cpu = CpuTrainer(load_model(d), lr=lr)
+    return meg, cpu
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_logprobs_loss_grads_and_update_equal_the_cpu_trainer(megatron_module, family_dirs, family):
+    meg, cpu = _trainers(megatron_module, family_dirs[family])
+    ids, mask, behaviour, exec_of_row, adv = make_rows(11)
+    assert torch.allclose(meg.current_logprobs(ids), cpu.current_logprobs(ids), atol=2e-5)
+    counts = {i: int(mask[[r for r in range(5) if exec_of_row[r] == i]].sum()) for i in adv}
+    for rows in ([0, 1, 2], [3, 4]):  # execution 0 split over two micro-steps
+        batch = micro_batch(rows, ids, mask, behaviour, exec_of_row, adv, counts)
+        a, b = meg.train_micro_step(batch), cpu.train_micro_step(batch)
+        assert (a.tokens, a.executions) == (b.tokens, b.executions)
+        assert a.loss == pytest.approx(b.loss, rel=1e-4, abs=1e-6)
+    grads = to_hf([meg.grads()], meg.config)
+    cpu_grads = {k: p.grad for k, p in cpu.model.named_parameters()}
+    assert set(grads) == set(cpu_grads)
+    scale = max(float(g.abs().max()) for g in cpu_grads.values())
+    assert scale > 0
+    for k, g in cpu_grads.items():
+        assert torch.allclose(grads[k], g, atol=1e-4 * scale), k
+    na, nb = meg.optimizer_step(3), cpu.optimizer_step(3)
+    assert na == pytest.approx(nb, rel=1e-4)
+    assert meg.version == cpu.version == 1
+    after, ref = meg.export_weights(), cpu.export_weights()
+    moved = 0
+    for k, w in ref.items():
+        # Adam's first step moves every element by about lr; elements whose gradient is
+        # noise-level may go either way, so the bound is a few lr, and most must agree.
+        assert torch.allclose(after[k], w, atol=3e-3), k
+        moved += int((after[k] - w).abs().le(1e-5).sum())
+    assert moved > 0.99 * sum(w.numel() for w in ref.values())
+
+
+def test_load_weights_then_export_is_exact_and_checkpoint_round_trips(megatron_module, family_dirs, tmp_path):
+    d = family_dirs["qwen3"]
+    meg = megatron_module.MegatronTrainer(str(d), load_config(d), lr=1e-3)
+    other = {k: v + 0.25 for k, v in hf_weights(d).items()}
+    nbytes = meg.load_weights(other.items(), version=7)
+    assert nbytes == sum(v.numel() * v.element_size() for v in other.values())
+    out = meg.export_weights()
+    assert meg.version == 7 and all(torch.equal(out[k], other[k]) for k in other)
+    meg.save_checkpoint(str(tmp_path / "ckpt" / "trainer.pt"))
+    fresh = megatron_module.MegatronTrainer(str(d), load_config(d), lr=1e-3)
+    fresh.load_checkpoint(str(tmp_path / "ckpt" / "trainer.pt"))
+    assert fresh.version == 7
+    assert all(torch.equal(fresh.export_weights()[k], other[k]) for k in other)
+    bad = {**other, "model.norm.weight": torch.zeros(3)}
+    with pytest.raises(ModelDirError, match="decoder.final_layernorm.weight' has shape"):
+        meg.load_weights(bad.items(), version=8)
+    with pytest.raises(ModelDirError, match="weights missing for megatron parameters"):
+        meg.load_weights([("model.norm.weight", torch.zeros(3))], version=8)
+    assert meg.version == 7 and all(torch.equal(meg.export_weights()[k], other[k]) for k in other)  # untouched
+
+
+def test_offload_frees_every_storage_and_onload_restores_it(megatron_module, family_dirs):
+    d = family_dirs["qwen2"]
+    meg = megatron_module.MegatronTrainer(str(d), load_config(d), lr=1e-3, offload=True)
+    ids, mask, behaviour, exec_of_row, adv = make_rows(3)
+    counts = {i: 1 for i in adv}
+    meg.train_micro_step(micro_batch([0, 1, 2, 3, 4], ids, mask, behaviour, exec_of_row, adv, counts))
+    meg.optimizer_step(3)  # optimizer state exists now
+    before = meg.export_weights()
+    opt_bytes = sum(v.numel() * v.element_size() for s in meg.optimizer.state.values()
+                    for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
+    params = sum(p.numel() * p.element_size() for p in meg.gpt.parameters())
+    freed = meg.offload()
+    assert freed == params + opt_bytes
+    assert all(p.untyped_storage().nbytes() == 0 for p in meg.gpt.parameters())
+    with pytest.raises(RuntimeError, match="offloaded"):
+        meg.current_logprobs(ids)
+    meg.onload()
+    after = meg.export_weights()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    # Training goes on with the restored optimizer state.
+    meg.train_micro_step(micro_batch([0, 1], ids, mask, behaviour, exec_of_row, adv, counts))
+    assert meg.optimizer_step(2) > 0 and meg.version == 2
+
+
+# --- TP=2: two processes over gloo --------------------------------------------------------
+
+CHILD = Path(__file__).with_name("_megatron_tp_child.py")
+
+
+def test_tensor_parallel_2_equals_the_cpu_trainer(family_dirs, tmp_path):
+    d = family_dirs["qwen2"]
+    ids, mask, behaviour, exec_of_row, adv = make_rows(21)
+    counts = {i: int(mask[[r for r in range(5) if exec_of_row[r] == i]].sum()) for i in adv}
+    batch = micro_batch([0, 1, 2, 3, 4], ids, mask, behaviour, exec_of_row, adv, counts)
+    torch.save(batch.tensors(), tmp_path / "batch.pt")
+    init = f"file://{tmp_path / 'store'}"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]))
+    procs = [subprocess.Popen([sys.executable, str(CHILD), str(r), "2", init, str(d), str(tmp_path / "batch.pt"),
+                               str(tmp_path / f"out{r}.pt")], env=env) for r in range(2)]
+    assert [p.wait(timeout=240) for p in procs] == [0, 0]
+    outs = [torch.load(tmp_path / f"out{r}.pt", weights_only=True) for r in range(2)]
+    cpu = CpuTrainer(load_model(d), lr=1e-3)
+    ref_lp = cpu.current_logprobs(batch.input_ids)
+    stats = cpu.train_micro_step(batch)
+    for o in outs:  # every TP rank sees the whole vocabulary's log-probs
+        assert torch.allclose(o["logprobs"], ref_lp, atol=2e-5)
+        assert o["loss"] == pytest.approx(stats.loss, rel=1e-4)
+    grads = outs[0]["grads"]  # gathered from both ranks' shards
+    scale = max(float(p.grad.abs().max()) for p in cpu.model.parameters())
+    for k, p in cpu.model.named_parameters():
+        assert torch.allclose(grads[k], p.grad, atol=1e-4 * scale), k
+    norm = cpu.optimizer_step(3)
+    assert outs[0]["norm"] == pytest.approx(norm, rel=1e-4) == outs[1]["norm"]
+    ref = cpu.export_weights()
+    for k, w in ref.items():
+        assert torch.allclose(outs[0]["weights"][k], w, atol=3e-3), k
+        assert torch.equal(outs[0]["weights"][k], outs[1]["weights"][k]), k

@@ -1,0 +1,166 @@
+"""hf_megatron.py: Hugging Face <-> megatron-core parameter names, layouts and TP shards.
+
+One mapping serves loading a checkpoint into a Megatron cell and publishing its weights to
+rollout engines (SGLang and the CPU engine take HF names). Pure torch on whole tensors:
+`to_megatron` cuts one tensor-parallel rank's shard out of HF tensors; `to_hf` joins every
+rank's shards back. Covers the dense decoder families gyre supports (Qwen2, Qwen3, Llama,
+Mistral) with megatron-core's local layer spec (`get_gpt_layer_local_spec`):
+
+    model.embed_tokens.weight               embedding.word_embeddings.weight   rows split
+    model.layers.N.input_layernorm.weight   decoder.layers.N.input_layernorm.weight
+    q_proj, k_proj, v_proj (+ .bias)        ...self_attention.linear_qkv.*     fused, grouped
+    q_norm, k_norm (Qwen3)                  ...self_attention.q_layernorm / k_layernorm
+    o_proj                                  ...self_attention.linear_proj      columns split
+    post_attention_layernorm                ...pre_mlp_layernorm
+    gate_proj, up_proj                      ...mlp.linear_fc1                  [gate; up] per rank
+    down_proj                               ...mlp.linear_fc2                  columns split
+    model.norm.weight                       decoder.final_layernorm.weight
+    lm_head.weight                          output_layer.weight                rows split
+
+Megatron's fused QKV is laid out per query group: for each of the `kv_heads` groups, its
+`heads / kv_heads` query heads, then its key head, then its value head; a TP rank holds a
+contiguous run of groups. Not a loader of files (modeldir.py) and not a model builder.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from gyre.workerd.modeldir import ModelConfig, ModelDirError
+
+_LAYER = re.compile(r"^(model\.layers|decoder\.layers)\.(\d+)\.(.+)$")
+
+# HF per-layer name -> (Megatron per-layer name, how it is split across TP ranks).
+# "rows": dim 0 split; "cols": dim 1 split; None: replicated.
+_SIMPLE = {
+    "input_layernorm.weight": ("input_layernorm.weight", None),
+    "post_attention_layernorm.weight": ("pre_mlp_layernorm.weight", None),
+    "self_attn.o_proj.weight": ("self_attention.linear_proj.weight", "cols"),
+    "self_attn.q_norm.weight": ("self_attention.q_layernorm.weight", None),
+    "self_attn.k_norm.weight": ("self_attention.k_layernorm.weight", None),
+    "mlp.down_proj.weight": ("mlp.linear_fc2.weight", "cols"),
+}
+_GLOBAL = {
+    "model.embed_tokens.weight": ("embedding.word_embeddings.weight", "rows"),
+    "model.norm.weight": ("decoder.final_layernorm.weight", None),
+    "lm_head.weight": ("output_layer.weight", "rows"),
+}
+
+
+def check_tp(config: ModelConfig, tp: int) -> None:
+    """The splits this mapping supports; anything else is an error naming the field."""
+    if tp < 1:
+        raise ModelDirError(f"tensor-parallel size must be >= 1, got {tp}")
+    for field, value in (("num_key_value_heads", config.num_key_value_heads),
+                         ("intermediate_size", config.intermediate_size),
+                         ("vocab_size", config.vocab_size)):
+        if value % tp:
+            raise ModelDirError(f"{field}={value} is not divisible by tensor-parallel size {tp}")
+
+
+def is_tp_split(megatron_name: str) -> bool:
+    """Whether TP ranks hold different shards of this parameter (norms are replicated)."""
+    return not megatron_name.endswith(("layernorm.weight", "_layernorm.weight"))
+
+
+def _split(t: torch.Tensor, how: str | None, rank: int, tp: int) -> torch.Tensor:
+    if how is None or tp == 1:
+        return t
+    return t.chunk(tp, dim=0 if how == "rows" else 1)[rank]
+
+
+def _join(parts: list[torch.Tensor], how: str | None) -> torch.Tensor:
+    if how is None or len(parts) == 1:
+        return parts[0]
+    return torch.cat(parts, dim=0 if how == "rows" else 1)
+
+
+def _qkv_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """HF q [heads*d, ...], k/v [kv*d, ...] -> Megatron fused [kv, (heads/kv + 2)*d, ...]."""
+    g, d = config.num_key_value_heads, config.head_dim
+    rest = q.shape[1:]
+    q = q.reshape(g, (config.num_attention_heads // g) * d, *rest)
+    return torch.cat([q, k.reshape(g, d, *rest), v.reshape(g, d, *rest)], dim=1)
+
+
+def to_megatron(hf: dict[str, torch.Tensor], config: ModelConfig, *, rank: int = 0, tp: int = 1
+                ) -> dict[str, torch.Tensor]:
+    """HF-named tensors -> TP rank `rank`'s Megatron-named shards (new tensors where fused,
+    views otherwise). Unknown or missing names are errors."""
+    check_tp(config, tp)
+    out: dict[str, torch.Tensor] = {}
+    qkv: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    fc1: dict[int, dict[str, torch.Tensor]] = {}
+    for name, t in hf.items():
+        if name in _GLOBAL:
+            if name == "lm_head.weight" and config.tie_word_embeddings:
+                continue  # tied: the output layer reads the embedding
+            mname, how = _GLOBAL[name]
+            out[mname] = _split(t, how, rank, tp)
+            continue
+        m = _LAYER.match(name)
+        if m is None or m.group(1) != "model.layers":
+            raise ModelDirError(f"weight {name!r} has no megatron-core counterpart")
+        i, rest = int(m.group(2)), m.group(3)
+        if rest in _SIMPLE:
+            mname, how = _SIMPLE[rest]
+            out[f"decoder.layers.{i}.{mname}"] = _split(t, how, rank, tp)
+        elif (p := re.fullmatch(r"self_attn\.([qkv])_proj\.(weight|bias)", rest)) is not None:
+            qkv.setdefault((i, p.group(2)), {})[p.group(1)] = t
+        elif (p := re.fullmatch(r"mlp\.(gate|up)_proj\.weight", rest)) is not None:
+            fc1.setdefault(i, {})[p.group(1)] = t
+        else:
+            raise ModelDirError(f"weight {name!r} has no megatron-core counterpart")
+    for (i, kind), parts in qkv.items():
+        if set(parts) != {"q", "k", "v"}:
+            raise ModelDirError(f"layer {i} {kind}: q, k and v projections must come together, got {sorted(parts)}")
+        fused = _qkv_groups(parts["q"], parts["k"], parts["v"], config).chunk(tp, dim=0)[rank]
+        out[f"decoder.layers.{i}.self_attention.linear_qkv.{kind}"] = fused.reshape(-1, *fused.shape[2:])
+    for i, parts in fc1.items():
+        if set(parts) != {"gate", "up"}:
+            raise ModelDirError(f"layer {i}: gate and up projections must come together, got {sorted(parts)}")
+        out[f"decoder.layers.{i}.mlp.linear_fc1.weight"] = torch.cat(
+            [parts["gate"].chunk(tp, dim=0)[rank], parts["up"].chunk(tp, dim=0)[rank]], dim=0)
+    return out
+
+
+def to_hf(shards: list[dict[str, torch.Tensor]], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Every TP rank's Megatron-named shards (in rank order) -> whole HF-named tensors.
+    Megatron's `_extra_state` entries are skipped; any other unknown name is an error."""
+    tp = len(shards)
+    check_tp(config, tp)
+    g, d, heads = config.num_key_value_heads, config.head_dim, config.num_attention_heads
+    out: dict[str, torch.Tensor] = {}
+    reverse_global = {m: (h, how) for h, (m, how) in _GLOBAL.items()}
+    reverse_layer = {m: (h, how) for h, (m, how) in _SIMPLE.items()}
+    for name in shards[0]:
+        if name.endswith("._extra_state"):
+            continue
+        parts = [s[name] for s in shards]
+        if name in reverse_global:
+            hname, how = reverse_global[name]
+            out[hname] = _join(parts, how)
+            continue
+        m = _LAYER.match(name)
+        if m is None or m.group(1) != "decoder.layers":
+            raise ModelDirError(f"megatron-core parameter {name!r} has no HF counterpart")
+        i, rest = int(m.group(2)), m.group(3)
+        prefix = f"model.layers.{i}"
+        if rest in reverse_layer:
+            hname, how = reverse_layer[rest]
+            out[f"{prefix}.{hname}"] = _join(parts, how)
+        elif (p := re.fullmatch(r"self_attention\.linear_qkv\.(weight|bias)", rest)) is not None:
+            fused = torch.cat(parts, dim=0)
+            fused = fused.reshape(g, (heads // g + 2) * d, *fused.shape[1:])
+            q, k, v = fused.split([(heads // g) * d, d, d], dim=1)
+            for proj, t in (("q", q), ("k", k), ("v", v)):
+                out[f"{prefix}.self_attn.{proj}_proj.{p.group(1)}"] = t.reshape(-1, *t.shape[2:])
+        elif rest == "mlp.linear_fc1.weight":
+            gates, ups = zip(*(t.chunk(2, dim=0) for t in parts))
+            out[f"{prefix}.mlp.gate_proj.weight"] = torch.cat(gates, dim=0)
+            out[f"{prefix}.mlp.up_proj.weight"] = torch.cat(ups, dim=0)
+        else:
+            raise ModelDirError(f"megatron-core parameter {name!r} has no HF counterpart")
+    return out

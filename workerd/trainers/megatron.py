@@ -1,0 +1,386 @@
+"""trainers/megatron.py: the megatron-core trainer, a GPTModel built from a HF model directory.
+
+Same contract as trainers/cpu.py (trainers/base.py): GSPO micro-steps accumulate
+gradients, `optimizer_step` reduces them across cells over the prefix groups, normalises,
+clips and updates; weights go in and out by HF names (hf_megatron.py), so a checkpoint
+loads and a publication reaches SGLang or the CPU engine without a conversion step.
+
+    GPU   Megatron's DDP (grads in contiguous fp32 buffers) + its distributed optimizer,
+          bf16 parameters; TP from the caller's process group.
+    CPU   Megatron's model and parallel state with torch.optim.AdamW, behind a small shim
+          applied only when no GPU is present (DEPS-NOTES.md): `torch.cuda.current_device`
+          answers "cpu", the no-op inference RNG tracker, an explicit boolean causal mask.
+
+Per-token log-probs are minus Megatron's per-token loss with labels; under TP its
+vocab-parallel cross-entropy gathers them from the vocabulary shards. Role changes call
+`offload()` / `onload()`: every storage of parameters, gradients and optimizer state is
+copied to host memory and shrunk to zero bytes in place, so the views into them (DDP's
+buffers) stay valid. Not a multi-process launcher: TP > 1 needs one process per rank with
+torch.distributed initialised by the caller; workerd runs a cell's trainer in-process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from gyre.workerd.loss import gspo_loss
+from gyre.workerd.modeldir import ModelConfig, ModelDirError, iter_weights
+from gyre.workerd.trainers.base import MicroBatch, MicroStepStats
+from gyre.workerd.trainers.hf_megatron import check_tp, is_tp_split, to_hf, to_megatron
+
+
+@contextlib.contextmanager
+def _quiet_import():
+    # megatron-core warns on import that Transformer Engine and Apex are missing.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def setup_parallel(tp: int = 1, *, seed: int = 0) -> None:
+    """torch.distributed (a private one-rank world when the caller made none) and
+    megatron-core's parallel state; the CPU shim when there is no GPU. Idempotent."""
+    with _quiet_import():
+        from megatron.core import parallel_state as ps
+        from megatron.core import tensor_parallel
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        torch.cuda.current_device = lambda: "cpu"  # megatron-core places buffers there
+    if not dist.is_initialized():
+        if tp != 1:
+            raise RuntimeError(f"tensor-parallel size {tp} needs torch.distributed initialised "
+                               "by the caller (one process per rank)")
+        store = Path(tempfile.mkdtemp(prefix="gyre-megatron-")) / "store"  # no listening socket
+        dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"file://{store}",
+                                rank=0, world_size=1)
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    elif ps.get_tensor_model_parallel_world_size() != tp:
+        raise RuntimeError(f"megatron parallel state has TP={ps.get_tensor_model_parallel_world_size()}, "
+                           f"asked for {tp}")
+    if on_gpu:
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    else:
+        tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+def build_gpt(config: ModelConfig, *, dtype: torch.dtype = torch.float32):
+    """megatron-core GPTModel with the local layer spec for a supported HF family."""
+    with _quiet_import():
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.transformer.transformer_config import TransformerConfig
+    with _quiet_import():  # its own defaults trip its deprecation warnings
+        return _build_gpt(config, dtype, GPTModel, get_gpt_layer_local_spec, TransformerConfig)
+
+
+def _build_gpt(config, dtype, GPTModel, get_gpt_layer_local_spec, TransformerConfig):
+    tc = TransformerConfig(
+        num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
+        ffn_hidden_size=config.intermediate_size, num_attention_heads=config.num_attention_heads,
+        num_query_groups=config.num_key_value_heads, kv_channels=config.head_dim,
+        normalization="RMSNorm", layernorm_epsilon=config.rms_norm_eps, qk_layernorm=config.qk_norm,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        add_qkv_bias=config.attention_bias, hidden_dropout=0.0, attention_dropout=0.0,
+        params_dtype=dtype, bf16=dtype == torch.bfloat16,
+        tensor_model_parallel_size=_tp_size(),
+        use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=False,
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+    )
+    model = GPTModel(tc, get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_norm),
+                     vocab_size=config.vocab_size, max_sequence_length=config.max_position_embeddings,
+                     position_embedding_type="rope", rotary_base=int(config.rope_theta),
+                     share_embeddings_and_output_weights=config.tie_word_embeddings)
+    return model
+
+
+def _tp_size() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_world_size()
+
+
+def _tp_rank() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_rank()
+
+
+class MegatronTrainer:
+    def __init__(self, model_dir: str, config: ModelConfig, *, lr: float = 1e-5,
+                 weight_decay: float = 0.01, grad_clip: float = 1.0, version: int = 0,
+                 tp: int = 1, offload: bool | None = None, seed: int = 0):
+        check_tp(config, tp)
+        setup_parallel(tp, seed=seed)
+        self.config = config
+        self.version = version
+        self.grad_clip = grad_clip
+        self.on_gpu = torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu")
+        self.offload_enabled = self.on_gpu if offload is None else offload
+        self.tp, self.tp_rank = _tp_size(), _tp_rank()
+        model = build_gpt(config, dtype=torch.bfloat16 if self.on_gpu else torch.float32).to(self.device)
+        self._load_into(model, dict(iter_weights(model_dir)))
+        self.gpt = model  # the GPTModel itself (names without a DDP prefix)
+        if self.on_gpu:
+            self.model, self.optimizer = self._megatron_ddp(model, lr, weight_decay, grad_clip)
+        else:
+            self.model = model.train()
+            self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-15,
+                                               weight_decay=weight_decay)
+        self.micro_steps = 0
+        self._host: list[tuple[torch.UntypedStorage, torch.Tensor]] | None = None  # while offloaded
+
+    @staticmethod
+    def _megatron_ddp(model, lr, weight_decay, grad_clip):
+        with _quiet_import():
+            from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True), model)
+        opt = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=lr, weight_decay=weight_decay, adam_beta1=0.9, adam_beta2=0.95,
+            adam_eps=1e-15, clip_grad=grad_clip, bf16=True, params_dtype=torch.bfloat16,
+            use_distributed_optimizer=True), [ddp])
+        return ddp, opt
+
+    # --- forward ------------------------------------------------------------------------
+
+    def _logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[R, T] -> log p(input_ids[t] | <t) at [R, T] (t = 0 is 0), float32."""
+        ids = input_ids.to(self.device)
+        r, t = ids.shape
+        positions = torch.arange(t, device=self.device).expand(r, t)
+        mask = torch.ones(t, t, dtype=torch.bool, device=self.device).triu(1)[None, None]  # True: hidden
+        labels = torch.roll(ids, -1, dims=1)  # the last column's label is never read
+        loss = self.model(ids, positions, mask, labels=labels)  # [R, T], vocab-parallel under TP
+        return F.pad(-loss[:, :-1].float(), (1, 0)).cpu()
+
+    def train_micro_step(self, batch: MicroBatch) -> MicroStepStats:
+        self._need_onloaded()
+        t0 = time.perf_counter()
+        logp = self._logprobs(batch.input_ids)
+        out = gspo_loss(logp, batch.behaviour_logprobs, batch.advantages, batch.loss_weights,
+                        batch.target_mask, batch.exec_ids)
+        out.loss_sum.backward()
+        self.micro_steps += 1
+        return MicroStepStats(out.loss_sum.item(), out.tokens, out.executions, out.mismatch,
+                              time.perf_counter() - t0)
+
+    def current_logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        self._need_onloaded()
+        with torch.no_grad():
+            return self._logprobs(input_ids)
+
+    # --- update -------------------------------------------------------------------------
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        """This rank's accumulated gradients by Megatron name (the main fp32 grads on GPU)."""
+        out = {}
+        for name, p in self.gpt.named_parameters():
+            g = getattr(p, "main_grad", None) if self.on_gpu else p.grad
+            out[name] = torch.zeros_like(p, dtype=torch.float32) if g is None else g
+        return out
+
+    def optimizer_step(self, num_executions: int, reducer=None, apply: bool = True) -> float:
+        if num_executions < 1:
+            raise ValueError(f"num_executions must be >= 1, got {num_executions}")
+        self._need_onloaded()
+        if self.on_gpu:
+            return self._gpu_step(num_executions, reducer, apply)
+        params = list(self.gpt.parameters())
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if reducer is not None:
+            reducer.all_reduce([p.grad for p in params])
+        for p in params:
+            p.grad.div_(num_executions)
+        norm = self._clip(list(self.gpt.named_parameters()))
+        if apply:
+            self.optimizer.step()
+            self.version += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self.micro_steps = 0
+        return norm
+
+    def _clip(self, params: list[tuple[str, torch.nn.Parameter]]) -> float:
+        """Global-norm clipping over the whole model: TP-sharded gradients are summed across
+        the TP group, replicated ones counted once. Same formula as torch's clip_grad_norm_."""
+        if self.tp == 1:
+            return float(torch.nn.utils.clip_grad_norm_([p for _, p in params], self.grad_clip))
+        from megatron.core import parallel_state as ps
+
+        sharded = torch.zeros((), dtype=torch.float64)
+        replicated = torch.zeros((), dtype=torch.float64)
+        for name, p in params:
+            sq = p.grad.double().pow(2).sum()
+            if is_tp_split(name):
+                sharded += sq
+            else:
+                replicated += sq
+        dist.all_reduce(sharded, group=ps.get_tensor_model_parallel_group())
+        norm = float((sharded + replicated).sqrt())
+        coef = min(1.0, self.grad_clip / (norm + 1e-6))
+        for _, p in params:
+            p.grad.mul_(coef)
+        return norm
+
+    def _gpu_step(self, num_executions: int, reducer, apply: bool) -> float:
+        self.model.finish_grad_sync()
+        grad_buffers = [b.grad_data for b in self.model.buffers + self.model.expert_parallel_buffers]
+        if reducer is not None:
+            reducer.all_reduce(grad_buffers)
+        for g in grad_buffers:
+            g.div_(num_executions)
+        if apply:
+            ok, norm, _ = self.optimizer.step()  # clips to clip_grad, updates, gathers params
+            if not ok:
+                raise RuntimeError("megatron optimizer step skipped (non-finite gradients)")
+            self.version += 1
+        else:
+            norm = self._norm_only(grad_buffers)
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self.micro_steps = 0
+        return float(norm)
+
+    @staticmethod
+    def _norm_only(buffers: list[torch.Tensor]) -> float:
+        return float(torch.sqrt(sum(g.double().pow(2).sum() for g in buffers)))
+
+    # --- weights ------------------------------------------------------------------------
+
+    def _load_into(self, model, hf: dict[str, torch.Tensor]) -> int:
+        shards = to_megatron(hf, self.config, rank=self.tp_rank, tp=self.tp)
+        own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+        missing = sorted(set(own) - set(shards))
+        if missing:
+            raise ModelDirError(f"weights missing for megatron parameters: {', '.join(missing[:5])}")
+        for name, t in shards.items():  # all checked before any is copied: nothing half-loaded
+            if name not in own:
+                raise ModelDirError(f"weight for {name!r}: not a parameter of this model")
+            if tuple(own[name].shape) != tuple(t.shape):
+                raise ModelDirError(f"weight {name!r} has shape {tuple(t.shape)}, expected {tuple(own[name].shape)}")
+        with torch.no_grad():
+            for name, t in shards.items():
+                own[name].copy_(t)
+        return sum(t.numel() * t.element_size() for t in hf.values()
+                   if not (self.config.tie_word_embeddings and t is hf.get("lm_head.weight")))
+
+    def _shards(self) -> list[dict[str, torch.Tensor]]:
+        mine = {k: v.detach() for k, v in self.gpt.state_dict().items() if not k.endswith("_extra_state")}
+        if self.tp == 1:
+            return [mine]
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_tensor_model_parallel_group()
+        out: list[dict[str, torch.Tensor]] = [{} for _ in range(self.tp)]
+        for name, t in mine.items():
+            parts = [torch.empty_like(t) for _ in range(self.tp)]
+            dist.all_gather(parts, t.contiguous(), group=group)
+            for r, part in enumerate(parts):
+                out[r][name] = part
+        return out
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """Whole HF-named tensors on the host (every TP rank gathers them); a snapshot."""
+        self._need_onloaded()
+        return {k: v.to("cpu", copy=True).contiguous() for k, v in to_hf(self._shards(), self.config).items()}
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
+        self._need_onloaded()
+        nbytes = self._load_into(self.gpt, dict(named))
+        if self.on_gpu:  # the distributed optimizer's fp32 main copy follows the new weights
+            self.optimizer.reload_model_params()
+        self.version = version
+        return nbytes
+
+    # --- role changes -------------------------------------------------------------------
+
+    def _storages(self) -> list[torch.UntypedStorage]:
+        tensors = [p for p in self.gpt.parameters()]
+        tensors += [p.grad for p in self.gpt.parameters() if p.grad is not None]
+        if self.on_gpu:
+            tensors += [b.grad_data for b in self.model.buffers]
+            tensors += [b.param_data for b in self.model.buffers if b.param_data is not None]
+        for state in self._optimizer_states():
+            tensors += [v for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
+        seen: dict[int, torch.UntypedStorage] = {}
+        for t in tensors:
+            s = t.untyped_storage()
+            if s.nbytes():
+                seen.setdefault(s.data_ptr(), s)
+        return list(seen.values())
+
+    def _optimizer_states(self):
+        opts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        for opt in opts:
+            inner = getattr(opt, "optimizer", opt)
+            yield from inner.state.values()
+
+    def offload(self) -> int:
+        """Copy parameters, gradients and optimizer state to host memory and free their
+        storages (a role change to rollout); returns bytes freed. No-op when disabled."""
+        if not self.offload_enabled or self._host is not None:
+            return 0
+        host, freed = [], 0
+        for s in self._storages():
+            n = s.nbytes()
+            view = torch.empty(0, dtype=torch.uint8, device=s.device).set_(s)
+            keep = torch.empty(n, dtype=torch.uint8, pin_memory=self.on_gpu)
+            keep.copy_(view)
+            s.resize_(0)
+            host.append((s, keep))
+            freed += n
+        self._host = host
+        if self.on_gpu:
+            torch.cuda.empty_cache()
+        return freed
+
+    def onload(self) -> None:
+        """Undo `offload` (a role change to training): same storages, same bytes."""
+        if self._host is None:
+            return
+        for s, keep in self._host:
+            s.resize_(keep.numel())
+            torch.empty(0, dtype=torch.uint8, device=s.device).set_(s).copy_(keep)
+        self._host = None
+
+    def _need_onloaded(self) -> None:
+        if self._host is not None:
+            raise RuntimeError("trainer state is offloaded (the cell is serving rollouts): onload first")
+
+    # --- checkpoints --------------------------------------------------------------------
+
+    def _ckpt_path(self, path: str) -> Path:
+        return Path(path) if self.tp == 1 else Path(f"{path}.tp{self.tp_rank}")
+
+    def save_checkpoint(self, path: str) -> None:
+        self._need_onloaded()
+        target = self._ckpt_path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(target.name + ".tmp")
+        model = {k: v for k, v in self.gpt.state_dict().items() if not k.endswith("_extra_state")}
+        torch.save({"model": model, "optimizer": self.optimizer.state_dict(), "version": self.version,
+                    "tp": self.tp}, tmp)
+        tmp.replace(target)  # atomic: a crash mid-save leaves the previous checkpoint
+
+    def load_checkpoint(self, path: str) -> None:
+        self._need_onloaded()
+        state = torch.load(self._ckpt_path(path), map_location="cpu", weights_only=True)
+        if state.get("tp", 1) != self.tp:
+            raise RuntimeError(f"checkpoint {path} was saved with TP={state.get('tp')}, this trainer has TP={self.tp}")
+        self.gpt.load_state_dict(state["model"], strict=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])
