@@ -1,4 +1,4 @@
-"""model.py: the Qwen2/Llama decoder in plain torch, with Hugging Face parameter names.
+"""model.py: the Qwen2/Qwen3/Llama decoder in plain torch, with Hugging Face parameter names.
 
 One definition serves the CPU engine (`extend`, `decode` over per-sequence KV caches) and
 the CPU trainer (`forward` over padded rows), so behaviour and training log-probs come from
@@ -94,12 +94,19 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim, bias=c.attention_bias)
         self.v_proj = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim, bias=c.attention_bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, c.hidden_size, bias=False)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+        self.qk_norm = c.qk_norm
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [B, T, H] -> q [B, heads, T, d], k, v [B, kv_heads, T, d] with rope applied."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
@@ -139,7 +146,7 @@ class Backbone(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Qwen2ForCausalLM / LlamaForCausalLM with identical parameter names."""
+    """Qwen2ForCausalLM / Qwen3ForCausalLM / LlamaForCausalLM with identical parameter names."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()

@@ -16,7 +16,7 @@ from typing import Iterator
 
 from gyre.workerd.wire import GyreError
 
-SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM"}
+SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM"}
 
 
 class ModelDirError(GyreError):
@@ -38,6 +38,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
+    qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head before RoPE
 
     @classmethod
     def from_hf(cls, raw: dict) -> ModelConfig:
@@ -65,6 +66,7 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases; Llama-family configs say so explicitly.
             attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
         )
 
 

@@ -96,3 +96,30 @@ def test_foreign_weight_names_are_refused(tiny_model):
         tiny_model.load_hf_weights([("transformer.h.0.attn.weight", torch.zeros(1))])
     with pytest.raises(ModelDirError, match="shape"):
         tiny_model.load_hf_weights([("model.norm.weight", torch.zeros(3))])
+
+
+@pytest.mark.parametrize("arch,model_type", [("Qwen3ForCausalLM", "qwen3"), ("LlamaForCausalLM", "llama")])
+def test_logits_equal_transformers_other_families(tmp_path, arch, model_type):
+    """Qwen3 (per-head q/k RMSNorm, no QKV bias) and Llama load and match transformers."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import save_file
+
+    from gyre.workerd.modeldir import init_tiny
+
+    d = init_tiny(tmp_path / model_type, overrides=dict(
+        architectures=[arch], model_type=model_type, num_hidden_layers=2, tie_word_embeddings=False))
+    ours = load_model(d).eval()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # norms away from 1, so a missing or misplaced norm shows
+        for name, p in ours.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
+    save_file({k: v.contiguous() for k, v in ours.hf_state_dict().items()}, str(d / "model.safetensors"))
+    names = set(ours.hf_state_dict())
+    assert ("model.layers.0.self_attn.q_norm.weight" in names) == (model_type == "qwen3")
+    assert ("model.layers.0.self_attn.q_proj.bias" in names) is False
+    hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    assert set(hf.state_dict()) == names
+    ids = torch.randint(0, 265, (2, 24), generator=g)
+    with torch.no_grad():
+        assert torch.allclose(ours(ids), hf(ids).logits, atol=1e-5)
