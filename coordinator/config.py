@@ -54,6 +54,10 @@ class CoordinatorConfig:
     checkpoint_every: int = 5  # steps between checkpoints (at a publication); 0: never
     worker_timeout_s: float = 10.0  # a worker silent this long is dead (heartbeats every 0.5 s)
     keys_dir: Path | None = None  # CURVE keys (gyre keys init): encrypted link, authorised workers only
+    engine_backend: str = "cpu"  # the rollout engine of workerds this run spawns: cpu | sglang
+    trainer_backend: str = "cpu"  # their trainer: cpu | megatron (external workerds pick their own flags)
+    engine_options: dict = field(default_factory=dict)  # to every engine (sglang: server = {tp_size = 2, ...})
+    trainer_options: dict = field(default_factory=dict)  # to every trainer (megatron: tp, offload; weight_decay)
     proxy_host: str = "127.0.0.1"
     proxy_port: int = 0
     default_max_tokens: int = 64
@@ -75,6 +79,12 @@ class CoordinatorConfig:
         if self.workers == "external" and self.address.rsplit(":", 1)[-1] == "0":
             raise ValueError(f"workers = external needs a fixed address for workerds to connect to, e.g. "
                              f"tcp://0.0.0.0:5555 (address is {self.address!r})")
+        from gyre.workerd.backends import ENGINES, TRAINERS
+
+        if self.engine_backend not in ENGINES:
+            raise ValueError(f"engine_backend must be one of {', '.join(ENGINES)}, got {self.engine_backend!r}")
+        if self.trainer_backend not in TRAINERS:
+            raise ValueError(f"trainer_backend must be one of {', '.join(TRAINERS)}, got {self.trainer_backend!r}")
         if self.policy == "async" and not 1 <= self.async_training_cells < self.cells:
             raise ValueError(f"async needs 1 <= async_training_cells < cells ({self.cells}); "
                              f"got {self.async_training_cells}")

@@ -51,6 +51,7 @@ class LocalCluster:
     keys_dir: Path | None = None  # CURVE: the link authenticates workers; ours use key `key_name`
     key_name: str = "worker"
     spawn: bool = True  # False: start nothing, wait for `cells` workerds started elsewhere to register
+    backends: tuple[str, str] = ("cpu", "cpu")  # (engine, trainer) of the workerds it spawns
 
     def __post_init__(self) -> None:
         # One cell per core at most: oversubscribed torch threads spin and crawl.
@@ -160,6 +161,7 @@ class LocalCluster:
                 sys.executable, "-m", "gyre.cli", "workerd", "--coordinator", address,
                 "--cell", str(cell), "--node-id", f"local-{cell}", "--heartbeat", str(self.heartbeat_s),
                 "--parent-pid", str(os.getpid()),
+                "--engine-backend", self.backends[0], "--trainer-backend", self.backends[1],
                 *(("--keys", str(self.keys_dir), "--key-name", self.key_name) if self.keys_dir else ()),
                 env=env, stdout=out or asyncio.subprocess.DEVNULL, stderr=out or None,
             ))

@@ -122,8 +122,9 @@ class Coordinator:
         (c.run_dir / "config.json").write_text(json.dumps(c.to_json(), indent=2))
         self.metrics = Metrics(c.run_dir / "metrics.jsonl", t0=t0)
         cluster = LocalCluster(c.model_dir, cells=c.cells, roles=tuple(self.roles), address=c.address,
-                               trainer={"lr": c.lr}, log_dir=c.run_dir / "logs",
-                               engine={"seed": c.seed, "max_running": c.engine_max_running},
+                               trainer={"lr": c.lr, **c.trainer_options}, log_dir=c.run_dir / "logs",
+                               engine={"seed": c.seed, "max_running": c.engine_max_running, **c.engine_options},
+                               backends=(c.engine_backend, c.trainer_backend),
                                keys_dir=c.keys_dir, spawn=c.workers == "local",
                                start_timeout_s=c.topology_timeout_s if c.workers == "external" else 120.0)
         self._install_signal_handlers()

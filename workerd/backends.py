@@ -1,8 +1,13 @@
 """backends.py: builds a node's rollout engine and trainer from a model directory.
 
 The one place that maps backend names to classes, so worker.py never imports a heavy
-library it does not use. Engines: cpu (sglang named, not built yet); trainers: cpu
-(megatron named, not built yet). Selecting a GPU backend says which package it needs.
+library it does not use. Engines: cpu, sglang; trainers: cpu, megatron. Selecting a
+backend whose package is missing says which package to install.
+
+Options come from the coordinator's Welcome (`engine` / `trainer` dicts): the CPU
+backends read threads, seed, max_running, version, lr, weight_decay, grad_clip; the GPU
+backends take theirs on top (sglang: `server` = SGLang ServerArgs fields such as tp_size,
+mem_fraction_static; megatron: tp, offload).
 """
 
 from __future__ import annotations
@@ -18,11 +23,10 @@ class BackendError(GyreError):
 
 ENGINES = {"cpu": None, "sglang": ("sglang", "sglang>=0.5.23")}
 TRAINERS = {"cpu": None, "megatron": ("megatron.core", "megatron-core>=0.16.1")}
-BUILT = {"cpu"}  # backends this build can construct
 
 
 def check_backends(engine: str, trainer: str) -> None:
-    """Unknown names, missing packages and not-yet-built adapters are errors that say which."""
+    """Unknown names and missing packages are errors that say which."""
     import importlib.util
 
     for kind, name, table in (("engine", engine, ENGINES), ("trainer", trainer, TRAINERS)):
@@ -31,9 +35,6 @@ def check_backends(engine: str, trainer: str) -> None:
         need = table[name]
         if need is not None and importlib.util.find_spec(need[0].split(".")[0]) is None:
             raise BackendError(f"{kind} backend {name!r} needs {need[1]}: pip install 'gyre[gpu]'")
-        if name not in BUILT:
-            raise BackendError(f"{kind} backend {name!r}: its adapter is not built yet (this build runs: "
-                               f"{', '.join(sorted(BUILT))})")
 
 
 def build_backends(model_dir: str, *, engine: str, trainer: str,
@@ -43,19 +44,38 @@ def build_backends(model_dir: str, *, engine: str, trainer: str,
     check_backends(engine, trainer)
     import torch
 
-    from gyre.workerd.engines.cpu import CpuEngine
-    from gyre.workerd.model import load_model, num_params
     from gyre.workerd.modeldir import load_config
-    from gyre.workerd.trainers.cpu import CpuTrainer
 
     torch.set_num_threads(int(engine_options.get("threads", torch.get_num_threads())))
     config = load_config(model_dir)
-    rollout_model = load_model(model_dir, config)
-    train_model = load_model(model_dir, config)
     version = int(engine_options.get("version", 0))
-    eng = CpuEngine(rollout_model, version=version, max_running=int(engine_options.get("max_running", 64)),
-                    seed=int(engine_options.get("seed", 0)))
-    tr = CpuTrainer(train_model, lr=float(trainer_options.get("lr", 1e-5)),
-                    weight_decay=float(trainer_options.get("weight_decay", 0.01)),
-                    grad_clip=float(trainer_options.get("grad_clip", 1.0)), version=version)
-    return eng, tr, num_params(train_model)
+    seed = int(engine_options.get("seed", 0))
+    max_running = int(engine_options.get("max_running", 64))
+    if engine == "sglang":
+        from gyre.workerd.engines.sglang import SglangEngine
+
+        eng = SglangEngine(model_dir, version=version, max_running=max_running, seed=seed,
+                           options=dict(engine_options.get("server", {})))
+    else:
+        from gyre.workerd.engines.cpu import CpuEngine
+        from gyre.workerd.model import load_model
+
+        eng = CpuEngine(load_model(model_dir, config), version=version, max_running=max_running, seed=seed)
+    common = dict(lr=float(trainer_options.get("lr", 1e-5)),
+                  weight_decay=float(trainer_options.get("weight_decay", 0.01)),
+                  grad_clip=float(trainer_options.get("grad_clip", 1.0)), version=version)
+    if trainer == "megatron":
+        from gyre.workerd.trainers.megatron import MegatronTrainer
+
+        offload = trainer_options.get("offload")
+        tr = MegatronTrainer(model_dir, config, tp=int(trainer_options.get("tp", 1)), seed=seed,
+                             offload=None if offload is None else bool(offload), **common)
+        params = sum(p.numel() for p in tr.gpt.parameters()) * tr.tp
+    else:
+        from gyre.workerd.model import load_model, num_params
+        from gyre.workerd.trainers.cpu import CpuTrainer
+
+        model = load_model(model_dir, config)
+        tr = CpuTrainer(model, **common)
+        params = num_params(model)
+    return eng, tr, params

@@ -5,8 +5,8 @@ Plain methods, one per wire command, each returning the replies to send; no sock
 and restores memory, it never rebuilds an engine or a trainer.
 
     role      Generate      TrainMicroStep/OptimizerStep   SetRole(other)
-    rollout   accepted      refused (RoleError)            abort running, release engine
-    training  refused       accepted                       restore engine memory
+    rollout   accepted      refused (RoleError)            abort running, release engine, onload trainer
+    training  refused       accepted                       offload trainer, restore engine memory
 """
 
 from __future__ import annotations
@@ -143,6 +143,8 @@ class Worker:
         self.role = Role(msg.role)
         if self.role is Role.TRAINING:
             self.engine.release_memory()
+        else:
+            self.trainer.offload()
         return [(wire.Ready(node_id=self.node_id, role=self.role.value, version=self.engine.version,
                             params=params, load_seconds=time.perf_counter() - t0), None)]
 
@@ -211,10 +213,13 @@ class Worker:
         freed = 0
         if target is not self.role:
             self.role = Role.SWITCHING
+            # Memory changes hands in this order on a GPU: the side giving it up frees first.
             if target is Role.TRAINING:
                 outs += self.abort_all(handover=True)  # handed back with their KV, continued elsewhere
                 freed = self.engine.release_memory()
+                self.trainer.onload()
             else:
+                freed = self.trainer.offload()
                 self.engine.resume_memory()
             self.role = target
         outs.append((wire.RoleChanged(req_id=msg.req_id, role=target.value,

@@ -98,3 +98,26 @@ async def test_elastic_run_keeps_its_promises(tiny_dir, tmp_path):
     assert len({e["id"] for e in execs}) == len(execs) == coord.wl.c.f == coord.wl.c.p
     assert all(r.cells_training in (1, 2) for r in reports)
     assert [r.staleness_mean for r in reports] == [0.0, 1.0]  # phi + (mu-1)/2 = 0.5 on average
+
+
+@pytest.mark.timeout(300)
+async def test_elastic_run_on_megatron_trainers(tiny_dir, tmp_path):
+    """`trainer_backend = "megatron"`: the spawned workerds train with megatron-core (on CPU,
+    behind the shim), offload it for rollouts and onload it for training, and the run's
+    publications reach the engines. The same loop as on the CPU trainer, nothing else changed."""
+    pytest.importorskip("megatron.core")
+    cfg = CoordinatorConfig(run_dir=tmp_path / "run", model_dir=tiny_dir, steps=1, policy="elastic", cells=2,
+                            groups_per_step=2, group_size=4, phi=0, mu=1, exec_slots_per_cell=4, seed=3,
+                            trainer_backend="megatron", trainer_options={"offload": True})  # the demo harness
+    coord = Coordinator(cfg)
+    reports = await coord.run()
+    assert [r.version for r in reports] == [1]
+    registered = [e for e in coord.cluster.events if type(e).__name__ == "Register"]
+    assert {e.backends["trainer"] for e in registered} == {"megatron"}
+    lines = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    roles = [x for x in lines if x["event"] == "role"]
+    assert {x["to"] for x in roles} == {"training", "rollout"}  # both directions, offload and onload
+    assert [x["version"] for x in lines if x["event"] == "publish"] == [1]
+    assert all(r.loss == r.loss and r.tokens_trained > 0 for r in reports)  # finite, trained on something
+    execs = [x for x in lines if x["event"] == "execution"]
+    assert len({e["id"] for e in execs}) == len(execs) == coord.wl.c.f == coord.wl.c.p

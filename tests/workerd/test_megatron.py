@@ -187,13 +187,25 @@ def test_offload_frees_every_storage_and_onload_restores_it(megatron_module, fam
     assert freed == params + opt_bytes
     assert all(p.untyped_storage().nbytes() == 0 for p in meg.gpt.parameters())
     with pytest.raises(RuntimeError, match="offloaded"):
-        meg.current_logprobs(ids)
+        meg.train_micro_step(micro_batch([0, 1], ids, mask, behaviour, exec_of_row, adv, counts))
+    assert all(torch.equal(meg.export_weights()[k], before[k]) for k in before)  # onloads for the export
+    assert all(p.untyped_storage().nbytes() == 0 for p in meg.gpt.parameters())  # and offloads again
     meg.onload()
     after = meg.export_weights()
     assert all(torch.equal(after[k], before[k]) for k in before)
+    # A publication reaching a rollout cell's offloaded trainer is kept on the host and
+    # copied in at onload; a bad one is refused at once.
+    meg.offload()
+    published = {k: v * 0.5 for k, v in before.items()}
+    with pytest.raises(ModelDirError, match="has shape"):
+        meg.load_weights({**published, "model.norm.weight": torch.zeros(2)}.items(), version=5)
+    meg.load_weights(published.items(), version=5)
+    assert all(p.untyped_storage().nbytes() == 0 for p in meg.gpt.parameters())
+    meg.onload()
+    assert meg.version == 5 and all(torch.equal(meg.export_weights()[k], published[k]) for k in before)
     # Training goes on with the restored optimizer state.
     meg.train_micro_step(micro_batch([0, 1], ids, mask, behaviour, exec_of_row, adv, counts))
-    assert meg.optimizer_step(2) > 0 and meg.version == 2
+    assert meg.optimizer_step(2) > 0 and meg.version == 6
 
 
 # --- TP=2: two processes over gloo --------------------------------------------------------

@@ -74,6 +74,13 @@ class Trainer(Protocol):
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> int: ...
 
+    def offload(self) -> int:
+        """Move parameters, gradients and optimizer state off the accelerator for a role
+        change to rollout (after which only `onload` may be called); returns bytes freed."""
+
+    def onload(self) -> None:
+        """Undo `offload`, for a role change to training (after the engine released memory)."""
+
     def save_checkpoint(self, path: str) -> None: ...
 
     def load_checkpoint(self, path: str) -> None: ...

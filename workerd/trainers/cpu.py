@@ -75,6 +75,13 @@ class CpuTrainer:
         self.version = version
         return nbytes
 
+    def offload(self) -> int:
+        """Nothing moves on CPU: engine and trainer share host memory."""
+        return 0
+
+    def onload(self) -> None:
+        pass
+
     def save_checkpoint(self, path: str) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         tmp = f"{path}.tmp"

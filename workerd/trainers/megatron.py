@@ -132,6 +132,8 @@ class MegatronTrainer:
         model = build_gpt(config, dtype=torch.bfloat16 if self.on_gpu else torch.float32).to(self.device)
         self._load_into(model, dict(iter_weights(model_dir)))
         self.gpt = model  # the GPTModel itself (names without a DDP prefix)
+        self._shapes = {k: v.shape for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+        self._pending: dict[str, torch.Tensor] | None = None  # weights loaded while offloaded
         if self.on_gpu:
             self.model, self.optimizer = self._megatron_ddp(model, lr, weight_decay, grad_clip)
         else:
@@ -178,8 +180,7 @@ class MegatronTrainer:
                               time.perf_counter() - t0)
 
     def current_logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
-        self._need_onloaded()
-        with torch.no_grad():
+        with self._onloaded(), torch.no_grad():
             return self._logprobs(input_ids)
 
     # --- update -------------------------------------------------------------------------
@@ -261,22 +262,34 @@ class MegatronTrainer:
 
     # --- weights ------------------------------------------------------------------------
 
-    def _load_into(self, model, hf: dict[str, torch.Tensor]) -> int:
+    def _check(self, hf: dict[str, torch.Tensor]) -> int:
+        """Names and shapes of a whole HF weight set, against this model's (shapes from the
+        mapping, so it works while offloaded); returns its bytes."""
         shards = to_megatron(hf, self.config, rank=self.tp_rank, tp=self.tp)
-        own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+        self._match(shards, {k: tuple(v) for k, v in self._shapes.items()})
+        return sum(t.numel() * t.element_size() for k, t in hf.items()
+                   if not (k == "lm_head.weight" and self.config.tie_word_embeddings))
+
+    @staticmethod
+    def _match(shards: dict[str, torch.Tensor], own: dict[str, tuple]) -> None:
         missing = sorted(set(own) - set(shards))
         if missing:
             raise ModelDirError(f"weights missing for megatron parameters: {', '.join(missing[:5])}")
-        for name, t in shards.items():  # all checked before any is copied: nothing half-loaded
+        for name, t in shards.items():
             if name not in own:
                 raise ModelDirError(f"weight for {name!r}: not a parameter of this model")
-            if tuple(own[name].shape) != tuple(t.shape):
-                raise ModelDirError(f"weight {name!r} has shape {tuple(t.shape)}, expected {tuple(own[name].shape)}")
+            if own[name] != tuple(t.shape):
+                raise ModelDirError(f"weight {name!r} has shape {tuple(t.shape)}, expected {own[name]}")
+
+    def _load_into(self, model, hf: dict[str, torch.Tensor]) -> int:
+        shards = to_megatron(hf, self.config, rank=self.tp_rank, tp=self.tp)
+        own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+        self._match(shards, {k: tuple(v.shape) for k, v in own.items()})  # before any copy: nothing half-loaded
         with torch.no_grad():
             for name, t in shards.items():
                 own[name].copy_(t)
-        return sum(t.numel() * t.element_size() for t in hf.values()
-                   if not (self.config.tie_word_embeddings and t is hf.get("lm_head.weight")))
+        return sum(t.numel() * t.element_size() for k, t in hf.items()
+                   if not (k == "lm_head.weight" and self.config.tie_word_embeddings))
 
     def _shards(self) -> list[dict[str, torch.Tensor]]:
         mine = {k: v.detach() for k, v in self.gpt.state_dict().items() if not k.endswith("_extra_state")}
@@ -295,14 +308,22 @@ class MegatronTrainer:
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """Whole HF-named tensors on the host (every TP rank gathers them); a snapshot."""
-        self._need_onloaded()
-        return {k: v.to("cpu", copy=True).contiguous() for k, v in to_hf(self._shards(), self.config).items()}
+        if self._pending is not None:
+            return {k: v.clone() for k, v in self._pending.items()}
+        with self._onloaded():
+            return {k: v.to("cpu", copy=True).contiguous() for k, v in to_hf(self._shards(), self.config).items()}
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
-        self._need_onloaded()
-        nbytes = self._load_into(self.gpt, dict(named))
-        if self.on_gpu:  # the distributed optimizer's fp32 main copy follows the new weights
-            self.optimizer.reload_model_params()
+        """Load HF-named weights. While offloaded (a rollout cell following publications)
+        they are checked and kept on the host, and copied in at `onload`."""
+        hf = dict(named)
+        if self._host is not None:
+            nbytes = self._check(hf)
+            self._pending = {k: v.to("cpu", copy=True) for k, v in hf.items()}
+        else:
+            nbytes = self._load_into(self.gpt, hf)
+            if self.on_gpu:  # the distributed optimizer's fp32 main copy follows the new weights
+                self.optimizer.reload_model_params()
         self.version = version
         return nbytes
 
@@ -349,13 +370,28 @@ class MegatronTrainer:
         return freed
 
     def onload(self) -> None:
-        """Undo `offload` (a role change to training): same storages, same bytes."""
+        """Undo `offload` (a role change to training): same storages, same bytes; then the
+        weights published while offloaded, if any."""
         if self._host is None:
             return
         for s, keep in self._host:
             s.resize_(keep.numel())
             torch.empty(0, dtype=torch.uint8, device=s.device).set_(s).copy_(keep)
         self._host = None
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self.load_weights(pending.items(), self.version)
+
+    @contextlib.contextmanager
+    def _onloaded(self):
+        """On the accelerator for the duration (a checkpoint or export on a rollout cell)."""
+        was_offloaded = self._host is not None
+        self.onload()
+        try:
+            yield
+        finally:
+            if was_offloaded:
+                self.offload()
 
     def _need_onloaded(self) -> None:
         if self._host is not None:
@@ -367,7 +403,10 @@ class MegatronTrainer:
         return Path(path) if self.tp == 1 else Path(f"{path}.tp{self.tp_rank}")
 
     def save_checkpoint(self, path: str) -> None:
-        self._need_onloaded()
+        with self._onloaded():
+            self._save(path)
+
+    def _save(self, path: str) -> None:
         target = self._ckpt_path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(target.name + ".tmp")
@@ -377,10 +416,17 @@ class MegatronTrainer:
         tmp.replace(target)  # atomic: a crash mid-save leaves the previous checkpoint
 
     def load_checkpoint(self, path: str) -> None:
-        self._need_onloaded()
+        with self._onloaded():
+            self._restore(path)
+
+    def _restore(self, path: str) -> None:
         state = torch.load(self._ckpt_path(path), map_location="cpu", weights_only=True)
         if state.get("tp", 1) != self.tp:
             raise RuntimeError(f"checkpoint {path} was saved with TP={state.get('tp')}, this trainer has TP={self.tp}")
-        self.gpt.load_state_dict(state["model"], strict=False)
+        missing, unexpected = self.gpt.load_state_dict(state["model"], strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise RuntimeError(f"checkpoint {path} does not fit this model: missing {missing[:3]}, "
+                               f"unexpected {unexpected[:3]}")
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
