@@ -12,6 +12,13 @@ Two backends behind one seam (the coordinator picks with `weight_transfer`):
   clusters that is RDMA; on CPU machines the `mooncake-transfer-engine-non-cuda` package
   (with Debian's `libibverbs1`) runs it over TCP. Mooncake listens on all interfaces.
 
+- `BroadcastGroup`: a torch.distributed group built the way SGLang's engines join one
+  (`Engine.init_weights_update_group`): a TCP rendezvous at master_address:master_port, a
+  store prefixed with the group name, the trainer as rank 0. A publication is one
+  broadcast per tensor from rank 0 in the order of its (name, dtype, shape) specs, which
+  is what `Engine.update_weights_from_distributed` receives; a CPU engine can receive the
+  same way (`recv`). NCCL on GPUs, gloo on CPU; the fallback where Mooncake is missing.
+
 Not the wire protocol (wire.py) and not the policy of who sends what (the coordinator).
 """
 
@@ -125,3 +132,60 @@ class MooncakeTransfer:
         if rc != 0:
             raise TransferError(f"Mooncake transfer_sync_read of {n} bytes from {handle['session']} returned {rc}")
         return unpack(self._sink[:n], handle["manifest"]), seconds
+
+
+class BroadcastGroup:
+    """One member of a weight-broadcast group (rank 0 sends, the others receive). Its
+    rendezvous matches SGLang's `init_custom_process_group`, so SGLang's TP workers (ranks
+    rank_offset..) and gyre processes can share a group. Construction blocks until every
+    rank has joined; rank 0 hosts the TCP store, which listens on all interfaces."""
+
+    def __init__(self, *, master_address: str, master_port: int, rank: int, world_size: int,
+                 group_name: str = "gyre_weights", backend: str = "gloo", timeout_s: float = 300.0):
+        from datetime import timedelta
+
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world
+
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside a group of {world_size}")
+        timeout = timedelta(seconds=timeout_s)
+        store, _, _ = next(dist.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
+                                           timeout=timeout))
+        store.set_timeout(timeout)
+        self.group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend),
+                                                  dist.PrefixStore(group_name, store),
+                                                  group_name=group_name, timeout=timeout)
+        _world.pg_group_ranks[self.group] = {i: i for i in range(world_size)}
+        self.rank, self.world_size, self.name = rank, world_size, group_name
+
+    @staticmethod
+    def specs(named: dict[str, torch.Tensor]) -> list[tuple[str, str, list[int]]]:
+        """(name, dtype, shape) in broadcast order: what receivers allocate from."""
+        return [(k, str(v.dtype).removeprefix("torch."), list(v.shape)) for k, v in named.items()]
+
+    def send(self, named: dict[str, torch.Tensor]) -> int:
+        """Rank 0: broadcast every tensor, in order; returns bytes sent."""
+        import torch.distributed as dist
+
+        if self.rank != 0:
+            raise TransferError(f"rank {self.rank} of {self.name} receives; only rank 0 sends")
+        works = [dist.broadcast(t.contiguous(), src=0, group=self.group, async_op=True) for t in named.values()]
+        for w in works:
+            w.wait()
+        return sum(t.numel() * t.element_size() for t in named.values())
+
+    def recv(self, specs: list[tuple[str, str, list[int]]], device: str = "cpu") -> dict[str, torch.Tensor]:
+        """Other ranks: receive one publication described by `specs`."""
+        import torch.distributed as dist
+
+        out = {name: torch.empty(shape, dtype=getattr(torch, dtype), device=device) for name, dtype, shape in specs}
+        works = [dist.broadcast(t, src=0, group=self.group, async_op=True) for t in out.values()]
+        for w in works:
+            w.wait()
+        return out
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group(self.group)

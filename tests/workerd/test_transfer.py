@@ -83,3 +83,25 @@ def test_a_run_publishes_and_joins_through_mooncake(tmp_path):
     assert publishes and all(e["transfer"] == "mooncake" and e["bytes"] > 6_000_000 for e in publishes)
     assert all(e["memcpy_seconds"] > 0 for e in publishes)
     assert len([e for e in events if e["event"] == "step"]) == 2
+
+
+def _netns_or_skip() -> None:
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("a private network namespace needs unshare and root")
+    if subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode != 0:
+        pytest.skip("unshare -n is not permitted here")
+
+
+@pytest.mark.timeout(300)
+def test_broadcast_group_publishes_exact_bytes(tiny_dir):
+    """The torch.distributed fallback: rank 0 broadcasts a publication over a group built
+    with SGLang's rendezvous (its TCP store listens on all interfaces: a private namespace);
+    two receivers load exactly the bytes sent."""
+    _netns_or_skip()
+    r = _in_private_netns(f"{sys.executable} {HERE / '_broadcast_check.py'} {tiny_dir}", 240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [json.loads(x) for x in r.stdout.strip().splitlines()]
+    sender, *receivers = lines
+    assert sender["rank"] == 0 and sender["sent"] >= 6_000_000
+    assert [x["rank"] for x in receivers] == [1, 2]
+    assert all(x["equal"] and x["received"] == sender["sent"] for x in receivers)
