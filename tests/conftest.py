@@ -33,5 +33,5 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="GPU test: set GYRE_TEST_GPU=1 on a GPU machine")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:  # the marker, not a folder named gpu
             item.add_marker(skip)

@@ -12,6 +12,7 @@ mem_fraction_static; megatron: tp, offload).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from gyre.workerd.wire import GyreError
@@ -53,9 +54,16 @@ def build_backends(model_dir: str, *, engine: str, trainer: str,
     max_running = int(engine_options.get("max_running", 64))
     if engine == "sglang":
         from gyre.workerd.engines.sglang import SglangEngine
+        from gyre.workerd.modeldir import weight_files
 
+        server = dict(engine_options.get("server", {}))
+        if server.get("load_format") != "dummy":
+            weight_files(model_dir)  # a missing shard is our error, naming the path, before SGLang starts
+        # The directory is the whole model spec: SGLang and transformers never reach for a hub.
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
         eng = SglangEngine(model_dir, version=version, max_running=max_running, seed=seed,
-                           options=dict(engine_options.get("server", {})))
+                           options=server)
     else:
         from gyre.workerd.engines.cpu import CpuEngine
         from gyre.workerd.model import load_model
