@@ -337,6 +337,8 @@ class MegatronTrainer:
             tensors += [b.param_data for b in self.model.buffers if b.param_data is not None]
         for state in self._optimizer_states():
             tensors += [v for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
+        for inner in self._inner_optimizers():  # on GPU: the fp32 main parameters
+            tensors += [p for g in inner.param_groups for p in g["params"]]
         seen: dict[int, torch.UntypedStorage] = {}
         for t in tensors:
             s = t.untyped_storage()
@@ -344,10 +346,12 @@ class MegatronTrainer:
                 seen.setdefault(s.data_ptr(), s)
         return list(seen.values())
 
+    def _inner_optimizers(self):
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            yield getattr(opt, "optimizer", opt)
+
     def _optimizer_states(self):
-        opts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-        for opt in opts:
-            inner = getattr(opt, "optimizer", opt)
+        for inner in self._inner_optimizers():
             yield from inner.state.values()
 
     def offload(self) -> int:
@@ -411,6 +415,9 @@ class MegatronTrainer:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(target.name + ".tmp")
         model = {k: v for k, v in self.gpt.state_dict().items() if not k.endswith("_extra_state")}
+        if self.on_gpu:  # the distributed optimizer keeps its Adam moments apart from state_dict()
+            self.optimizer.save_parameter_state(str(target) + ".optim.tmp")
+            Path(str(target) + ".optim.tmp").replace(str(target) + ".optim")
         torch.save({"model": model, "optimizer": self.optimizer.state_dict(), "version": self.version,
                     "tp": self.tp}, tmp)
         tmp.replace(target)  # atomic: a crash mid-save leaves the previous checkpoint
@@ -429,4 +436,7 @@ class MegatronTrainer:
             raise RuntimeError(f"checkpoint {path} does not fit this model: missing {missing[:3]}, "
                                f"unexpected {unexpected[:3]}")
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.on_gpu:
+            self.optimizer.load_parameter_state(str(self._ckpt_path(path)) + ".optim")
+            self.optimizer.reload_model_params()
         self.version = int(state["version"])
