@@ -49,8 +49,9 @@ class CoordinatorConfig:
     workers: str = "local"  # local: spawn one workerd per cell here; external: wait for `cells` to register
     topology_timeout_s: float = 600.0  # external: how long to wait for every cell's worker
     reducer_init: str | None = None  # torch.distributed init for the gradient reducer; None: auto
-    weight_transfer: str = "zmq"  # how weights reach other cells: zmq (via the link) | mooncake (pulled)
-    transfer_host: str | None = None  # Mooncake: the address peers reach a node at; None: loopback or its host
+    weight_transfer: str = "zmq"  # how weights reach other cells: zmq (via the link) | mooncake (pulled) | broadcast
+    transfer_host: str | None = None  # Mooncake/broadcast: the address peers reach a node at; None: loopback or its host
+    transfer_port: int = 29510  # broadcast: the rendezvous port on the core's host (workers on other hosts)
     checkpoint_every: int = 5  # steps between checkpoints (at a publication); 0: never
     worker_timeout_s: float = 10.0  # a worker silent this long is dead (heartbeats every 0.5 s)
     keys_dir: Path | None = None  # CURVE keys (gyre keys init): encrypted link, authorised workers only
@@ -72,8 +73,8 @@ class CoordinatorConfig:
         if not 1 <= self.min_valid <= self.group_size:
             raise ValueError(f"min_valid must be in [1, group_size={self.group_size}], got {self.min_valid}")
         self.preset()  # an unknown or unusable harness fails here, named
-        if self.weight_transfer not in ("zmq", "mooncake"):
-            raise ValueError(f"weight_transfer must be one of zmq, mooncake, got {self.weight_transfer!r}")
+        if self.weight_transfer not in ("zmq", "mooncake", "broadcast"):
+            raise ValueError(f"weight_transfer must be one of zmq, mooncake, broadcast, got {self.weight_transfer!r}")
         if self.workers not in ("local", "external"):
             raise ValueError(f"workers must be one of local, external, got {self.workers!r}")
         if self.workers == "external" and self.address.rsplit(":", 1)[-1] == "0":

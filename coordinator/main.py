@@ -28,7 +28,7 @@ from gyre.coordinator.launcher import LaunchSpec, Launcher
 from gyre.coordinator.link import WorkerDeadError, WorkerError
 from gyre.coordinator.local import LocalCluster
 from gyre.coordinator.metrics import Metrics
-from gyre.coordinator.training import Batch, memcpy_seconds, push_core_weights
+from gyre.coordinator.training import Batch, init_broadcast, memcpy_seconds, push_core_weights
 from gyre.coordinator.policies import POLICIES, Snapshot
 from gyre.coordinator.routing import LinkBackend, RoutingTable
 from gyre.coordinator.status import Rates, snapshot
@@ -81,6 +81,7 @@ class Coordinator:
         self.batch: Batch | None = None
         self._core_cache: tuple | None = None  # (trainer version, bytes, frames) of the core's weights
         self._core_offer: dict | None = None  # Mooncake: the core's handle for the trainer version
+        self._broadcast: dict | None = None  # broadcast: the group's members (cell -> node) and weight specs
         self.side_task: asyncio.Task | None = None  # a transition or a publication
         self.changed = asyncio.Event()  # a run closed (the streaming packer waits on it)
         self.status_counts: dict[str, int] = {}
@@ -186,6 +187,8 @@ class Coordinator:
                                    for n in self.nodes))
         await asyncio.gather(*(self._call(n, "init_reducer", rank=i, world_size=c.cells, init_method=init)
                                for i, n in enumerate(self.nodes)))
+        if c.weight_transfer == "broadcast" and len(self.nodes) > 1:
+            await init_broadcast(self)
         if self.resume:
             await resume.restore(self)
         else:
@@ -490,7 +493,12 @@ class Coordinator:
                          cells_training=n_cells, loss=sum(r.loss for r in results), seconds=round(seconds, 3))
         self.reports.append(rep)
         self.tokens_trained += rep.tokens_trained
-        self.metrics.emit("step", **rep.__dict__, staleness=staleness, group_ids=[g.id for g in groups],
+        # Engine/trainer gap over the step's targets (token-weighted mean of b - l): near zero
+        # when the engines run the trainer's weights; a health signal for GPU backends.
+        tokens = sum(r.tokens for r in results)
+        mismatch = sum(r.mismatch_kl * r.tokens for r in results) / tokens if tokens else None
+        self.metrics.emit("step", **rep.__dict__, mismatch=mismatch, staleness=staleness,
+                          group_ids=[g.id for g in groups],
                           waterlevel=self.wl.c.waterlevel,
                           counters={"d": self.wl.c.d, "p": self.wl.c.p, "f": self.wl.c.f},
                           statuses=dict(self.status_counts))

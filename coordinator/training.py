@@ -168,12 +168,59 @@ def memcpy_seconds(nbytes: int) -> float:
     return (time.perf_counter() - t0) * nbytes / sample
 
 
+async def init_broadcast(coord) -> None:
+    """broadcast: every cell joins one torch.distributed group, the core as rank 0 (its TCP
+    store on the core's host), and the core's weight specs are read once."""
+    c, nodes = coord.c, coord.nodes
+    host = coord.cluster.transfer_host(nodes[0], c.transfer_host)
+    port = _free_port() if coord.cluster.spawn and not c.transfer_host else c.transfer_port
+    await asyncio.gather(*(coord._call(n, "init_broadcast", master_address=host, master_port=port, rank=i,
+                                       world_size=len(nodes)) for i, n in enumerate(nodes)))
+    specs = await coord._call(nodes[0], "weight_specs")
+    coord._broadcast = {"members": dict(enumerate(nodes)), "specs": specs}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:  # the store binds every interface: so does this probe
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _broadcast_covers(coord, cells: list[int]) -> bool:
+    """A broadcast reaches every member at once: usable when `cells` are all the cells but
+    the core and each is still the process that joined (no death, no replacement)."""
+    b = coord._broadcast
+    if b is None or sorted(cells) != list(range(1, len(coord.nodes))):
+        return False
+    return all(coord.nodes[i] == b["members"].get(i) and i not in coord.dead for i in range(len(coord.nodes)))
+
+
 async def push_core_weights(coord, cells: list[int], *, engine: bool, version: int) -> int:
     """The core's current parameters to `cells` (their trainers; their engines if asked).
-    Returns bytes sent per cell. Goes through the weight-transfer path (ZeroMQ frames)."""
+    Returns bytes sent per cell. Goes through the configured weight-transfer path; a
+    broadcast that cannot reach exactly these cells (a subset, a dead or replaced member)
+    goes through ZeroMQ frames instead."""
     if not cells:
         return 0
     link, nodes = coord.link, coord.nodes
+    if coord.c.weight_transfer == "broadcast" and _broadcast_covers(coord, cells):
+        specs = coord._broadcast["specs"]
+        results = await asyncio.gather(
+            coord._call(nodes[0], "broadcast_weights", version=version),
+            *(coord._call(nodes[i], "receive_weights", version=version, specs=specs, engine=engine, trainer=True)
+              for i in cells), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if not failed:
+            return results[0]["nbytes"]
+        if not any(isinstance(r, WorkerDeadError) for r in failed):
+            raise failed[0]
+        # A member died mid-broadcast: the group is unusable from now on; the rest go by ZeroMQ.
+        log.warning("weight broadcast of version %d lost a member (%s): ZeroMQ from now on", version, failed[0])
+        coord._broadcast = None
+        return await push_core_weights(coord, [i for i in cells if i not in coord.dead], engine=engine,
+                                       version=version)
     if coord.c.weight_transfer == "mooncake":  # each cell pulls from the core's registered buffer
         handle = await core_offer(coord)
         _tolerate_dead(await asyncio.gather(

@@ -98,7 +98,12 @@ class Worker:
             "init_transfer": self._init_transfer,
             "offer_weights": self._offer_weights,
             "pull_weights": self._pull_weights,
+            "init_broadcast": self._init_broadcast,
+            "weight_specs": self._weight_specs,
+            "broadcast_weights": self._broadcast_weights,
+            "receive_weights": self._receive_weights,
         }
+        self.broadcast = None  # the weight-broadcast group (transfer.BroadcastGroup), when configured
         self.transfer = None  # the weight-transfer backend (transfer.py), when not the ZeroMQ default
 
     # --- dispatch -----------------------------------------------------------------------
@@ -155,6 +160,9 @@ class Worker:
         if self.reducer is not None:
             self.reducer.close()
             self.reducer = None
+        if self.broadcast is not None:
+            self.broadcast.close()
+            self.broadcast = None
         self.engine = self.trainer = None
         self.role = Role.SWITCHING
         return []
@@ -324,6 +332,54 @@ class Worker:
             self._need_trainer().load_weights(named.items(), version)
         return {"version": version, "nbytes": int(handle["nbytes"]), "transfer_seconds": wire_seconds,
                 "seconds": time.perf_counter() - t0}
+
+    # --- weight broadcast (weight_transfer = "broadcast") ---------------------------------
+
+    def _init_broadcast(self, master_address: str, master_port: int, rank: int, world_size: int) -> dict:
+        """Join the weight-broadcast group (blocks until every cell has joined); the core is
+        rank 0. NCCL between GPU nodes, gloo otherwise."""
+        from gyre.workerd.transfer import BroadcastGroup
+
+        if self.broadcast is not None:
+            raise RuntimeError("broadcast group already initialised")
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        self.broadcast = BroadcastGroup(master_address=master_address, master_port=master_port, rank=rank,
+                                        world_size=world_size, group_name="gyre_publish", backend=backend,
+                                        timeout_s=60)
+        return {"rank": rank, "backend": backend}
+
+    def _bcast_device(self) -> str:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def _weight_specs(self) -> list:
+        from gyre.workerd.transfer import BroadcastGroup
+
+        return BroadcastGroup.specs(self._need_trainer().export_weights())
+
+    def _broadcast_weights(self, version: int) -> dict:
+        """The core: send its trainer's weights at `version` to every other member."""
+        if self.broadcast is None:
+            raise RuntimeError("no broadcast group: init_broadcast first")
+        trainer = self._need_trainer()
+        if trainer.version != version:
+            raise RuntimeError(f"broadcast of version {version}, but the trainer is at {trainer.version}")
+        t0 = time.perf_counter()
+        named = {k: v.to(self._bcast_device()) for k, v in trainer.export_weights().items()}
+        nbytes = self.broadcast.send(named)
+        return {"version": version, "nbytes": nbytes, "seconds": time.perf_counter() - t0}
+
+    def _receive_weights(self, version: int, specs: list, engine: bool, trainer: bool) -> dict:
+        if self.broadcast is None:
+            raise RuntimeError("no broadcast group: init_broadcast first")
+        t0 = time.perf_counter()
+        named = self.broadcast.recv([tuple(s) for s in specs], device=self._bcast_device())
+        wire_seconds = time.perf_counter() - t0
+        if engine:
+            self.engine.load_weights(named.items(), version)
+        if trainer:
+            self._need_trainer().load_weights(named.items(), version)
+        return {"version": version, "nbytes": sum(t.numel() * t.element_size() for t in named.values()),
+                "transfer_seconds": wire_seconds, "seconds": time.perf_counter() - t0}
 
     def _init_reducer(self, rank: int, world_size: int, init_method: str) -> dict:
         from gyre.workerd.reducer import GradReducer

@@ -105,3 +105,24 @@ def test_broadcast_group_publishes_exact_bytes(tiny_dir):
     assert sender["rank"] == 0 and sender["sent"] >= 6_000_000
     assert [x["rank"] for x in receivers] == [1, 2]
     assert all(x["equal"] and x["received"] == sender["sent"] for x in receivers)
+
+
+@pytest.mark.timeout(400)
+def test_a_run_publishes_through_a_broadcast_group(tmp_path):
+    """weight_transfer = broadcast: the core broadcasts each publication to every other cell
+    over one torch.distributed group (gloo here); joins of a subset of cells go by ZeroMQ."""
+    _netns_or_skip()
+    run = tmp_path / "run"
+    r = _in_private_netns(f"{sys.executable} -m gyre.cli up --steps 2 --policy elastic --run-dir {run} --no-live "
+                          "--set weight_transfer=broadcast --set cells=3", 360)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    events = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    publishes = [e for e in events if e["event"] == "publish"]
+    assert publishes and all(e["transfer"] == "broadcast" and e["bytes"] > 6_000_000 for e in publishes)
+    steps = [e for e in events if e["event"] == "step"]
+    assert len(steps) == 2
+    # Trained on rollouts of the broadcast weights: behaviour and trainer log-probs agree.
+    assert steps[1]["staleness"] == [0] * len(steps[1]["staleness"])
+    assert abs(steps[1]["mismatch"]) < 1e-3
+    log = "".join(p.read_text() for p in (run / "logs").glob("workerd-*.log"))
+    assert "Traceback" not in log
