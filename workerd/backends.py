@@ -7,7 +7,7 @@ backend whose package is missing says which package to install.
 Options come from the coordinator's Welcome (`engine` / `trainer` dicts): the CPU
 backends read threads, seed, max_running, version, lr, weight_decay, grad_clip; the GPU
 backends take theirs on top (sglang: `server` = SGLang ServerArgs fields such as tp_size,
-mem_fraction_static; megatron: tp, offload).
+mem_fraction_static; megatron: tp (ranks 1.. as child processes, trainers/tp.py), offload).
 """
 
 from __future__ import annotations
@@ -76,9 +76,16 @@ def build_backends(model_dir: str, *, engine: str, trainer: str,
         from gyre.workerd.trainers.megatron import MegatronTrainer
 
         offload = trainer_options.get("offload")
-        tr = MegatronTrainer(model_dir, config, tp=int(trainer_options.get("tp", 1)), seed=seed,
-                             offload=None if offload is None else bool(offload), **common)
-        params = sum(p.numel() for p in tr.gpt.parameters()) * tr.tp
+        tp = int(trainer_options.get("tp", 1))
+        options = dict(seed=seed, offload=None if offload is None else bool(offload), **common)
+        if tp > 1:  # ranks 1.. in child processes of this workerd
+            from gyre.workerd.trainers.tp import TensorParallelTrainer
+
+            tr = TensorParallelTrainer(model_dir, config, tp=tp, **options)
+            params = sum(p.numel() for p in tr.local.gpt.parameters()) * tp
+        else:
+            tr = MegatronTrainer(model_dir, config, tp=1, **options)
+            params = sum(p.numel() for p in tr.gpt.parameters())
     else:
         from gyre.workerd.model import load_model, num_params
         from gyre.workerd.trainers.cpu import CpuTrainer

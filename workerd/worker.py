@@ -163,6 +163,8 @@ class Worker:
         if self.broadcast is not None:
             self.broadcast.close()
             self.broadcast = None
+        if hasattr(self.trainer, "close"):  # a TP cell's rank processes
+            self.trainer.close()
         self.engine = self.trainer = None
         self.role = Role.SWITCHING
         return []
@@ -386,7 +388,10 @@ class Worker:
 
         if self.reducer is not None:
             raise RuntimeError("reducer already initialised")
-        self.reducer = GradReducer(rank=rank, world_size=world_size, init_method=init_method)
+        if hasattr(self.trainer, "init_reducer"):  # a TP cell: every rank joins its own world
+            self.reducer = self.trainer.init_reducer(rank=rank, world_size=world_size, init_method=init_method)
+        else:
+            self.reducer = GradReducer(rank=rank, world_size=world_size, init_method=init_method)
         return {"rank": rank, "world_size": world_size}
 
     def _set_participants(self, participants: int) -> dict:
@@ -394,6 +399,8 @@ class Worker:
             raise RuntimeError("no reducer: call init_reducer first")
         self.reducer.group_for(participants)
         self.reducer.participants = participants
+        if hasattr(self.trainer, "set_participants"):
+            self.trainer.set_participants(participants)
         return {"participants": participants}
 
     def _logprobs(self, input_ids: list[list[int]]) -> list[list[float]]:

@@ -101,14 +101,16 @@ async def test_elastic_run_keeps_its_promises(tiny_dir, tmp_path):
 
 
 @pytest.mark.timeout(300)
-async def test_elastic_run_on_megatron_trainers(tiny_dir, tmp_path):
-    """`trainer_backend = "megatron"`: the spawned workerds train with megatron-core (on CPU,
-    behind the shim), offload it for rollouts and onload it for training, and the run's
-    publications reach the engines. The same loop as on the CPU trainer, nothing else changed."""
+async def test_a_run_on_tensor_parallel_megatron_cells(tiny_dir, tmp_path):
+    """`trainer_backend = "megatron"` with TP=2 cells under colocate (both cells train each
+    step, so rank r of each cell reduces with its peer): each spawned workerd trains with
+    megatron-core (on CPU, behind the shim) as rank 0 of its cell with a child rank 1, offloads
+    it for rollouts and onloads it for training, and the run's publications reach the engines.
+    The same loop as on the CPU trainer, nothing else changed."""
     pytest.importorskip("megatron.core")
-    cfg = CoordinatorConfig(run_dir=tmp_path / "run", model_dir=tiny_dir, steps=1, policy="elastic", cells=2,
-                            groups_per_step=2, group_size=4, phi=0, mu=1, exec_slots_per_cell=4, seed=3,
-                            trainer_backend="megatron", trainer_options={"offload": True})  # the demo harness
+    cfg = CoordinatorConfig(run_dir=tmp_path / "run", model_dir=tiny_dir, steps=1, policy="colocate", cells=2,
+                            groups_per_step=1, group_size=4, phi=0, mu=1, exec_slots_per_cell=4, seed=3,
+                            trainer_backend="megatron", trainer_options={"offload": True, "tp": 2})  # the demo harness
     coord = Coordinator(cfg)
     reports = await coord.run()
     assert [r.version for r in reports] == [1]
@@ -119,5 +121,7 @@ async def test_elastic_run_on_megatron_trainers(tiny_dir, tmp_path):
     assert {x["to"] for x in roles} == {"training", "rollout"}  # both directions, offload and onload
     assert [x["version"] for x in lines if x["event"] == "publish"] == [1]
     assert all(r.loss == r.loss and r.tokens_trained > 0 for r in reports)  # finite, trained on something
+    # Both cells trained together: each TP rank reduced with its peer in the other cell.
+    assert [r.cells_training for r in reports] == [2]
     execs = [x for x in lines if x["event"] == "execution"]
     assert len({e["id"] for e in execs}) == len(execs) == coord.wl.c.f == coord.wl.c.p

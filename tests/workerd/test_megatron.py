@@ -241,3 +241,26 @@ def test_tensor_parallel_2_equals_the_cpu_trainer(family_dirs, tmp_path):
     for k, w in ref.items():
         assert torch.allclose(outs[0]["weights"][k], w, atol=3e-3), k
         assert torch.equal(outs[0]["weights"][k], outs[1]["weights"][k]), k
+
+
+def test_a_tensor_parallel_cell_in_one_workerd_equals_the_cpu_trainer(family_dirs, tmp_path):
+    """TP=2 as workerd runs it: rank 0 in the process, rank 1 a child that mirrors every call."""
+    d = family_dirs["llama"]
+    ids, mask, behaviour, exec_of_row, adv = make_rows(5)
+    counts = {i: int(mask[[r for r in range(5) if exec_of_row[r] == i]].sum()) for i in adv}
+    batch = micro_batch([0, 1, 2, 3, 4], ids, mask, behaviour, exec_of_row, adv, counts)
+    torch.save(batch.tensors(), tmp_path / "batch.pt")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, str(Path(__file__).with_name("_megatron_tp_cell.py")), str(d),
+                        str(tmp_path / "batch.pt"), str(tmp_path / "out.pt")], env=env, capture_output=True,
+                       text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    cpu = CpuTrainer(load_model(d), lr=1e-3)
+    assert torch.allclose(out["logprobs"], cpu.current_logprobs(batch.input_ids), atol=2e-5)
+    assert out["loss"] == pytest.approx(cpu.train_micro_step(batch).loss, rel=1e-4)
+    assert out["norm"] == pytest.approx(cpu.optimizer_step(3), rel=1e-4)
+    assert out["version"] == 1 and out["freed"] > 0
+    for k, w in cpu.export_weights().items():
+        assert torch.allclose(out["weights"][k], w, atol=3e-3), k
+    assert out["error"].startswith("ModelDirError: weights missing") and out["after"].shape == batch.input_ids.shape

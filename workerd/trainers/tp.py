@@ -1,0 +1,236 @@
+"""trainers/tp.py: a tensor-parallel megatron-core cell inside one workerd.
+
+`TensorParallelTrainer` is rank 0 of the cell's TP group, in the workerd's own process;
+ranks 1..tp-1 are child processes (spawned, never forked) that run the same
+`MegatronTrainer` calls in the same order, SPMD style: every call goes to the children
+first, then runs here, then their answers are collected (an error on any rank is raised
+here, naming the rank). Gradient reduction across cells pairs rank r of every cell:
+each rank joins its own copy of the coordinator's reducer world (`init_reducer`).
+
+On GPUs rank r uses `cuda:r` of the devices the workerd was given. Not a launcher of
+workerds and not a scheduler: the worker calls it exactly as it calls a one-rank trainer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+import torch.multiprocessing as mp
+
+from gyre.workerd.modeldir import ModelConfig
+from gyre.workerd.trainers.base import MicroBatch, MicroStepStats
+
+
+class RankError(RuntimeError):
+    """A TP rank failed a call, or died."""
+
+
+def rank_init_method(init_method: str, rank: int) -> str:
+    """The reducer world of TP rank `rank`: a file beside the coordinator's, or the next ports."""
+    if rank == 0:
+        return init_method
+    if init_method.startswith("file://"):
+        return f"{init_method}.tp{rank}"
+    if init_method.startswith("tcp://"):
+        host, port = init_method[len("tcp://"):].rsplit(":", 1)
+        return f"tcp://{host}:{int(port) + rank}"
+    raise ValueError(f"cannot derive TP rank {rank}'s rendezvous from {init_method!r}")
+
+
+def _rank_main(rank: int, tp: int, store: str, model_dir: str, config: ModelConfig, options: dict,
+               threads: int, conn) -> None:
+    """A child rank: join the TP group, build the trainer, then serve calls until told to stop."""
+    import torch.distributed as dist
+
+    from gyre.workerd.trainers.megatron import MegatronTrainer
+
+    torch.set_num_threads(threads)  # as many as the workerd was given, not one per core
+    try:
+        if torch.cuda.is_available():
+            torch.cuda.set_device(rank)
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", init_method=store,
+                                rank=rank, world_size=tp)
+        trainer = MegatronTrainer(model_dir, config, tp=tp, **options)
+        reducer = None
+        conn.send(("ready", None))
+    except BaseException as e:  # noqa: BLE001 - reported to rank 0, which raises it
+        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"))
+        return
+    while True:
+        try:
+            method, args, kwargs = conn.recv()
+        except EOFError:
+            return  # rank 0 is gone
+        try:
+            if method == "stop":
+                conn.send(("ok", None))
+                return
+            if method == "init_reducer":
+                from gyre.workerd.reducer import GradReducer
+
+                reducer = GradReducer(**kwargs)
+                result = None
+            elif method == "set_participants":
+                reducer.participants = kwargs["participants"]
+                result = None
+            else:
+                if method == "optimizer_step":
+                    kwargs = {**kwargs, "reducer": reducer}
+                result = getattr(trainer, method)(*args, **kwargs)
+                if method in ("export_weights", "current_logprobs", "grads"):
+                    result = None  # rank 0 answers for the cell
+            conn.send(("ok", result))
+        except BaseException as e:  # noqa: BLE001
+            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"))
+
+
+class TensorParallelTrainer:
+    def __init__(self, model_dir: str, config: ModelConfig, *, tp: int, start_timeout_s: float = 300.0,
+                 **options: Any):
+        import torch.distributed as dist
+
+        from gyre.workerd.trainers.hf_megatron import check_tp
+        from gyre.workerd.trainers.megatron import MegatronTrainer
+
+        check_tp(config, tp)
+        if dist.is_initialized():
+            raise RankError("torch.distributed is already initialised in this process: a TP cell owns it")
+        self.tp = tp
+        store = f"file://{Path(tempfile.mkdtemp(prefix='gyre-tp-')) / 'store'}"
+        ctx = mp.get_context("spawn")
+        self._conns, self._procs = [], []
+        for rank in range(1, tp):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_rank_main, args=(rank, tp, store, str(model_dir), config, options,
+                                                             torch.get_num_threads(), child),
+                               daemon=True, name=f"gyre-tp-rank-{rank}")
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        try:
+            if torch.cuda.is_available():
+                torch.cuda.set_device(0)
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", init_method=store,
+                                    rank=0, world_size=tp)
+            self.local = MegatronTrainer(model_dir, config, tp=tp, **options)
+            self._collect("start-up", timeout=start_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        self.reducer = None
+
+    # --- the SPMD call --------------------------------------------------------------------
+
+    def _collect(self, what: str, timeout: float | None = None) -> list[Any]:
+        out = []
+        for rank, (conn, proc) in enumerate(zip(self._conns, self._procs), start=1):
+            if not conn.poll(timeout):
+                raise RankError(f"TP rank {rank} did not answer {what} within {timeout} s "
+                                f"(alive: {proc.is_alive()}, exit code {proc.exitcode})")
+            try:
+                status, value = conn.recv()
+            except EOFError:
+                raise RankError(f"TP rank {rank} died during {what} (exit code {proc.exitcode})") from None
+            if status == "error":
+                raise RankError(f"TP rank {rank} failed {what}: {value}")
+            out.append(value)
+        return out
+
+    def _all(self, method: str, *args, **kwargs):
+        for rank, conn in enumerate(self._conns, start=1):
+            try:
+                conn.send((method, args, kwargs))
+            except (BrokenPipeError, OSError):
+                raise RankError(f"TP rank {rank} is gone (exit code {self._procs[rank - 1].exitcode})") from None
+        return self._here(method, lambda: getattr(self.local, method)(*args, **kwargs))
+
+    def _here(self, method: str, fn):
+        """Rank 0's share of a call the children were sent; then their answers. When rank
+        0 fails, the children are given a bounded time (a collective may wait on rank 0)."""
+        try:
+            result = fn()
+        except BaseException:
+            with contextlib.suppress(RankError):
+                self._collect(method, timeout=60)
+            raise
+        self._collect(method)
+        return result
+
+    # --- the trainer contract -------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        return self.local.version
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.local.config
+
+    def train_micro_step(self, batch: MicroBatch) -> MicroStepStats:
+        return self._all("train_micro_step", batch)
+
+    def current_logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self._all("current_logprobs", input_ids)
+
+    def optimizer_step(self, num_executions: int, reducer=None, apply: bool = True) -> float:
+        for conn in self._conns:  # children use their own reducers
+            conn.send(("optimizer_step", (num_executions,), {"apply": apply}))
+        return self._here("optimizer_step",
+                          lambda: self.local.optimizer_step(num_executions, reducer=reducer, apply=apply))
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        return self._all("export_weights")
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
+        return self._all("load_weights", list(named), version)
+
+    def offload(self) -> int:
+        return self._all("offload")
+
+    def onload(self) -> None:
+        self._all("onload")
+
+    def save_checkpoint(self, path: str) -> None:
+        self._all("save_checkpoint", path)
+
+    def load_checkpoint(self, path: str) -> None:
+        self._all("load_checkpoint", path)
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        return self._all("grads")
+
+    # --- cross-cell reduction ---------------------------------------------------------------
+
+    def init_reducer(self, *, rank: int, world_size: int, init_method: str):
+        """Rank r of this cell joins the reducer world of TP rank r; returns rank 0's."""
+        from gyre.workerd.reducer import GradReducer
+
+        for r, conn in enumerate(self._conns, start=1):
+            conn.send(("init_reducer", (), {"rank": rank, "world_size": world_size,
+                                            "init_method": rank_init_method(init_method, r)}))
+        self.reducer = self._here("init_reducer", lambda: GradReducer(rank=rank, world_size=world_size,
+                                                                       init_method=init_method))
+        return self.reducer
+
+    def set_participants(self, participants: int) -> None:
+        for conn in self._conns:
+            conn.send(("set_participants", (), {"participants": participants}))
+        self._collect("set_participants")
+
+    def close(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send(("stop", (), {}))
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self._procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+        self._conns, self._procs = [], []
