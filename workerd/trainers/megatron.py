@@ -142,6 +142,7 @@ class MegatronTrainer:
                                                weight_decay=weight_decay)
         self.micro_steps = 0
         self._host: list[tuple[torch.UntypedStorage, torch.Tensor]] | None = None  # while offloaded
+        self._spare: list[torch.Tensor] = []  # host buffers of the last offload, reused by the next
 
     @staticmethod
     def _megatron_ddp(model, lr, weight_decay, grad_clip):
@@ -360,14 +361,19 @@ class MegatronTrainer:
         if not self.offload_enabled or self._host is not None:
             return 0
         host, freed = [], 0
-        for s in self._storages():
+        for i, s in enumerate(self._storages()):
             n = s.nbytes()
             view = torch.empty(0, dtype=torch.uint8, device=s.device).set_(s)
-            keep = torch.empty(n, dtype=torch.uint8, pin_memory=self.on_gpu)
-            keep.copy_(view)
-            s.resize_(0)
+            # Pinned host buffers are slow to allocate: kept from the last offload when they fit.
+            keep = self._spare[i] if i < len(self._spare) and self._spare[i].numel() == n else \
+                torch.empty(n, dtype=torch.uint8, pin_memory=self.on_gpu)
+            keep.copy_(view, non_blocking=self.on_gpu)
             host.append((s, keep))
             freed += n
+        if self.on_gpu:
+            torch.cuda.synchronize()  # every copy landed before a storage is freed
+        for s, _ in host:
+            s.resize_(0)
         self._host = host
         if self.on_gpu:
             torch.cuda.empty_cache()
@@ -380,7 +386,10 @@ class MegatronTrainer:
             return
         for s, keep in self._host:
             s.resize_(keep.numel())
-            torch.empty(0, dtype=torch.uint8, device=s.device).set_(s).copy_(keep)
+            torch.empty(0, dtype=torch.uint8, device=s.device).set_(s).copy_(keep, non_blocking=self.on_gpu)
+        if self.on_gpu:
+            torch.cuda.synchronize()
+        self._spare = [keep for _, keep in self._host]
         self._host = None
         if self._pending is not None:
             pending, self._pending = self._pending, None
