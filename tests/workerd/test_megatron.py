@@ -180,6 +180,7 @@ def test_offload_frees_every_storage_and_onload_restores_it(megatron_module, fam
     meg.train_micro_step(micro_batch([0, 1, 2, 3, 4], ids, mask, behaviour, exec_of_row, adv, counts))
     meg.optimizer_step(3)  # optimizer state exists now
     before = meg.export_weights()
+    meg_logprobs_before = meg.current_logprobs(ids)
     opt_bytes = sum(v.numel() * v.element_size() for s in meg.optimizer.state.values()
                     for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
     params = sum(p.numel() * p.element_size() for p in meg.gpt.parameters())
@@ -188,8 +189,11 @@ def test_offload_frees_every_storage_and_onload_restores_it(megatron_module, fam
     assert all(p.untyped_storage().nbytes() == 0 for p in meg.gpt.parameters())
     with pytest.raises(RuntimeError, match="offloaded"):
         meg.train_micro_step(micro_batch([0, 1], ids, mask, behaviour, exec_of_row, adv, counts))
-    assert all(torch.equal(meg.export_weights()[k], before[k]) for k in before)  # onloads for the export
-    assert all(p.untyped_storage().nbytes() == 0 for p in meg.gpt.parameters())  # and offloads again
+    host = meg._host
+    assert all(torch.equal(meg.export_weights()[k], before[k]) for k in before)  # parameters back for the export
+    assert torch.equal(meg.current_logprobs(ids), meg_logprobs_before)
+    assert meg._host is host  # only the parameters came back (optimizer state stayed on the host)
+    assert all(p.untyped_storage().nbytes() == 0 for p in meg.gpt.parameters())  # and left again
     meg.onload()
     after = meg.export_weights()
     assert all(torch.equal(after[k], before[k]) for k in before)
@@ -264,3 +268,18 @@ def test_a_tensor_parallel_cell_in_one_workerd_equals_the_cpu_trainer(family_dir
     for k, w in cpu.export_weights().items():
         assert torch.allclose(out["weights"][k], w, atol=3e-3), k
     assert out["error"].startswith("ModelDirError: weights missing") and out["after"].shape == batch.input_ids.shape
+
+
+def test_non_finite_gradients_update_nothing(megatron_module, family_dirs):
+    d = family_dirs["qwen2"]
+    meg = megatron_module.MegatronTrainer(str(d), load_config(d), lr=1e-3)
+    ids, mask, behaviour, exec_of_row, adv = make_rows(4)
+    counts = {i: 1 for i in adv}
+    before = meg.export_weights()
+    meg.train_micro_step(micro_batch([0, 1], ids, mask, behaviour, exec_of_row, {**adv, 0: float("nan")}, counts))
+    with pytest.raises(RuntimeError, match="non-finite gradient norm"):
+        meg.optimizer_step(2)
+    after = meg.export_weights()
+    assert meg.version == 0 and all(torch.equal(after[k], before[k]) for k in before)
+    meg.train_micro_step(micro_batch([0, 1], ids, mask, behaviour, exec_of_row, adv, counts))
+    assert meg.optimizer_step(2) > 0 and meg.version == 1  # the NaN gradients were dropped, not added

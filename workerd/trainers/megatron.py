@@ -22,6 +22,7 @@ torch.distributed initialised by the caller; workerd runs a cell's trainer in-pr
 from __future__ import annotations
 
 import contextlib
+import math
 import tempfile
 import time
 import warnings
@@ -150,7 +151,8 @@ class MegatronTrainer:
             from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
             from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True), model)
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True,
+            check_for_nan_in_grad=True), model)
         opt = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=lr, weight_decay=weight_decay, adam_beta1=0.9, adam_beta2=0.95,
             adam_eps=1e-15, clip_grad=grad_clip, bf16=True, params_dtype=torch.bfloat16,
@@ -181,7 +183,7 @@ class MegatronTrainer:
                               time.perf_counter() - t0)
 
     def current_logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
-        with self._onloaded(), torch.no_grad():
+        with self._params_onloaded(), torch.no_grad():
             return self._logprobs(input_ids)
 
     # --- update -------------------------------------------------------------------------
@@ -209,6 +211,10 @@ class MegatronTrainer:
         for p in params:
             p.grad.div_(num_executions)
         norm = self._clip(list(self.gpt.named_parameters()))
+        if not math.isfinite(norm):  # nothing is updated from non-finite gradients
+            self.optimizer.zero_grad(set_to_none=True)
+            self.micro_steps = 0
+            raise RuntimeError(f"non-finite gradient norm {norm}: step skipped, gradients dropped")
         if apply:
             self.optimizer.step()
             self.version += 1
@@ -239,23 +245,25 @@ class MegatronTrainer:
         return norm
 
     def _gpu_step(self, num_executions: int, reducer, apply: bool) -> float:
-        self.model.finish_grad_sync()
-        grad_buffers = [b.grad_data for b in self.model.buffers + self.model.expert_parallel_buffers]
-        if reducer is not None:
-            reducer.all_reduce(grad_buffers)
-        for g in grad_buffers:
-            g.div_(num_executions)
-        if apply:
-            ok, norm, _ = self.optimizer.step()  # clips to clip_grad, updates, gathers params
-            if not ok:
-                raise RuntimeError("megatron optimizer step skipped (non-finite gradients)")
-            self.version += 1
-        else:
-            norm = self._norm_only(grad_buffers)
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        self.micro_steps = 0
-        return float(norm)
+        try:
+            self.model.finish_grad_sync()  # raises on NaN gradients (check_for_nan_in_grad)
+            grad_buffers = [b.grad_data for b in self.model.buffers + self.model.expert_parallel_buffers]
+            if reducer is not None:
+                reducer.all_reduce(grad_buffers)
+            for g in grad_buffers:
+                g.div_(num_executions)
+            if apply:
+                ok, norm, _ = self.optimizer.step()  # clips to clip_grad, updates, gathers params
+                if not ok or norm is None or not math.isfinite(norm):
+                    raise RuntimeError(f"megatron optimizer step failed (grad norm {norm})")
+                self.version += 1
+            else:
+                norm = self._norm_only(grad_buffers)
+            return float(norm)
+        finally:  # a failed step leaves no gradients behind to add to the next
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            self.micro_steps = 0
 
     @staticmethod
     def _norm_only(buffers: list[torch.Tensor]) -> float:
@@ -311,7 +319,7 @@ class MegatronTrainer:
         """Whole HF-named tensors on the host (every TP rank gathers them); a snapshot."""
         if self._pending is not None:
             return {k: v.clone() for k, v in self._pending.items()}
-        with self._onloaded():
+        with self._params_onloaded():
             return {k: v.to("cpu", copy=True).contiguous() for k, v in to_hf(self._shards(), self.config).items()}
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
@@ -406,6 +414,26 @@ class MegatronTrainer:
             if was_offloaded:
                 self.offload()
 
+    @contextlib.contextmanager
+    def _params_onloaded(self):
+        """Only the parameters' storages back for the duration (an export or log-probs on a
+        rollout cell, beside a serving engine): gradients and optimizer state stay on the
+        host. Parameters are read, not changed, so nothing is copied back."""
+        if self._host is None or self._pending is not None:  # pending weights: a full onload applies them
+            with self._onloaded():
+                yield
+            return
+        params = {p.untyped_storage()._cdata for p in self.gpt.parameters()}
+        back = [(s, keep) for s, keep in self._host if s._cdata in params]
+        for s, keep in back:
+            s.resize_(keep.numel())
+            torch.empty(0, dtype=torch.uint8, device=s.device).set_(s).copy_(keep)
+        try:
+            yield
+        finally:
+            for s, _ in back:
+                s.resize_(0)
+
     def _need_onloaded(self) -> None:
         if self._host is not None:
             raise RuntimeError("trainer state is offloaded (the cell is serving rollouts): onload first")
@@ -424,11 +452,12 @@ class MegatronTrainer:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(target.name + ".tmp")
         model = {k: v for k, v in self.gpt.state_dict().items() if not k.endswith("_extra_state")}
-        if self.on_gpu:  # the distributed optimizer keeps its Adam moments apart from state_dict()
+        stepped = any(True for _ in self._optimizer_states())  # no Adam state before the first step
+        if self.on_gpu and stepped:  # the distributed optimizer keeps its Adam moments apart from state_dict()
             self.optimizer.save_parameter_state(str(target) + ".optim.tmp")
             Path(str(target) + ".optim.tmp").replace(str(target) + ".optim")
-        torch.save({"model": model, "optimizer": self.optimizer.state_dict(), "version": self.version,
-                    "tp": self.tp}, tmp)
+        torch.save({"model": model, "optimizer": self.optimizer.state_dict() if stepped or not self.on_gpu else None,
+                    "optimizer_state": stepped, "version": self.version, "tp": self.tp}, tmp)
         tmp.replace(target)  # atomic: a crash mid-save leaves the previous checkpoint
 
     def load_checkpoint(self, path: str) -> None:
@@ -444,8 +473,10 @@ class MegatronTrainer:
         if missing or unexpected:
             raise RuntimeError(f"checkpoint {path} does not fit this model: missing {missing[:3]}, "
                                f"unexpected {unexpected[:3]}")
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.on_gpu:
+        if state["optimizer"] is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.on_gpu and state.get("optimizer_state", True):
+            # The fp32 main parameters come from here (reload_model_params would overwrite
+            # them with the bf16 model's, losing what bf16 cannot hold).
             self.optimizer.load_parameter_state(str(self._ckpt_path(path)) + ".optim")
-            self.optimizer.reload_model_params()
         self.version = int(state["version"])
