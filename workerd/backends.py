@@ -40,8 +40,9 @@ def check_backends(engine: str, trainer: str) -> None:
 
 def build_backends(model_dir: str, *, engine: str, trainer: str,
                    engine_options: dict[str, Any], trainer_options: dict[str, Any]):
-    """Returns (engine, trainer, parameter count). Engine and trainer hold separate copies
-    of the weights, as SGLang and Megatron do on a GPU node."""
+    """Returns (engine, trainer, parameter count), the engine's memory released (the worker
+    resumes it for a rollout cell). Engine and trainer hold separate copies of the weights,
+    as SGLang and Megatron do on a GPU node."""
     check_backends(engine, trainer)
     import torch
 
@@ -69,6 +70,7 @@ def build_backends(model_dir: str, *, engine: str, trainer: str,
         from gyre.workerd.model import load_model
 
         eng = CpuEngine(load_model(model_dir, config), version=version, max_running=max_running, seed=seed)
+    eng.release_memory()  # the giving side frees first: the trainer is built into free memory
     common = dict(lr=float(trainer_options.get("lr", 1e-5)),
                   weight_decay=float(trainer_options.get("weight_decay", 0.01)),
                   grad_clip=float(trainer_options.get("grad_clip", 1.0)), version=version)

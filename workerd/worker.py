@@ -145,11 +145,12 @@ class Worker:
             msg.model_dir, engine=self.config.engine_backend, trainer=self.config.trainer_backend,
             engine_options=msg.engine, trainer_options=msg.trainer,
         )
+        # build_backends leaves the engine released (built, then freed before the trainer is
+        # built, so the two never hold the device together); a rollout cell takes it back.
         self.role = Role(msg.role)
-        if self.role is Role.TRAINING:
-            self.engine.release_memory()
-        else:
+        if self.role is Role.ROLLOUT:
             self.trainer.offload()
+            self.engine.resume_memory()
         return [(wire.Ready(node_id=self.node_id, role=self.role.value, version=self.engine.version,
                             params=params, load_seconds=time.perf_counter() - t0), None)]
 
@@ -165,6 +166,8 @@ class Worker:
             self.broadcast = None
         if hasattr(self.trainer, "close"):  # a TP cell's rank processes
             self.trainer.close()
+        if hasattr(self.engine, "shutdown"):  # SGLang's scheduler processes hold the device
+            self.engine.shutdown()
         self.engine = self.trainer = None
         self.role = Role.SWITCHING
         return []

@@ -225,8 +225,9 @@ def test_a_publication_while_released_loads_between_weights_and_cache(make):
     w = torch.ones(2)
     assert eng.load_weights([("w", w)], version=4) == 8
     w.add_(1)  # the sender's buffer changes after the call: the kept copy must not
-    assert names(fake, mark) == [] and eng.version == 4
+    assert names(fake, mark) == [] and eng.version == 0  # the version moves when the weights do
     eng.resume_memory()
+    assert eng.version == 4
     assert names(fake, mark) == ["resume_memory_occupation"] + BRACKET + ["update_weights_from_tensor"] + CLOSE \
         + ["resume_memory_occupation"]
     assert kwargs_of(fake, "resume_memory_occupation")[-2:] == [{"tags": ["weights"]},
@@ -235,6 +236,23 @@ def test_a_publication_while_released_loads_between_weights_and_cache(make):
     mark = len(fake.calls)
     eng.release_memory(), eng.resume_memory()  # loaded once: nothing pending the next time
     assert "update_weights_from_tensor" not in names(fake, mark)
+
+
+def test_a_deferred_publication_that_fails_stays_pending(make):
+    """The update at resume fails: the error is raised, the engine keeps its old version
+    (its rollouts are not labelled with weights it does not run), and the next resume tries
+    the same publication again."""
+    eng, fake = make()
+    eng.release_memory()
+    eng.load_weights([("w", torch.full((2,), 3.0))], version=5)
+    fake.fail["update_weights_from_tensor"] = "out of memory"
+    with pytest.raises(SglangError, match="out of memory"):
+        eng.resume_memory()
+    assert eng.version == 0 and "kv_cache" in fake.offloaded  # the cache did not come back either
+    del fake.fail["update_weights_from_tensor"]
+    eng.resume_memory()
+    assert eng.version == 5 and torch.equal(fake.weights["w"], torch.full((2,), 3.0))
+    assert fake.offloaded == set()
 
 
 # --- 4. weight updates from tensors ---------------------------------------------------------
@@ -523,3 +541,50 @@ def test_worker_role_changes_order_engine_and_trainer(make, tiny_model):
                                  ("resume_memory_occupation", {"tags": ["weights"]}),
                                  ("resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]})]
     assert outs[-1][0].freed_bytes == 123 and worker.role is Role.ROLLOUT
+
+
+@pytest.mark.parametrize("role", ["rollout", "training"])
+def test_welcome_never_holds_engine_and_trainer_memory_together(make, monkeypatch, tiny_dir, role):
+    """Start-up on one device: SGLang starts, releases its memory, then the trainer is built;
+    a rollout cell then offloads the trainer before SGLang takes its memory back."""
+    from gyre.workerd import backends, wire
+    from gyre.workerd.config import WorkerConfig
+    from gyre.workerd.trainers import cpu
+    from gyre.workerd.worker import Role, Worker
+
+    built = []
+
+    class Engine(SglangEngine):
+        def __init__(self, model_dir, **kw):
+            def factory(**server_args):
+                built.append(FakeSglangEngine(**server_args))
+                return built[-1]
+
+            super().__init__(model_dir, engine_factory=factory, io_struct=sglang_fake.io_struct, **kw)
+
+    class Trainer(cpu.CpuTrainer):
+        def __init__(self, *a, **kw):
+            built[0].calls.append(("trainer.build", {}))
+            super().__init__(*a, **kw)
+
+        def offload(self):
+            built[0].calls.append(("trainer.offload", {}))
+            return 0
+
+    monkeypatch.setattr(backends, "check_backends", lambda engine, trainer: None)
+    monkeypatch.setattr(adapter, "SglangEngine", Engine)
+    monkeypatch.setattr(cpu, "CpuTrainer", Trainer)
+    worker = Worker(WorkerConfig(coordinator="tcp://127.0.0.1:1", node_id="n0", engine_backend="sglang"))
+    (ready, _), = worker.welcome(wire.Welcome(req_id=1, node_id="n0", cell=0, role=role, model_dir=str(tiny_dir),
+                                              engine={"server": {"device": "cpu"}}), [])
+    fake = built[0]
+    try:
+        start = ["flush_cache", "release_memory_occupation", "trainer.build"]
+        if role == "rollout":
+            assert names(fake) == start + ["trainer.offload", "resume_memory_occupation", "resume_memory_occupation"]
+        else:
+            assert names(fake) == start
+        assert ready.role == role and worker.role is Role(role)
+    finally:
+        worker.engine.shutdown()
+        fake.loop.close()

@@ -259,8 +259,9 @@ class SglangEngine:
         released, then the KV cache and CUDA graphs."""
         self.resume_weights()
         if self._pending is not None:
-            (named, version), self._pending = self._pending, None
-            self.load_weights(named, version)
+            named, version = self._pending
+            self.load_weights(named, version)  # on failure it stays pending, and the version unclaimed
+            self._pending = None
         self.resume_cache()
 
     def resume_weights(self) -> None:
@@ -287,8 +288,7 @@ class SglangEngine:
         the tensors are kept on the host and loaded by `resume_memory`, before the cache."""
         if WEIGHTS in self._released:
             kept = [(name, t.detach().to("cpu", copy=True)) for name, t in named]
-            self._pending = (kept, version)
-            self.version = version
+            self._pending = (kept, version)  # self.version moves when they are loaded
             return sum(t.numel() * t.element_size() for _, t in kept)
         # CPU tensors reach the scheduler through shared memory; with torch's default
         # strategy its scheduler crashed, with file_system it works (DEPS-NOTES).
