@@ -30,6 +30,9 @@ def watch(coord) -> None:
         if cell in coord.dead or link is None or link.alive:
             continue
         coord.dead.add(cell)
+        if coord._broadcast is not None:  # the weight-broadcast group lost a member for good
+            log.warning("weight broadcast disabled: cell %d left its group; publications go by ZeroMQ", cell)
+            coord._broadcast = None
         coord.table.routes[node].accepting = False
         coord.record_role(cell, coord.roles[cell], "dead")
         log.error("cell %d (%s) is dead: excluded from rollout and training until a worker re-registers",

@@ -81,7 +81,8 @@ class Coordinator:
         self.batch: Batch | None = None
         self._core_cache: tuple | None = None  # (trainer version, bytes, frames) of the core's weights
         self._core_offer: dict | None = None  # Mooncake: the core's handle for the trainer version
-        self._broadcast: dict | None = None  # broadcast: the group's members (cell -> node) and weight specs
+        self._broadcast: dict | None = None  # broadcast: the group's weight specs, while the group is whole
+        self.last_transfer: str | None = None  # the path the last push of weights took (zmq | mooncake | broadcast)
         self.side_task: asyncio.Task | None = None  # a transition or a publication
         self.changed = asyncio.Event()  # a run closed (the streaming packer waits on it)
         self.status_counts: dict[str, int] = {}
@@ -524,7 +525,8 @@ class Coordinator:
         self.steps_in_burst = 0
         self.publications += 1
         self.metrics.emit("publish", version=version, seconds=round(time.monotonic() - t0, 4), bytes=nbytes,
-                          engines=len(self.nodes), transfer=self.c.weight_transfer,
+                          engines=len(self.nodes), transfer=(self.last_transfer if nbytes else None)
+                          or self.c.weight_transfer,
                           memcpy_seconds=round(memcpy_seconds(nbytes), 5) if nbytes else None)
         if self.steps_done < self.c.steps:
             self._dispatch(self.c.dispatch_target(self.publications) - self.c.dispatch_target(self.publications - 1))

@@ -177,7 +177,7 @@ async def init_broadcast(coord) -> None:
     await asyncio.gather(*(coord._call(n, "init_broadcast", master_address=host, master_port=port, rank=i,
                                        world_size=len(nodes)) for i, n in enumerate(nodes)))
     specs = await coord._call(nodes[0], "weight_specs")
-    coord._broadcast = {"members": dict(enumerate(nodes)), "specs": specs}
+    coord._broadcast = {"specs": specs}
 
 
 def _free_port() -> int:
@@ -189,23 +189,22 @@ def _free_port() -> int:
 
 
 def _broadcast_covers(coord, cells: list[int]) -> bool:
-    """A broadcast reaches every member at once: usable when `cells` are all the cells but
-    the core and each is still the process that joined (no death, no replacement)."""
-    b = coord._broadcast
-    if b is None or sorted(cells) != list(range(1, len(coord.nodes))):
-        return False
-    return all(coord.nodes[i] == b["members"].get(i) and i not in coord.dead for i in range(len(coord.nodes)))
+    """A broadcast reaches every member at once: usable while the group is whole (a member
+    marked dead disables it for good, health.py) and `cells` are all the cells but the core."""
+    return coord._broadcast is not None and sorted(cells) == list(range(1, len(coord.nodes)))
 
 
 async def push_core_weights(coord, cells: list[int], *, engine: bool, version: int) -> int:
     """The core's current parameters to `cells` (their trainers; their engines if asked).
     Returns bytes sent per cell. Goes through the configured weight-transfer path; a
-    broadcast that cannot reach exactly these cells (a subset, a dead or replaced member)
-    goes through ZeroMQ frames instead."""
+    broadcast that cannot reach exactly these cells (a subset, a group that lost a member)
+    goes through ZeroMQ frames instead. `coord.last_transfer` says which path was taken."""
     if not cells:
         return 0
     link, nodes = coord.link, coord.nodes
     if coord.c.weight_transfer == "broadcast" and _broadcast_covers(coord, cells):
+        # The core exports first: receivers enter the collective only once the sender is ready.
+        await coord._call(nodes[0], "prepare_broadcast", version=version)
         specs = coord._broadcast["specs"]
         results = await asyncio.gather(
             coord._call(nodes[0], "broadcast_weights", version=version),
@@ -213,12 +212,13 @@ async def push_core_weights(coord, cells: list[int], *, engine: bool, version: i
               for i in cells), return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         if not failed:
+            coord.last_transfer = "broadcast"
             return results[0]["nbytes"]
+        # A failed collective leaves the group unusable: ZeroMQ from now on.
+        log.warning("weight broadcast of version %d failed (%s): ZeroMQ from now on", version, failed[0])
+        coord._broadcast = None
         if not any(isinstance(r, WorkerDeadError) for r in failed):
             raise failed[0]
-        # A member died mid-broadcast: the group is unusable from now on; the rest go by ZeroMQ.
-        log.warning("weight broadcast of version %d lost a member (%s): ZeroMQ from now on", version, failed[0])
-        coord._broadcast = None
         return await push_core_weights(coord, [i for i in cells if i not in coord.dead], engine=engine,
                                        version=version)
     if coord.c.weight_transfer == "mooncake":  # each cell pulls from the core's registered buffer
@@ -226,7 +226,9 @@ async def push_core_weights(coord, cells: list[int], *, engine: bool, version: i
         _tolerate_dead(await asyncio.gather(
             *(coord._call(nodes[i], "pull_weights", handle=handle, engine=engine, trainer=True) for i in cells),
             return_exceptions=True))
+        coord.last_transfer = "mooncake"
         return handle["nbytes"]
+    coord.last_transfer = "zmq"
     nbytes, frames = await core_weights(coord)
     _tolerate_dead(await asyncio.gather(
         *(link.call(nodes[i], wire.LoadWeights(req_id=link.new_req_id(), version=version, trainer=True,

@@ -100,10 +100,12 @@ class Worker:
             "pull_weights": self._pull_weights,
             "init_broadcast": self._init_broadcast,
             "weight_specs": self._weight_specs,
+            "prepare_broadcast": self._prepare_broadcast,
             "broadcast_weights": self._broadcast_weights,
             "receive_weights": self._receive_weights,
         }
         self.broadcast = None  # the weight-broadcast group (transfer.BroadcastGroup), when configured
+        self._bcast_ready: tuple[int, dict] | None = None  # (version, tensors) the core will send
         self.transfer = None  # the weight-transfer backend (transfer.py), when not the ZeroMQ default
 
     # --- dispatch -----------------------------------------------------------------------
@@ -164,6 +166,7 @@ class Worker:
         if self.broadcast is not None:
             self.broadcast.close()
             self.broadcast = None
+        self._bcast_ready = None
         if hasattr(self.trainer, "close"):  # a TP cell's rank processes
             self.trainer.close()
         if hasattr(self.engine, "shutdown"):  # SGLang's scheduler processes hold the device
@@ -350,7 +353,7 @@ class Worker:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         self.broadcast = BroadcastGroup(master_address=master_address, master_port=master_port, rank=rank,
                                         world_size=world_size, group_name="gyre_publish", backend=backend,
-                                        timeout_s=60)
+                                        timeout_s=300)
         return {"rank": rank, "backend": backend}
 
     def _bcast_device(self) -> str:
@@ -361,15 +364,24 @@ class Worker:
 
         return BroadcastGroup.specs(self._need_trainer().export_weights())
 
-    def _broadcast_weights(self, version: int) -> dict:
-        """The core: send its trainer's weights at `version` to every other member."""
+    def _prepare_broadcast(self, version: int) -> dict:
+        """The core, before any receiver enters the collective: export (and check) `version`."""
         if self.broadcast is None:
             raise RuntimeError("no broadcast group: init_broadcast first")
         trainer = self._need_trainer()
         if trainer.version != version:
             raise RuntimeError(f"broadcast of version {version}, but the trainer is at {trainer.version}")
+        if self._bcast_ready is None or self._bcast_ready[0] != version:
+            named = {k: v.to(self._bcast_device()) for k, v in trainer.export_weights().items()}
+            self._bcast_ready = (version, named)
+        return {"version": version}
+
+    def _broadcast_weights(self, version: int) -> dict:
+        """The core: send the prepared weights of `version` to every other member."""
+        if self._bcast_ready is None or self._bcast_ready[0] != version:
+            raise RuntimeError(f"broadcast of version {version} was not prepared")
         t0 = time.perf_counter()
-        named = {k: v.to(self._bcast_device()) for k, v in trainer.export_weights().items()}
+        named, self._bcast_ready = self._bcast_ready[1], None  # sent once; not kept on the device
         nbytes = self.broadcast.send(named)
         return {"version": version, "nbytes": nbytes, "seconds": time.perf_counter() - t0}
 
