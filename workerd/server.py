@@ -168,6 +168,10 @@ class WorkerServer:
             self.send(wire.Error(req_id=getattr(msg, "req_id", -1), kind="WireError",
                                  message=f"{type(msg).__name__} is not a workerd command"))
             return
+        if isinstance(msg, wire.Welcome):
+            # Heartbeats start now, from the I/O thread, while the backends are built (SGLang and
+            # Megatron take longer than a worker timeout to start): building is not silence.
+            self.welcomed = True
         outs = self.worker.handle(msg, tensors)
         if isinstance(msg, wire.Reregister):
             log.warning("coordinator asks to register again (%s)", msg.reason or "new session")
@@ -179,7 +183,6 @@ class WorkerServer:
             errors = [m for m, _ in outs if isinstance(m, wire.Error)]
             if errors:  # no backends, nothing to serve: die loudly (systemd restarts us)
                 raise WelcomeFailed(f"cannot start from the Welcome: {errors[0].kind}: {errors[0].message}")
-            self.welcomed = True
         self._send_all(outs)
 
     def _shutdown_gracefully(self) -> int:

@@ -201,3 +201,29 @@ def test_a_missing_gpu_backend_names_its_package():
 
     r = CliRunner().invoke(app, ["workerd", "--coordinator", "tcp://127.0.0.1:1", "--engine-backend", "sglang"])
     assert r.exit_code == 1 and "[error] engine backend 'sglang' needs sglang" in r.output
+
+
+async def test_a_slow_start_up_is_not_silence(tiny_dir):
+    """Building backends can outlast a worker timeout (megatron-core alone imports for seconds
+    here; SGLang starts for tens of seconds on a GPU): heartbeats flow from the Welcome on,
+    so a starting worker is never silent to the health watch."""
+    pytest.importorskip("megatron.core")
+    cluster = LocalCluster(tiny_dir, cells=1, roles=("rollout",), backends=("cpu", "megatron"), heartbeat_s=0.2)
+    silent: list[str] = []
+    done = asyncio.Event()
+
+    async def watch():  # what the coordinator's health watch would see, at its own cadence
+        while not done.is_set():
+            silent.extend(cluster.link.silent_nodes(1.0))
+            try:
+                await asyncio.wait_for(done.wait(), 0.1)
+            except asyncio.TimeoutError:
+                pass
+
+    watcher = asyncio.create_task(watch())
+    async with cluster:
+        ready = next(e for e in cluster.events if isinstance(e, wire.Ready))
+        done.set()
+        await watcher
+        assert ready.load_seconds > 1.0  # the build did outlast the timeout below
+        assert silent == []
