@@ -24,7 +24,9 @@ from tests.workerd.sglang_fake import FakeSglangEngine, abort_reason
 @pytest.fixture
 def make(monkeypatch):
     """Builds SglangEngines over fakes; shuts them down and restores process state after."""
-    monkeypatch.delenv("SGLANG_RETURN_ORIGINAL_LOGPROB", raising=False)
+    for name in ("SGLANG_RETURN_ORIGINAL_LOGPROB", "SGLANG_USE_CPU_ENGINE"):  # the adapter sets them
+        monkeypatch.setenv(name, "")  # recorded, so they are restored after the test
+        monkeypatch.delenv(name)
     strategy = torch.multiprocessing.get_sharing_strategy()
     built = []
 
@@ -341,11 +343,33 @@ def test_a_failed_group_init_raises_sglangs_message(make):
 
 def test_server_args_from_arguments_and_options(make):
     eng, fake = make(version=1, max_running=8, seed=3,
-                     options={"tp_size": 2, "device": "cpu", "sleep_on_idle": True, "bucket_bytes": 1024})
+                     options={"tp_size": 2, "sleep_on_idle": True, "bucket_bytes": 1024})
     assert fake.server_args == {"model_path": "/models/tiny", "skip_tokenizer_init": True,
                                 "max_running_requests": 8, "random_seed": 3, "enable_memory_saver": True,
-                                "log_level": "warning", "tp_size": 2, "device": "cpu", "sleep_on_idle": True}
-    assert eng.bucket_bytes == 1024 and eng.version == 1
+                                "log_level": "warning", "tp_size": 2, "sleep_on_idle": True,
+                                "dtype": "auto"}  # no config.json at /models/tiny: SGLang's default
+    assert eng.bucket_bytes == 1024 and eng.version == 1 and "SGLANG_USE_CPU_ENGINE" not in os.environ
+
+
+def test_cpu_device_and_checkpoint_dtype(make, tiny_dir):
+    """device="cpu": SGLang's CPU code paths (an environment switch its scheduler reads at
+    import) and no CUDA-only memory saver; the checkpoint's dtype, never "auto" serving a
+    float32 checkpoint in float16. The operator's own choices win."""
+    built = []
+
+    def factory(**server_args):
+        built.append(FakeSglangEngine(**server_args))
+        return built[-1]
+
+    eng = SglangEngine(tiny_dir, options={"device": "cpu"}, engine_factory=factory, io_struct=sglang_fake.io_struct)
+    args = built[0].server_args
+    assert args["enable_memory_saver"] is False and args["dtype"] == "float32"
+    assert os.environ["SGLANG_USE_CPU_ENGINE"] == "1"
+    eng.shutdown(), built[0].loop.close()
+    eng = SglangEngine(tiny_dir, options={"dtype": "bfloat16"}, engine_factory=factory,
+                       io_struct=sglang_fake.io_struct)
+    assert built[1].server_args["dtype"] == "bfloat16" and built[1].server_args["enable_memory_saver"] is True
+    eng.shutdown(), built[1].loop.close()
 
 
 @pytest.mark.parametrize("bad", ["tp_sise", "random_seed", "incremental_streaming_output"])

@@ -33,15 +33,14 @@ log = logging.getLogger("gyre.workerd")
 # manager that abort and pause talk to).
 SERVER_OPTIONS = frozenset({
     "attention_backend", "base_gpu_id", "chunked_prefill_size", "context_length", "device",
-    "disable_cuda_graph", "disable_overlap_schedule", "disable_radix_cache", "dtype",
+    "disable_cuda_graph", "disable_overlap_schedule", "disable_radix_cache", "dtype", "enable_memory_saver",
     "enable_deterministic_inference", "enable_weights_cpu_backup", "kv_cache_dtype",
     "load_format", "log_level", "max_total_tokens", "mem_fraction_static", "nccl_port",
     "page_size", "quantization", "rl_on_policy_target", "sampling_backend", "sleep_on_idle",
     "tp_size", "trust_remote_code", "watchdog_timeout",
 })
 # ServerArgs fields the adapter sets itself (from the constructor's arguments).
-FIXED_SERVER_ARGS = ("model_path", "skip_tokenizer_init", "max_running_requests", "random_seed",
-                     "enable_memory_saver", "log_level")
+FIXED_SERVER_ARGS = ("model_path", "skip_tokenizer_init", "max_running_requests", "random_seed", "log_level")
 # The adapter's own settings, carried in the same options dict.
 ADAPTER_OPTIONS = {"bucket_bytes": int, "step_wait_s": float, "flush_timeout_s": float}
 
@@ -123,10 +122,17 @@ class SglangEngine:
         # reads it at import, so it must be in the environment before the Engine starts.
         os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
         server.setdefault("log_level", "warning")
-        # enable_memory_saver: release/resume_memory_occupation need it.
+        # release/resume_memory_occupation free memory only with the memory saver
+        # (torch_memory_saver, CUDA-only: on CPU they run their bookkeeping and free nothing).
+        server.setdefault("enable_memory_saver", server.get("device") != "cpu")
+        if server.get("device") == "cpu":
+            # SGLang takes its CPU code paths only with this; its scheduler reads it at import.
+            os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+        # "auto" serves a float32 checkpoint in float16 (log-probs ~1e-3 off the trainer's):
+        # the checkpoint's own dtype unless the operator says otherwise.
+        server.setdefault("dtype", _checkpoint_dtype(model_dir))
         self.engine = engine_factory(model_path=str(model_dir), skip_tokenizer_init=True,
-                                     max_running_requests=max_running, random_seed=seed,
-                                     enable_memory_saver=True, **server)
+                                     max_running_requests=max_running, random_seed=seed, **server)
         self._streams: dict[str, _Stream] = {}
         self._seq = itertools.count()
         self._released: set[str] = set()  # memory tags released and not yet resumed
@@ -459,3 +465,13 @@ def _split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, A
     server = {k: v for k, v in options.items() if k in SERVER_OPTIONS}
     adapter = {k: ADAPTER_OPTIONS[k](v) for k, v in options.items() if k in ADAPTER_OPTIONS}
     return server, adapter
+
+
+def _checkpoint_dtype(model_dir) -> str:
+    """config.json's dtype (transformers 5 writes `dtype`, older `torch_dtype`), else "auto"."""
+    import json
+    from pathlib import Path
+
+    path = Path(model_dir) / "config.json"
+    raw = json.loads(path.read_text()) if path.is_file() else {}
+    return str(raw.get("dtype") or raw.get("torch_dtype") or "auto")
