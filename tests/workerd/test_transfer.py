@@ -114,7 +114,7 @@ def test_a_run_publishes_through_a_broadcast_group(tmp_path):
     _netns_or_skip()
     run = tmp_path / "run"
     r = _in_private_netns(f"{sys.executable} -m gyre.cli up --steps 2 --policy elastic --run-dir {run} --no-live "
-                          "--set weight_transfer=broadcast --set cells=3", 360)
+                          "--set weight_transfer=broadcast --set group_size=4", 360)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     events = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     publishes = [e for e in events if e["event"] == "publish"]
