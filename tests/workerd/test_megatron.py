@@ -5,7 +5,6 @@ log-probs and gradients; offload frees every storage and onload restores the byt
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -14,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gyre.workerd.model import CausalLM, load_model
-from gyre.workerd.modeldir import ModelConfig, ModelDirError, init_tiny, load_config
+from gyre.workerd.model import load_model
+from gyre.workerd.modeldir import ModelDirError, init_tiny, load_config
 from gyre.workerd.trainers.cpu import CpuTrainer
 from gyre.workerd.trainers.hf_megatron import to_hf, to_megatron
 from tests.workerd.test_loss import make_rows, micro_batch
