@@ -203,9 +203,12 @@ async def push_core_weights(coord, cells: list[int], *, engine: bool, version: i
         return 0
     link, nodes = coord.link, coord.nodes
     if coord.c.weight_transfer == "broadcast" and _broadcast_covers(coord, cells):
+        specs = coord._broadcast["specs"]
         # The core exports first: receivers enter the collective only once the sender is ready.
         await coord._call(nodes[0], "prepare_broadcast", version=version)
-        specs = coord._broadcast["specs"]
+        if not _broadcast_covers(coord, cells):  # a member died meanwhile (health.py gave the group up)
+            return await push_core_weights(coord, [i for i in cells if i not in coord.dead], engine=engine,
+                                           version=version)
         results = await asyncio.gather(
             coord._call(nodes[0], "broadcast_weights", version=version),
             *(coord._call(nodes[i], "receive_weights", version=version, specs=specs, engine=engine, trainer=True)

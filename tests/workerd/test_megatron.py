@@ -267,6 +267,9 @@ def test_a_tensor_parallel_cell_in_one_workerd_equals_the_cpu_trainer(family_dir
     for k, w in cpu.export_weights().items():
         assert torch.allclose(out["weights"][k], w, atol=3e-3), k
     assert out["error"].startswith("ModelDirError: weights missing") and out["after"].shape == batch.input_ids.shape
+    assert out["rank_error"].startswith("TP rank 1 failed save_checkpoint")
+    assert out["stats2_tokens"] == batch.target_mask.sum()  # the next call's own answer
+    assert torch.equal(out["again"], out["logprobs"])  # a second cell built in the same process
 
 
 def test_non_finite_gradients_update_nothing(megatron_module, family_dirs):

@@ -346,14 +346,13 @@ def test_server_args_from_arguments_and_options(make):
                      options={"tp_size": 2, "sleep_on_idle": True, "bucket_bytes": 1024})
     assert fake.server_args == {"model_path": "/models/tiny", "skip_tokenizer_init": True,
                                 "max_running_requests": 8, "random_seed": 3, "enable_memory_saver": True,
-                                "log_level": "warning", "tp_size": 2, "sleep_on_idle": True,
-                                "dtype": "auto"}  # no config.json at /models/tiny: SGLang's default
+                                "log_level": "warning", "tp_size": 2, "sleep_on_idle": True}  # dtype: SGLang's
     assert eng.bucket_bytes == 1024 and eng.version == 1 and "SGLANG_USE_CPU_ENGINE" not in os.environ
 
 
 def test_cpu_device_and_checkpoint_dtype(make, tiny_dir):
     """device="cpu": SGLang's CPU code paths (an environment switch its scheduler reads at
-    import) and no CUDA-only memory saver; the checkpoint's dtype, never "auto" serving a
+    import), no CUDA-only memory saver, and the checkpoint's dtype, never "auto" serving a
     float32 checkpoint in float16. The operator's own choices win."""
     built = []
 
@@ -612,3 +611,18 @@ def test_welcome_never_holds_engine_and_trainer_memory_together(make, monkeypatc
     finally:
         worker.engine.shutdown()
         fake.loop.close()
+
+
+def test_a_direct_publication_supersedes_one_left_pending(make):
+    """A resume failed after the weights came back (the publication stays pending); a newer
+    publication then loads directly: the next resume must not roll back to the older one."""
+    eng, fake = make()
+    eng.release_memory()
+    eng.load_weights([("w", torch.full((2,), 1.0))], version=5)
+    fake.fail["update_weights_from_tensor"] = "out of memory"
+    with pytest.raises(SglangError):
+        eng.resume_memory()
+    del fake.fail["update_weights_from_tensor"]
+    eng.load_weights([("w", torch.full((2,), 2.0))], version=6)  # weights are resident: direct
+    eng.resume_memory()
+    assert eng.version == 6 and torch.equal(fake.weights["w"], torch.full((2,), 2.0))

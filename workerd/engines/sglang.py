@@ -128,9 +128,11 @@ class SglangEngine:
         if server.get("device") == "cpu":
             # SGLang takes its CPU code paths only with this; its scheduler reads it at import.
             os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
-        # "auto" serves a float32 checkpoint in float16 (log-probs ~1e-3 off the trainer's):
-        # the checkpoint's own dtype unless the operator says otherwise.
-        server.setdefault("dtype", _checkpoint_dtype(model_dir))
+        if server.get("device") == "cpu":
+            # "auto" serves a float32 checkpoint in float16 (log-probs ~1e-3 off the trainer's):
+            # on CPU the checkpoint's own dtype. On GPUs "auto" stays: their attention kernels
+            # take fp16/bf16 only (set dtype = "bfloat16" to match a bf16 Megatron trainer).
+            server.setdefault("dtype", _checkpoint_dtype(model_dir))
         self.engine = engine_factory(model_path=str(model_dir), skip_tokenizer_init=True,
                                      max_running_requests=max_running, random_seed=seed, **server)
         self._streams: dict[str, _Stream] = {}
@@ -266,7 +268,7 @@ class SglangEngine:
         self.resume_weights()
         if self._pending is not None:
             named, version = self._pending
-            self.load_weights(named, version)  # on failure it stays pending, and the version unclaimed
+            self._load(named, version)  # on failure it stays pending, and the version unclaimed
             self._pending = None
         self.resume_cache()
 
@@ -296,6 +298,10 @@ class SglangEngine:
             kept = [(name, t.detach().to("cpu", copy=True)) for name, t in named]
             self._pending = (kept, version)  # self.version moves when they are loaded
             return sum(t.numel() * t.element_size() for _, t in kept)
+        self._pending = None  # newer than any publication a failed resume left pending
+        return self._load(named, version)
+
+    def _load(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
         # CPU tensors reach the scheduler through shared memory; with torch's default
         # strategy its scheduler crashed, with file_system it works (DEPS-NOTES).
         torch.multiprocessing.set_sharing_strategy("file_system")

@@ -151,8 +151,7 @@ class MegatronTrainer:
             from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
             from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True,
-            check_for_nan_in_grad=True), model)
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True), model)
         opt = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=lr, weight_decay=weight_decay, adam_beta1=0.9, adam_beta2=0.95,
             adam_eps=1e-15, clip_grad=grad_clip, bf16=True, params_dtype=torch.bfloat16,
@@ -246,10 +245,14 @@ class MegatronTrainer:
 
     def _gpu_step(self, num_executions: int, reducer, apply: bool) -> float:
         try:
-            self.model.finish_grad_sync()  # raises on NaN gradients (check_for_nan_in_grad)
+            self.model.finish_grad_sync()
             grad_buffers = [b.grad_data for b in self.model.buffers + self.model.expert_parallel_buffers]
             if reducer is not None:
                 reducer.all_reduce(grad_buffers)
+            # Checked after the reduction, so every cell of the group reaches the same verdict
+            # (a cell refusing before it would leave the others waiting in the all-reduce).
+            if not all(bool(torch.isfinite(g).all()) for g in grad_buffers):
+                raise RuntimeError("non-finite gradients: step skipped, gradients dropped")
             for g in grad_buffers:
                 g.div_(num_executions)
             if apply:
@@ -383,6 +386,7 @@ class MegatronTrainer:
         for s, _ in host:
             s.resize_(0)
         self._host = host
+        self._spare = []  # the ones not reused are let go
         if self.on_gpu:
             torch.cuda.empty_cache()
         return freed
@@ -425,14 +429,16 @@ class MegatronTrainer:
             return
         params = {p.untyped_storage()._cdata for p in self.gpt.parameters()}
         back = [(s, keep) for s, keep in self._host if s._cdata in params]
-        for s, keep in back:
-            s.resize_(keep.numel())
-            torch.empty(0, dtype=torch.uint8, device=s.device).set_(s).copy_(keep)
         try:
+            for s, keep in back:
+                s.resize_(keep.numel())
+                torch.empty(0, dtype=torch.uint8, device=s.device).set_(s).copy_(keep)
             yield
         finally:
             for s, _ in back:
                 s.resize_(0)
+            if self.on_gpu:
+                torch.cuda.empty_cache()  # not held beside the serving engine
 
     def _need_onloaded(self) -> None:
         if self._host is not None:
@@ -479,4 +485,6 @@ class MegatronTrainer:
             # The fp32 main parameters come from here (reload_model_params would overwrite
             # them with the bf16 model's, losing what bf16 cannot hold).
             self.optimizer.load_parameter_state(str(self._ckpt_path(path)) + ".optim")
+        elif self.on_gpu:  # no Adam state saved (before the first step): main params follow the model
+            self.optimizer.reload_model_params()
         self.version = int(state["version"])

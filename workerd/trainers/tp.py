@@ -7,7 +7,7 @@ first, then runs here, then their answers are collected (an error on any rank is
 here, naming the rank). Gradient reduction across cells pairs rank r of every cell:
 each rank joins its own copy of the coordinator's reducer world (`init_reducer`).
 
-On GPUs rank r uses `cuda:r` of the devices the workerd was given. Not a launcher of
+On GPUs rank r uses `cuda:r` of the visible devices (CUDA_VISIBLE_DEVICES picks them). Not a launcher of
 workerds and not a scheduler: the worker calls it exactly as it calls a one-rank trainer.
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
+from datetime import timedelta
 import traceback
 from pathlib import Path
 from typing import Any, Iterable
@@ -43,7 +44,7 @@ def rank_init_method(init_method: str, rank: int) -> str:
 
 
 def _rank_main(rank: int, tp: int, store: str, model_dir: str, config: ModelConfig, options: dict,
-               threads: int, conn) -> None:
+               threads: int, start_timeout_s: float, conn) -> None:
     """A child rank: join the TP group, build the trainer, then serve calls until told to stop."""
     import torch.distributed as dist
 
@@ -54,7 +55,7 @@ def _rank_main(rank: int, tp: int, store: str, model_dir: str, config: ModelConf
         if torch.cuda.is_available():
             torch.cuda.set_device(rank)
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", init_method=store,
-                                rank=rank, world_size=tp)
+                                rank=rank, world_size=tp, timeout=timedelta(seconds=start_timeout_s))
         trainer = MegatronTrainer(model_dir, config, tp=tp, **options)
         reducer = None
         conn.send(("ready", None))
@@ -100,14 +101,18 @@ class TensorParallelTrainer:
         check_tp(config, tp)
         if dist.is_initialized():
             raise RankError("torch.distributed is already initialised in this process: a TP cell owns it")
+        if torch.cuda.is_available() and torch.cuda.device_count() < tp:
+            raise RankError(f"tensor-parallel size {tp} needs {tp} GPUs; {torch.cuda.device_count()} visible")
         self.tp = tp
-        store = f"file://{Path(tempfile.mkdtemp(prefix='gyre-tp-')) / 'store'}"
+        self._broken: str | None = None
+        self._store_dir = Path(tempfile.mkdtemp(prefix="gyre-tp-"))
+        store = f"file://{self._store_dir / 'store'}"
         ctx = mp.get_context("spawn")
         self._conns, self._procs = [], []
         for rank in range(1, tp):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_rank_main, args=(rank, tp, store, str(model_dir), config, options,
-                                                             torch.get_num_threads(), child),
+                                                             torch.get_num_threads(), start_timeout_s, child),
                                daemon=True, name=f"gyre-tp-rank-{rank}")
             proc.start()
             child.close()
@@ -117,7 +122,7 @@ class TensorParallelTrainer:
             if torch.cuda.is_available():
                 torch.cuda.set_device(0)
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", init_method=store,
-                                    rank=0, world_size=tp)
+                                    rank=0, world_size=tp, timeout=timedelta(seconds=start_timeout_s))
             self.local = MegatronTrainer(model_dir, config, tp=tp, **options)
             self._collect("start-up", timeout=start_timeout_s)
         except BaseException:
@@ -128,26 +133,45 @@ class TensorParallelTrainer:
     # --- the SPMD call --------------------------------------------------------------------
 
     def _collect(self, what: str, timeout: float | None = None) -> list[Any]:
-        out = []
+        """Every rank's reply to `what` (all are read, so replies never shift onto the next
+        call); then the first failure is raised. A rank that times out or dies breaks the
+        cell: its later calls fail at once."""
+        if self._broken:
+            raise RankError(self._broken)
+        out, errors = [], []
         for rank, (conn, proc) in enumerate(zip(self._conns, self._procs), start=1):
-            if not conn.poll(timeout):
-                raise RankError(f"TP rank {rank} did not answer {what} within {timeout} s "
-                                f"(alive: {proc.is_alive()}, exit code {proc.exitcode})")
             try:
+                if not conn.poll(timeout):
+                    self._broken = (f"TP rank {rank} did not answer {what} within {timeout} s "
+                                    f"(alive: {proc.is_alive()}, exit code {proc.exitcode})")
+                    continue
                 status, value = conn.recv()
-            except EOFError:
-                raise RankError(f"TP rank {rank} died during {what} (exit code {proc.exitcode})") from None
+            except (EOFError, OSError):
+                self._broken = f"TP rank {rank} died during {what} (exit code {proc.exitcode})"
+                continue
             if status == "error":
-                raise RankError(f"TP rank {rank} failed {what}: {value}")
+                errors.append(f"TP rank {rank} failed {what}: {value}")
             out.append(value)
+        if self._broken:
+            self.close()
+            raise RankError(self._broken)
+        if errors:
+            raise RankError(errors[0])
         return out
 
-    def _all(self, method: str, *args, **kwargs):
+    def _send(self, method: str, args: tuple = (), kwargs: dict | None = None) -> None:
+        if self._broken:
+            raise RankError(self._broken)
         for rank, conn in enumerate(self._conns, start=1):
             try:
-                conn.send((method, args, kwargs))
+                conn.send((method, args, kwargs or {}))
             except (BrokenPipeError, OSError):
-                raise RankError(f"TP rank {rank} is gone (exit code {self._procs[rank - 1].exitcode})") from None
+                self._broken = f"TP rank {rank} is gone (exit code {self._procs[rank - 1].exitcode})"
+                self.close()
+                raise RankError(self._broken) from None
+
+    def _all(self, method: str, *args, **kwargs):
+        self._send(method, args, kwargs)
         return self._here(method, lambda: getattr(self.local, method)(*args, **kwargs))
 
     def _here(self, method: str, fn):
@@ -179,8 +203,7 @@ class TensorParallelTrainer:
         return self._all("current_logprobs", input_ids)
 
     def optimizer_step(self, num_executions: int, reducer=None, apply: bool = True) -> float:
-        for conn in self._conns:  # children use their own reducers
-            conn.send(("optimizer_step", (num_executions,), {"apply": apply}))
+        self._send("optimizer_step", (num_executions,), {"apply": apply})  # children use their own reducers
         return self._here("optimizer_step",
                           lambda: self.local.optimizer_step(num_executions, reducer=reducer, apply=apply))
 
@@ -211,7 +234,7 @@ class TensorParallelTrainer:
         """Rank r of this cell joins the reducer world of TP rank r; returns rank 0's."""
         from gyre.workerd.reducer import GradReducer
 
-        for r, conn in enumerate(self._conns, start=1):
+        for r, conn in enumerate(self._conns, start=1):  # each child its own world's rendezvous
             conn.send(("init_reducer", (), {"rank": rank, "world_size": world_size,
                                             "init_method": rank_init_method(init_method, r)}))
         self.reducer = self._here("init_reducer", lambda: GradReducer(rank=rank, world_size=world_size,
@@ -219,11 +242,16 @@ class TensorParallelTrainer:
         return self.reducer
 
     def set_participants(self, participants: int) -> None:
-        for conn in self._conns:
-            conn.send(("set_participants", (), {"participants": participants}))
+        self._send("set_participants", (), {"participants": participants})
         self._collect("set_participants")
 
     def close(self) -> None:
+        """Stop the children and leave this process as it was before the cell (so a new
+        Welcome can build another): Megatron's parallel state, the process group, the store."""
+        import shutil
+
+        import torch.distributed as dist
+
         for conn in self._conns:
             try:
                 conn.send(("stop", (), {}))
@@ -234,3 +262,10 @@ class TensorParallelTrainer:
             if proc.is_alive():
                 proc.kill()
         self._conns, self._procs = [], []
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        shutil.rmtree(self._store_dir, ignore_errors=True)
