@@ -125,3 +125,24 @@ async def test_a_run_on_tensor_parallel_megatron_cells(tiny_dir, tmp_path):
     assert [r.cells_training for r in reports] == [2]
     execs = [x for x in lines if x["event"] == "execution"]
     assert len({e["id"] for e in execs}) == len(execs) == coord.wl.c.f == coord.wl.c.p
+
+
+@pytest.mark.timeout(300)
+async def test_an_elastic_run_on_megatron_trainers(tiny_dir, tmp_path):
+    """Elastic on one-rank megatron cells with offload: the core trains first while the other
+    cell serves, publications reach an offloaded trainer (kept on the host until onload), and
+    the step after a publication trains on rollouts of the published weights."""
+    pytest.importorskip("megatron.core")
+    cfg = CoordinatorConfig(run_dir=tmp_path / "run", model_dir=tiny_dir, steps=2, policy="elastic", cells=2,
+                            groups_per_step=2, group_size=4, phi=0, mu=1, exec_slots_per_cell=4, seed=3,
+                            trainer_backend="megatron", trainer_options={"offload": True})
+    coord = Coordinator(cfg)
+    reports = await coord.run()
+    assert [r.version for r in reports] == [1, 2]
+    lines = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["version"] for x in lines if x["event"] == "publish"] == [1, 2]
+    steps = [x for x in lines if x["event"] == "step"]
+    # Steps that trained on fresh rollouts: engines served what the trainer published.
+    fresh = [s for s in steps if s["tokens_trained"] and not any(s["staleness"])]
+    assert fresh and all(abs(s["mismatch"]) < 1e-3 for s in fresh)
+    assert any(s["version"] == 2 for s in fresh)  # the step after the first publication
