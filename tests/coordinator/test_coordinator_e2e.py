@@ -134,7 +134,7 @@ async def test_an_elastic_run_on_megatron_trainers(tiny_dir, tmp_path):
     the step after a publication trains on rollouts of the published weights."""
     pytest.importorskip("megatron.core")
     cfg = CoordinatorConfig(run_dir=tmp_path / "run", model_dir=tiny_dir, steps=2, policy="elastic", cells=2,
-                            groups_per_step=2, group_size=4, phi=0, mu=1, exec_slots_per_cell=4, seed=3,
+                            groups_per_step=2, group_size=3, phi=0, mu=1, exec_slots_per_cell=4, seed=3,
                             trainer_backend="megatron", trainer_options={"offload": True})
     coord = Coordinator(cfg)
     reports = await coord.run()
