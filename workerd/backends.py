@@ -84,10 +84,9 @@ def build_backends(model_dir: str, *, engine: str, trainer: str,
             from gyre.workerd.trainers.tp import TensorParallelTrainer
 
             tr = TensorParallelTrainer(model_dir, config, tp=tp, **options)
-            params = sum(p.numel() for p in tr.local.gpt.parameters()) * tp
         else:
             tr = MegatronTrainer(model_dir, config, tp=1, **options)
-            params = sum(p.numel() for p in tr.gpt.parameters())
+        params = tr.num_params
     else:
         from gyre.workerd.model import load_model, num_params
         from gyre.workerd.trainers.cpu import CpuTrainer

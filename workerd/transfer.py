@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from gyre.workerd.wire import GyreError
 
@@ -142,9 +144,6 @@ class BroadcastGroup:
 
     def __init__(self, *, master_address: str, master_port: int, rank: int, world_size: int,
                  group_name: str = "gyre_weights", backend: str = "gloo", timeout_s: float = 300.0):
-        from datetime import timedelta
-
-        import torch.distributed as dist
         from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world
 
         if not 0 <= rank < world_size:
@@ -166,8 +165,6 @@ class BroadcastGroup:
 
     def send(self, named: dict[str, torch.Tensor]) -> int:
         """Rank 0: broadcast every tensor, in order; returns bytes sent."""
-        import torch.distributed as dist
-
         if self.rank != 0:
             raise TransferError(f"rank {self.rank} of {self.name} receives; only rank 0 sends")
         works = [dist.broadcast(t.contiguous(), src=0, group=self.group, async_op=True) for t in named.values()]
@@ -177,8 +174,6 @@ class BroadcastGroup:
 
     def recv(self, specs: list[tuple[str, str, list[int]]], device: str = "cpu") -> dict[str, torch.Tensor]:
         """Other ranks: receive one publication described by `specs`."""
-        import torch.distributed as dist
-
         out = {name: torch.empty(shape, dtype=getattr(torch, dtype), device=device) for name, dtype, shape in specs}
         works = [dist.broadcast(t, src=0, group=self.group, async_op=True) for t in out.values()]
         for w in works:
@@ -186,6 +181,4 @@ class BroadcastGroup:
         return out
 
     def close(self) -> None:
-        import torch.distributed as dist
-
         dist.destroy_process_group(self.group)

@@ -272,11 +272,7 @@ class Worker:
             named = from_frames(tensors)
         else:
             named = self._need_trainer().export_weights()
-        nbytes = sum(t.numel() * t.element_size() for t in named.values())
-        if msg.engine:
-            self.engine.load_weights(named.items(), msg.version)
-        if msg.trainer and tensors:
-            self._need_trainer().load_weights(named.items(), msg.version)
+        nbytes = self._load_named(named, msg.version, engine=msg.engine, trainer=msg.trainer and bool(tensors))
         return [(wire.Loaded(req_id=msg.req_id, version=msg.version,
                              seconds=time.perf_counter() - t0, nbytes=nbytes), None)]
 
@@ -323,10 +319,7 @@ class Worker:
         """This node's trainer parameters, pullable by other nodes (cached per version)."""
         if self.transfer is None:
             raise RuntimeError("no weight-transfer backend: init_transfer first")
-        trainer = self._need_trainer()
-        if trainer.version != version:
-            raise RuntimeError(f"offer of version {version}, but the trainer is at {trainer.version}")
-        return self.transfer.offer(trainer.export_weights(), version)
+        return self.transfer.offer(self._trainer_at(version, "offer").export_weights(), version)
 
     def _pull_weights(self, handle: dict, engine: bool, trainer: bool) -> dict:
         if self.transfer is None:
@@ -334,10 +327,7 @@ class Worker:
         t0 = time.perf_counter()
         named, wire_seconds = self.transfer.pull(handle)
         version = int(handle["version"])
-        if engine:
-            self.engine.load_weights(named.items(), version)
-        if trainer:
-            self._need_trainer().load_weights(named.items(), version)
+        self._load_named(named, version, engine=engine, trainer=trainer)
         return {"version": version, "nbytes": int(handle["nbytes"]), "transfer_seconds": wire_seconds,
                 "seconds": time.perf_counter() - t0}
 
@@ -350,7 +340,7 @@ class Worker:
 
         if self.broadcast is not None:
             raise RuntimeError("broadcast group already initialised")
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = "nccl" if self._bcast_device() == "cuda" else "gloo"
         self.broadcast = BroadcastGroup(master_address=master_address, master_port=master_port, rank=rank,
                                         world_size=world_size, group_name="gyre_publish", backend=backend,
                                         timeout_s=300)
@@ -368,9 +358,7 @@ class Worker:
         """The core, before any receiver enters the collective: export (and check) `version`."""
         if self.broadcast is None:
             raise RuntimeError("no broadcast group: init_broadcast first")
-        trainer = self._need_trainer()
-        if trainer.version != version:
-            raise RuntimeError(f"broadcast of version {version}, but the trainer is at {trainer.version}")
+        trainer = self._trainer_at(version, "broadcast")
         if self._bcast_ready is None or self._bcast_ready[0] != version:
             named = {k: v.to(self._bcast_device()) for k, v in trainer.export_weights().items()}
             self._bcast_ready = (version, named)
@@ -391,12 +379,24 @@ class Worker:
         t0 = time.perf_counter()
         named = self.broadcast.recv([tuple(s) for s in specs], device=self._bcast_device())
         wire_seconds = time.perf_counter() - t0
+        nbytes = self._load_named(named, version, engine=engine, trainer=trainer)
+        return {"version": version, "nbytes": nbytes, "transfer_seconds": wire_seconds,
+                "seconds": time.perf_counter() - t0}
+
+    def _load_named(self, named: dict[str, torch.Tensor], version: int, *, engine: bool, trainer: bool) -> int:
+        """Received weights into this node's engine and/or trainer (every transfer path ends
+        here); returns their bytes."""
         if engine:
             self.engine.load_weights(named.items(), version)
         if trainer:
             self._need_trainer().load_weights(named.items(), version)
-        return {"version": version, "nbytes": sum(t.numel() * t.element_size() for t in named.values()),
-                "transfer_seconds": wire_seconds, "seconds": time.perf_counter() - t0}
+        return sum(t.numel() * t.element_size() for t in named.values())
+
+    def _trainer_at(self, version: int, what: str):
+        trainer = self._need_trainer()
+        if trainer.version != version:
+            raise RuntimeError(f"{what} of version {version}, but the trainer is at {trainer.version}")
+        return trainer
 
     def _init_reducer(self, rank: int, world_size: int, init_method: str) -> dict:
         from gyre.workerd.reducer import GradReducer

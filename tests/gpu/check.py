@@ -79,6 +79,24 @@ async def trainer_logprobs(link, node, prompt, ids):
     return reply.result[0][len(prompt):]
 
 
+async def generation_round(c: Checks, link, node, args, *, version: int, tag: str, tps_key: str):
+    """Concurrent requests at `version`: tokens/s, and the first sample's log-probs against
+    the trainer's for the same tokens (figure logprob_max_diff_v<version>)."""
+    samples, secs = await generate(link, node, args.requests, args.tokens, tag)
+    total = sum(len(s[1]) for s in samples)
+    c.figures[tps_key] = round(total / secs, 1)
+    print(f"  generate: {args.requests} requests, {total} tokens in {secs:.2f} s = {total / secs:.0f} tokens/s")
+    c.expect(all(len(s[1]) == len(s[2]) > 0 for s in samples), "every request returned tokens with log-probs")
+    c.expect({r for s in samples for r in s[3]} == {version}, f"chunks carry version {version}")
+    prompt, ids, lps = samples[0][:3]
+    ref = await trainer_logprobs(link, node, prompt, ids)
+    diff = max(abs(a - b) for a, b in zip(lps, ref))
+    c.figures[f"logprob_max_diff_v{version}"] = round(diff, 6)
+    c.expect(diff < args.tolerance, f"engine vs trainer log-probs at version {version}: max |diff| {diff:.2e} "
+                                    f"< {args.tolerance}")
+    return samples
+
+
 async def main(args) -> int:
     c = Checks()
     work = Path(args.work or tempfile.mkdtemp(prefix="gyre-gpu-check-"))
@@ -97,18 +115,8 @@ async def main(args) -> int:
         print(f"1 start-up: {c.figures['start_seconds']} s (backends built in {ready.load_seconds:.2f} s), "
               f"{ready.params:,} parameters")
 
-        samples, secs = await generate(link, node, args.requests, args.tokens, "a")
-        total = sum(len(s[1]) for s in samples)
-        c.figures["rollout_tokens_per_s"] = round(total / secs, 1)
-        print(f"2 generate: {args.requests} requests, {total} tokens in {secs:.2f} s = "
-              f"{total / secs:.0f} tokens/s")
-        c.expect(all(len(s[1]) == len(s[2]) > 0 for s in samples), "every request returned tokens with log-probs")
-        c.expect({r for s in samples for r in s[3]} == {0}, "chunks carry version 0")
-        prompt, ids, lps = samples[0][:3]
-        ref = await trainer_logprobs(link, node, prompt, ids)
-        diff = max(abs(a - b) for a, b in zip(lps, ref))
-        c.figures["logprob_max_diff_v0"] = round(diff, 6)
-        c.expect(diff < args.tolerance, f"engine vs trainer log-probs: max |diff| {diff:.2e} < {args.tolerance}")
+        print("2 generate at version 0")
+        samples = await generation_round(c, link, node, args, version=0, tag="a", tps_key="rollout_tokens_per_s")
 
         t = time.perf_counter()
         changed, _ = await link.call(node, wire.SetRole(req_id=link.new_req_id(), role="training"))
@@ -143,15 +151,7 @@ async def main(args) -> int:
         c.figures["publish_bytes"] = loaded.nbytes
         print(f"6 publish: {loaded.nbytes:,} bytes in {c.figures['publish_seconds']} s "
               f"(worker {loaded.seconds:.3f} s)")
-        samples, secs = await generate(link, node, args.requests, args.tokens, "b")
-        total = sum(len(s[1]) for s in samples)
-        c.figures["rollout_tokens_per_s_after"] = round(total / secs, 1)
-        c.expect({r for s in samples for r in s[3]} == {1}, "after the publication chunks carry version 1")
-        prompt, ids, lps = samples[0][:3]
-        ref = await trainer_logprobs(link, node, prompt, ids)
-        diff = max(abs(a - b) for a, b in zip(lps, ref))
-        c.figures["logprob_max_diff_v1"] = round(diff, 6)
-        c.expect(diff < args.tolerance, f"after the update, engine vs trainer log-probs: max |diff| {diff:.2e}")
+        await generation_round(c, link, node, args, version=1, tag="b", tps_key="rollout_tokens_per_s_after")
     summary = {"engine": args.engine, "trainer": args.trainer, "ok": not c.failed, "failed": c.failed,
                **c.figures}
     print(json.dumps(summary))

@@ -126,3 +126,17 @@ def test_micro_batch_validates_shapes():
     with pytest.raises(ValueError, match="first token"):
         MicroBatch(input_ids=z.long(), target_mask=m, behaviour_logprobs=z, advantages=z, loss_weights=z,
                    exec_ids=z.long())
+
+
+def test_non_finite_gradients_update_nothing_on_the_cpu_trainer(tiny_model):
+    """The guard lives in the shared optimizer step (trainers/base.py): every trainer has it."""
+    trainer = CpuTrainer(copy.deepcopy(tiny_model), lr=1e-3)
+    ids, mask, behaviour, exec_of_row, adv = make_rows(4)
+    counts = {i: 1 for i in adv}
+    before = trainer.export_weights()
+    trainer.train_micro_step(micro_batch([0, 1], ids, mask, behaviour, exec_of_row, {**adv, 0: float("nan")}, counts))
+    with pytest.raises(RuntimeError, match="non-finite gradient norm"):
+        trainer.optimizer_step(2)
+    assert trainer.version == 0 and all(torch.equal(trainer.export_weights()[k], v) for k, v in before.items())
+    trainer.train_micro_step(micro_batch([0, 1], ids, mask, behaviour, exec_of_row, adv, counts))
+    assert trainer.optimizer_step(2) > 0 and trainer.version == 1

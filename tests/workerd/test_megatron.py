@@ -214,18 +214,25 @@ def test_offload_frees_every_storage_and_onload_restores_it(megatron_module, fam
 # --- TP=2: two processes over gloo --------------------------------------------------------
 
 CHILD = Path(__file__).with_name("_megatron_tp_child.py")
+CHILD_ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[2]),
+                                                         os.environ.get("PYTHONPATH", "")]))
+
+
+def whole_batch(seed: int, path: Path):
+    """All five rows of make_rows(seed) as one micro-step, also saved for a child process."""
+    ids, mask, behaviour, exec_of_row, adv = make_rows(seed)
+    counts = {i: int(mask[[r for r in range(5) if exec_of_row[r] == i]].sum()) for i in adv}
+    batch = micro_batch([0, 1, 2, 3, 4], ids, mask, behaviour, exec_of_row, adv, counts)
+    torch.save(batch.tensors(), path)
+    return batch
 
 
 def test_tensor_parallel_2_equals_the_cpu_trainer(family_dirs, tmp_path):
     d = family_dirs["qwen2"]
-    ids, mask, behaviour, exec_of_row, adv = make_rows(21)
-    counts = {i: int(mask[[r for r in range(5) if exec_of_row[r] == i]].sum()) for i in adv}
-    batch = micro_batch([0, 1, 2, 3, 4], ids, mask, behaviour, exec_of_row, adv, counts)
-    torch.save(batch.tensors(), tmp_path / "batch.pt")
+    batch = whole_batch(21, tmp_path / "batch.pt")
     init = f"file://{tmp_path / 'store'}"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]))
     procs = [subprocess.Popen([sys.executable, str(CHILD), str(r), "2", init, str(d), str(tmp_path / "batch.pt"),
-                               str(tmp_path / f"out{r}.pt")], env=env) for r in range(2)]
+                               str(tmp_path / f"out{r}.pt")], env=CHILD_ENV) for r in range(2)]
     assert [p.wait(timeout=240) for p in procs] == [0, 0]
     outs = [torch.load(tmp_path / f"out{r}.pt", weights_only=True) for r in range(2)]
     cpu = CpuTrainer(load_model(d), lr=1e-3)
@@ -249,13 +256,9 @@ def test_tensor_parallel_2_equals_the_cpu_trainer(family_dirs, tmp_path):
 def test_a_tensor_parallel_cell_in_one_workerd_equals_the_cpu_trainer(family_dirs, tmp_path):
     """TP=2 as workerd runs it: rank 0 in the process, rank 1 a child that mirrors every call."""
     d = family_dirs["llama"]
-    ids, mask, behaviour, exec_of_row, adv = make_rows(5)
-    counts = {i: int(mask[[r for r in range(5) if exec_of_row[r] == i]].sum()) for i in adv}
-    batch = micro_batch([0, 1, 2, 3, 4], ids, mask, behaviour, exec_of_row, adv, counts)
-    torch.save(batch.tensors(), tmp_path / "batch.pt")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]))
+    batch = whole_batch(5, tmp_path / "batch.pt")
     r = subprocess.run([sys.executable, str(Path(__file__).with_name("_megatron_tp_cell.py")), str(d),
-                        str(tmp_path / "batch.pt"), str(tmp_path / "out.pt")], env=env, capture_output=True,
+                        str(tmp_path / "batch.pt"), str(tmp_path / "out.pt")], env=CHILD_ENV, capture_output=True,
                        text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     out = torch.load(tmp_path / "out.pt", weights_only=True)

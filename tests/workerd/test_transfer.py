@@ -71,14 +71,19 @@ def test_mooncake_pull_between_workerds(tiny_dir):
     assert out["session"].startswith("127.0.0.1:")
 
 
+def _up_in_private_netns(run: Path, *sets: str) -> list[dict]:
+    """`gyre up --steps 2 --policy elastic` with `--set`s, in its own namespace; its events."""
+    flags = " ".join(f"--set {x}" for x in sets)
+    r = _in_private_netns(f"{sys.executable} -m gyre.cli up --steps 2 --policy elastic --run-dir {run} --no-live "
+                          f"{flags}", 360)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.timeout(400)
 def test_a_run_publishes_and_joins_through_mooncake(tmp_path):
     _mooncake_or_skip()
-    run = tmp_path / "run"
-    r = _in_private_netns(f"{sys.executable} -m gyre.cli up --steps 2 --policy elastic --run-dir {run} --no-live "
-                          "--set weight_transfer=mooncake", 360)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    events = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    events = _up_in_private_netns(tmp_path / "run", "weight_transfer=mooncake")
     publishes = [e for e in events if e["event"] == "publish"]
     assert publishes and all(e["transfer"] == "mooncake" and e["bytes"] > 6_000_000 for e in publishes)
     assert all(e["memcpy_seconds"] > 0 for e in publishes)
@@ -113,10 +118,7 @@ def test_a_run_publishes_through_a_broadcast_group(tmp_path):
     over one torch.distributed group (gloo here); joins of a subset of cells go by ZeroMQ."""
     _netns_or_skip()
     run = tmp_path / "run"
-    r = _in_private_netns(f"{sys.executable} -m gyre.cli up --steps 2 --policy elastic --run-dir {run} --no-live "
-                          "--set weight_transfer=broadcast --set group_size=4", 360)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    events = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    events = _up_in_private_netns(run, "weight_transfer=broadcast", "group_size=4")
     publishes = [e for e in events if e["event"] == "publish"]
     assert publishes and all(e["transfer"] == "broadcast" and e["bytes"] > 6_000_000 for e in publishes)
     steps = [e for e in events if e["event"] == "step"]

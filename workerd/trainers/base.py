@@ -7,6 +7,7 @@ input positions: `target_mask[r, t]` says token `input_ids[r, t]` is a trained t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Iterable, Protocol
 
@@ -59,6 +60,47 @@ class MicroStepStats:
     executions: int
     mismatch: float
     seconds: float
+
+
+def backward_micro_step(logp: torch.Tensor, batch: MicroBatch, started: float) -> MicroStepStats:
+    """The GSPO loss of one micro-step from the trainer's current log-probs `logp` [R, T],
+    back-propagated (gradients accumulate); every trainer's `train_micro_step` ends here."""
+    import time
+
+    from gyre.workerd.loss import gspo_loss
+
+    out = gspo_loss(logp, batch.behaviour_logprobs, batch.advantages, batch.loss_weights,
+                    batch.target_mask, batch.exec_ids)
+    out.loss_sum.backward()
+    return MicroStepStats(out.loss_sum.item(), out.tokens, out.executions, out.mismatch,
+                          time.perf_counter() - started)
+
+
+def sum_and_normalise(params: list[torch.nn.Parameter], num_executions: int, reducer=None) -> None:
+    """Gradients summed over the participating cells (a parameter no micro-step reached counts
+    as zero), then divided by the batch's executions: DESIGN.md's outer mean_i."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    if reducer is not None:
+        reducer.all_reduce([p.grad for p in params])
+    for p in params:
+        p.grad.div_(num_executions)
+
+
+def step_or_drop(trainer, norm: float, apply: bool) -> float:
+    """After clipping to the (pre-clip) `norm`: update (the core) or not (a satellite), then
+    drop the gradients. Non-finite gradients update nothing and are dropped too, on every
+    cell alike (`norm` is taken after the cross-cell reduction)."""
+    trainer.micro_steps = 0
+    if not math.isfinite(norm):
+        trainer.optimizer.zero_grad(set_to_none=True)
+        raise RuntimeError(f"non-finite gradient norm {norm}: step skipped, gradients dropped")
+    if apply:
+        trainer.optimizer.step()
+        trainer.version += 1
+    trainer.optimizer.zero_grad(set_to_none=True)
+    return norm
 
 
 class Trainer(Protocol):

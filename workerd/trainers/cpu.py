@@ -13,9 +13,10 @@ from typing import Iterable
 
 import torch
 
-from gyre.workerd.loss import gspo_loss, token_logprobs
+from gyre.workerd.loss import token_logprobs
 from gyre.workerd.model import CausalLM
-from gyre.workerd.trainers.base import MicroBatch, MicroStepStats
+from gyre.workerd.trainers.base import (MicroBatch, MicroStepStats, backward_micro_step, step_or_drop,
+                                        sum_and_normalise)
 
 
 class CpuTrainer:
@@ -31,14 +32,9 @@ class CpuTrainer:
 
     def train_micro_step(self, batch: MicroBatch) -> MicroStepStats:
         t0 = time.perf_counter()
-        logits = self.model(batch.input_ids)
-        logp = token_logprobs(logits, batch.input_ids)
-        out = gspo_loss(logp, batch.behaviour_logprobs, batch.advantages, batch.loss_weights,
-                        batch.target_mask, batch.exec_ids)
-        out.loss_sum.backward()
+        stats = backward_micro_step(token_logprobs(self.model(batch.input_ids), batch.input_ids), batch, t0)
         self.micro_steps += 1
-        return MicroStepStats(out.loss_sum.item(), out.tokens, out.executions, out.mismatch,
-                              time.perf_counter() - t0)
+        return stats
 
     def current_logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -49,21 +45,9 @@ class CpuTrainer:
         satellite, whose parameters the core sends after its update)."""
         if num_executions < 1:
             raise ValueError(f"num_executions must be >= 1, got {num_executions}")
-        params = [p for p in self.model.parameters()]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        if reducer is not None:
-            reducer.all_reduce([p.grad for p in params])
-        for p in params:
-            p.grad.div_(num_executions)
-        norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
-        if apply:
-            self.optimizer.step()
-            self.version += 1
-        self.optimizer.zero_grad(set_to_none=True)
-        self.micro_steps = 0
-        return float(norm)
+        params = list(self.model.parameters())
+        sum_and_normalise(params, num_executions, reducer)
+        return step_or_drop(self, float(torch.nn.utils.clip_grad_norm_(params, self.grad_clip)), apply)
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         # A snapshot, not views: the frames go out zero-copy after this returns, and the next

@@ -62,7 +62,7 @@ def check_tp(config: ModelConfig, tp: int) -> None:
 
 def is_tp_split(megatron_name: str) -> bool:
     """Whether TP ranks hold different shards of this parameter (norms are replicated)."""
-    return not megatron_name.endswith(("layernorm.weight", "_layernorm.weight"))
+    return not megatron_name.endswith("layernorm.weight")
 
 
 def _split(t: torch.Tensor, how: str | None, rank: int, tp: int) -> torch.Tensor:

@@ -33,9 +33,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from gyre.workerd.loss import gspo_loss
 from gyre.workerd.modeldir import ModelConfig, ModelDirError, iter_weights
-from gyre.workerd.trainers.base import MicroBatch, MicroStepStats
+from gyre.workerd.trainers.base import (MicroBatch, MicroStepStats, backward_micro_step, step_or_drop,
+                                        sum_and_normalise)
 from gyre.workerd.trainers.hf_megatron import check_tp, is_tp_split, to_hf, to_megatron
 
 
@@ -76,33 +76,29 @@ def setup_parallel(tp: int = 1, *, seed: int = 0) -> None:
 
 def build_gpt(config: ModelConfig, *, dtype: torch.dtype = torch.float32):
     """megatron-core GPTModel with the local layer spec for a supported HF family."""
-    with _quiet_import():
+    with _quiet_import():  # its import and its own defaults trip its warnings
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.transformer.transformer_config import TransformerConfig
-    with _quiet_import():  # its own defaults trip its deprecation warnings
-        return _build_gpt(config, dtype, GPTModel, get_gpt_layer_local_spec, TransformerConfig)
 
-
-def _build_gpt(config, dtype, GPTModel, get_gpt_layer_local_spec, TransformerConfig):
-    tc = TransformerConfig(
-        num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
-        ffn_hidden_size=config.intermediate_size, num_attention_heads=config.num_attention_heads,
-        num_query_groups=config.num_key_value_heads, kv_channels=config.head_dim,
-        normalization="RMSNorm", layernorm_epsilon=config.rms_norm_eps, qk_layernorm=config.qk_norm,
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        add_qkv_bias=config.attention_bias, hidden_dropout=0.0, attention_dropout=0.0,
-        params_dtype=dtype, bf16=dtype == torch.bfloat16,
-        tensor_model_parallel_size=_tp_size(),
-        use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=False,
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
-    )
-    model = GPTModel(tc, get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_norm),
-                     vocab_size=config.vocab_size, max_sequence_length=config.max_position_embeddings,
-                     position_embedding_type="rope", rotary_base=int(config.rope_theta),
-                     share_embeddings_and_output_weights=config.tie_word_embeddings)
-    return model
+        tc = TransformerConfig(
+            num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
+            ffn_hidden_size=config.intermediate_size, num_attention_heads=config.num_attention_heads,
+            num_query_groups=config.num_key_value_heads, kv_channels=config.head_dim,
+            normalization="RMSNorm", layernorm_epsilon=config.rms_norm_eps, qk_layernorm=config.qk_norm,
+            gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+            add_qkv_bias=config.attention_bias, hidden_dropout=0.0, attention_dropout=0.0,
+            params_dtype=dtype, bf16=dtype == torch.bfloat16,
+            tensor_model_parallel_size=_tp_size(),
+            use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=False,
+            bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+            apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+        )
+        model = GPTModel(tc, get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_norm),
+                         vocab_size=config.vocab_size, max_sequence_length=config.max_position_embeddings,
+                         position_embedding_type="rope", rotary_base=int(config.rope_theta),
+                         share_embeddings_and_output_weights=config.tie_word_embeddings)
+        return model
 
 
 def _tp_size() -> int:
@@ -158,6 +154,11 @@ class MegatronTrainer:
             use_distributed_optimizer=True), [ddp])
         return ddp, opt
 
+    @property
+    def num_params(self) -> int:
+        """The whole model's parameters (TP-split ones counted over every rank, norms once)."""
+        return sum(p.numel() * (self.tp if is_tp_split(n) else 1) for n, p in self.gpt.named_parameters())
+
     # --- forward ------------------------------------------------------------------------
 
     def _logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -173,13 +174,9 @@ class MegatronTrainer:
     def train_micro_step(self, batch: MicroBatch) -> MicroStepStats:
         self._need_onloaded()
         t0 = time.perf_counter()
-        logp = self._logprobs(batch.input_ids)
-        out = gspo_loss(logp, batch.behaviour_logprobs, batch.advantages, batch.loss_weights,
-                        batch.target_mask, batch.exec_ids)
-        out.loss_sum.backward()
+        stats = backward_micro_step(self._logprobs(batch.input_ids), batch, t0)
         self.micro_steps += 1
-        return MicroStepStats(out.loss_sum.item(), out.tokens, out.executions, out.mismatch,
-                              time.perf_counter() - t0)
+        return stats
 
     def current_logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
         with self._params_onloaded(), torch.no_grad():
@@ -201,25 +198,8 @@ class MegatronTrainer:
         self._need_onloaded()
         if self.on_gpu:
             return self._gpu_step(num_executions, reducer, apply)
-        params = list(self.gpt.parameters())
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        if reducer is not None:
-            reducer.all_reduce([p.grad for p in params])
-        for p in params:
-            p.grad.div_(num_executions)
-        norm = self._clip(list(self.gpt.named_parameters()))
-        if not math.isfinite(norm):  # nothing is updated from non-finite gradients
-            self.optimizer.zero_grad(set_to_none=True)
-            self.micro_steps = 0
-            raise RuntimeError(f"non-finite gradient norm {norm}: step skipped, gradients dropped")
-        if apply:
-            self.optimizer.step()
-            self.version += 1
-        self.optimizer.zero_grad(set_to_none=True)
-        self.micro_steps = 0
-        return norm
+        sum_and_normalise(list(self.gpt.parameters()), num_executions, reducer)
+        return step_or_drop(self, self._clip(list(self.gpt.named_parameters())), apply)
 
     def _clip(self, params: list[tuple[str, torch.nn.Parameter]]) -> float:
         """Global-norm clipping over the whole model: TP-sharded gradients are summed across

@@ -196,6 +196,10 @@ class TensorParallelTrainer:
     def config(self) -> ModelConfig:
         return self.local.config
 
+    @property
+    def num_params(self) -> int:
+        return self.local.num_params
+
     def train_micro_step(self, batch: MicroBatch) -> MicroStepStats:
         return self._all("train_micro_step", batch)
 
