@@ -58,7 +58,7 @@ class CoordinatorConfig:
     engine_backend: str = "cpu"  # the rollout engine of workerds this run spawns: cpu | sglang
     trainer_backend: str = "cpu"  # their trainer: cpu | megatron (external workerds pick their own flags)
     engine_options: dict = field(default_factory=dict)  # to every engine (sglang: server = {tp_size = 2, ...})
-    trainer_options: dict = field(default_factory=dict)  # to every trainer (megatron: tp, offload; weight_decay)
+    trainer_options: dict = field(default_factory=dict)  # to every trainer (megatron: tp, pp, microbatches, offload; weight_decay)
     proxy_host: str = "127.0.0.1"
     proxy_port: int = 0
     default_max_tokens: int = 64

@@ -7,7 +7,8 @@ backend whose package is missing says which package to install.
 Options come from the coordinator's Welcome (`engine` / `trainer` dicts): the CPU
 backends read threads, seed, max_running, version, lr, weight_decay, grad_clip; the GPU
 backends take theirs on top (sglang: `server` = SGLang ServerArgs fields such as tp_size,
-mem_fraction_static; megatron: tp (ranks 1.. as child processes, trainers/tp.py), offload).
+mem_fraction_static; megatron: tp and pp (a cell of tp x pp ranks, ranks 1.. as child
+processes, trainers/tp.py), microbatches (pipeline chunks per micro-step), offload).
 """
 
 from __future__ import annotations
@@ -78,12 +79,14 @@ def build_backends(model_dir: str, *, engine: str, trainer: str,
         from gyre.workerd.trainers.megatron import MegatronTrainer
 
         offload = trainer_options.get("offload")
-        tp = int(trainer_options.get("tp", 1))
+        tp, pp = int(trainer_options.get("tp", 1)), int(trainer_options.get("pp", 1))
         options = dict(seed=seed, offload=None if offload is None else bool(offload), **common)
-        if tp > 1:  # ranks 1.. in child processes of this workerd
+        if trainer_options.get("microbatches") is not None:
+            options["microbatches"] = int(trainer_options["microbatches"])
+        if tp * pp > 1:  # ranks 1.. in child processes of this workerd
             from gyre.workerd.trainers.tp import TensorParallelTrainer
 
-            tr = TensorParallelTrainer(model_dir, config, tp=tp, **options)
+            tr = TensorParallelTrainer(model_dir, config, tp=tp, pp=pp, **options)
         else:
             tr = MegatronTrainer(model_dir, config, tp=1, **options)
         params = tr.num_params

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from gyre.coordinator import resume
 from gyre.coordinator.config import CoordinatorConfig
 from gyre.coordinator.main import Coordinator
 
@@ -128,14 +129,16 @@ async def test_a_run_on_tensor_parallel_megatron_cells(tiny_dir, tmp_path):
 
 
 @pytest.mark.timeout(300)
-async def test_an_elastic_run_on_megatron_trainers(tiny_dir, tmp_path):
-    """Elastic on one-rank megatron cells with offload: the core trains first while the other
-    cell serves, publications reach an offloaded trainer (kept on the host until onload), and
-    the step after a publication trains on rollouts of the published weights."""
+async def test_an_elastic_run_on_pipeline_parallel_megatron_trainers(tiny_dir, tmp_path):
+    """Elastic on PP=2 megatron cells with offload: the core trains first while the other
+    cell serves, publications reach an offloaded trainer (each stage keeps its part on the
+    host until onload), and the step after a publication trains on rollouts of the
+    published weights, gathered from both stages."""
     pytest.importorskip("megatron.core")
     cfg = CoordinatorConfig(run_dir=tmp_path / "run", model_dir=tiny_dir, steps=2, policy="elastic", cells=2,
                             groups_per_step=2, group_size=3, phi=0, mu=1, exec_slots_per_cell=4, seed=3,
-                            trainer_backend="megatron", trainer_options={"offload": True})
+                            trainer_backend="megatron", trainer_options={"offload": True, "pp": 2},
+                            checkpoint_every=2)
     coord = Coordinator(cfg)
     reports = await coord.run()
     assert [r.version for r in reports] == [1, 2]
@@ -146,3 +149,6 @@ async def test_an_elastic_run_on_megatron_trainers(tiny_dir, tmp_path):
     fresh = [s for s in steps if s["tokens_trained"] and not any(s["staleness"])]
     assert fresh and all(abs(s["mismatch"]) < 1e-3 for s in fresh)
     assert any(s["version"] == 2 for s in fresh)  # the step after the first publication
+    # The core's checkpoint: a file per rank, rank 0's the one a resume looks for.
+    folder, state = resume.latest(cfg.run_dir)
+    assert sorted(p.name for p in folder.glob("trainer.pt*")) == ["trainer.pt", "trainer.pt.pp1.tp0"]

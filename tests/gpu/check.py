@@ -106,7 +106,8 @@ async def main(args) -> int:
     t0 = time.perf_counter()
     async with LocalCluster(model_dir, cells=1, roles=("rollout",), backends=(args.engine, args.trainer),
                             engine={"max_running": args.requests, "server": server},
-                            trainer={"lr": 1e-5, **({"offload": True} if args.offload else {})},
+                            trainer={"lr": 1e-5, "tp": args.tp, "pp": args.pp,
+                                     **({"offload": True} if args.offload else {})},
                             start_timeout_s=args.start_timeout, log_dir=work / "logs") as cluster:
         link, node = cluster.link, cluster.node_of_cell(0)
         ready = next(e for e in cluster.events if isinstance(e, wire.Ready))
@@ -170,6 +171,8 @@ def parse(argv=None):
     p.add_argument("--tolerance", type=float, default=0.1,
                    help="max |engine - trainer| log-prob (bf16 kernels differ; fp32 on CPU is ~1e-5)")
     p.add_argument("--offload", action="store_true", help="offload the trainer for rollout (default on GPU)")
+    p.add_argument("--tp", type=int, default=1, help="the trainer cell's tensor-parallel size (one GPU per rank)")
+    p.add_argument("--pp", type=int, default=1, help="the trainer cell's pipeline-parallel size (one GPU per rank)")
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--work", default="", help="folder for the model and logs (default: a temporary one)")
     p.add_argument("--json-out", default="")

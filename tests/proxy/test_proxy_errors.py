@@ -9,7 +9,6 @@ import aiohttp
 import openai
 import pytest
 
-from tests.scripted import tool_call
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

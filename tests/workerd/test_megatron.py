@@ -1,7 +1,8 @@
-"""The megatron-core trainer on CPU (the shim of DEPS-NOTES.md): HF <-> Megatron names and
-TP shards round-trip exactly; on the same micro-steps its log-probs, GSPO loss, gradients and
-update equal the CPU torch trainer's; TP=2 over gloo in two processes gives the same
-log-probs and gradients; offload frees every storage and onload restores the bytes."""
+"""The megatron-core trainer on CPU (the shim of DEPS-NOTES.md): HF <-> Megatron names,
+TP shards and PP stages round-trip exactly; on the same micro-steps its log-probs, GSPO
+loss, gradients and update equal the CPU torch trainer's; TP=2, PP=2 and TP=2 x PP=2 over
+gloo in separate processes give the same log-probs, gradients and update; offload frees
+every storage and onload restores the bytes."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 from gyre.workerd.model import load_model
 from gyre.workerd.modeldir import ModelDirError, init_tiny, load_config
 from gyre.workerd.trainers.cpu import CpuTrainer
-from gyre.workerd.trainers.hf_megatron import to_hf, to_megatron
+from gyre.workerd.trainers.hf_megatron import Stage, holds, to_hf, to_megatron
 from tests.workerd.test_loss import make_rows, micro_batch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'gyre[test]')")
@@ -80,6 +81,35 @@ def test_fused_qkv_is_grouped_per_kv_head(family_dirs):
     assert torch.equal(group1[: per * d], q[per * d: 2 * per * d])
     assert torch.equal(group1[per * d: (per + 1) * d], k[d: 2 * d])
     assert torch.equal(group1[(per + 1) * d:], v[d: 2 * d])
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])  # tied and untied embeddings
+@pytest.mark.parametrize("tp", [1, 2])
+def test_pipeline_stages_cover_the_model_once(family_dirs, family, tp):
+    """Each stage's shards hold its own layers numbered from 0 (the embedding on the first,
+    the norm and output layer on the last, a tied embedding's copy there too); the stages'
+    HF tensors put back together are the model, exactly, each name from one stage."""
+    d = family_dirs[family]
+    config, hf = load_config(d), hf_weights(d)
+    stages = [Stage(first=True, last=False, offset=0, layers=1), Stage(first=False, last=True, offset=1, layers=1)]
+    back: dict[str, torch.Tensor] = {}
+    for stage in stages:
+        shards = [to_megatron(hf, config, rank=r, tp=tp, stage=stage) for r in range(tp)]
+        layers = {k.split(".")[2] for k in shards[0] if k.startswith("decoder.layers.")}
+        assert layers == {"0"}
+        assert ("embedding.word_embeddings.weight" in shards[0]) == stage.first
+        assert ("decoder.final_layernorm.weight" in shards[0]) == stage.last
+        mine = to_hf(shards, config, stage)
+        assert not set(mine) & set(back)
+        assert set(mine) == {k for k in hf if holds(k, config, stage)} - (
+            {"model.embed_tokens.weight"} if not stage.first else set())
+        back.update(mine)
+    assert set(back) == set(hf) and all(torch.equal(back[k], hf[k]) for k in hf)
+    last = to_megatron(hf, config, tp=1, stage=stages[1])
+    source = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    assert torch.equal(last["output_layer.weight"], hf[source])
+    with pytest.raises(ModelDirError, match="the model has 2 layers"):
+        to_megatron({**hf, "model.layers.2.mlp.down_proj.weight": torch.zeros(1)}, config, stage=stages[1])
 
 
 def test_unknown_or_incomplete_weights_are_named(family_dirs):
@@ -227,30 +257,51 @@ def whole_batch(seed: int, path: Path):
     return batch
 
 
-def test_tensor_parallel_2_equals_the_cpu_trainer(family_dirs, tmp_path):
-    d = family_dirs["qwen2"]
+@pytest.mark.parametrize("tp,pp,family", [(2, 1, "qwen2"), (1, 2, "qwen2"), (2, 2, "llama")])
+def test_model_parallel_cells_equal_the_cpu_trainer(family_dirs, tmp_path, tp, pp, family):
+    """TP, PP (a GPipe schedule over two chunks of the rows; the tied embedding's copy on the
+    last stage) and both: one process per rank over gloo, each rank's gradients put back
+    into HF names, against the CPU trainer on the same micro-step."""
+    d = family_dirs[family]
     batch = whole_batch(21, tmp_path / "batch.pt")
     init = f"file://{tmp_path / 'store'}"
-    procs = [subprocess.Popen([sys.executable, str(CHILD), str(r), "2", init, str(d), str(tmp_path / "batch.pt"),
-                               str(tmp_path / f"out{r}.pt")], env=CHILD_ENV) for r in range(2)]
-    assert [p.wait(timeout=240) for p in procs] == [0, 0]
-    outs = [torch.load(tmp_path / f"out{r}.pt", weights_only=True) for r in range(2)]
+    world = tp * pp
+    procs = [subprocess.Popen([sys.executable, str(CHILD), str(r), str(tp), str(pp), init, str(d),
+                               str(tmp_path / "batch.pt"), str(tmp_path / f"out{r}.pt")], env=CHILD_ENV)
+             for r in range(world)]
+    assert [p.wait(timeout=240) for p in procs] == [0] * world
+    outs = [torch.load(tmp_path / f"out{r}.pt", weights_only=True) for r in range(world)]
     cpu = CpuTrainer(load_model(d), lr=1e-3)
     ref_lp = cpu.current_logprobs(batch.input_ids)
     stats = cpu.train_micro_step(batch)
-    for o in outs:  # every TP rank sees the whole vocabulary's log-probs
+    for o in outs:  # every rank answers with the whole vocabulary's log-probs and the loss
         assert torch.allclose(o["logprobs"], ref_lp, atol=2e-5)
-        assert o["loss"] == pytest.approx(stats.loss, rel=1e-4)
-    grads = outs[0]["grads"]  # gathered from both ranks' shards
+        assert o["loss"] == pytest.approx(stats.loss, rel=1e-4) and o["tokens"] == stats.tokens
+        assert o["params"] == sum(p.numel() for p in cpu.model.parameters())
+    grads: dict[str, torch.Tensor] = {}
+    for o in outs:  # each stage's own, numbered in the whole model; TP ranks of a stage agree
+        for k, g in o["grads"].items():
+            assert k not in grads or torch.equal(grads[k], g)
+            grads[k] = g
+    copies = [o["copy_grad"] for o in outs if o["copy_grad"] is not None]
+    assert len(copies) == (tp if pp > 1 and cpu.model.config.tie_word_embeddings else 0)
+    if copies:  # the output layer's use of a tied embedding, on the last stage until the step sums them
+        grads["model.embed_tokens.weight"] = grads["model.embed_tokens.weight"] + copies[0]
     scale = max(float(p.grad.abs().max()) for p in cpu.model.parameters())
+    assert set(grads) == {k for k, _ in cpu.model.named_parameters()}
     for k, p in cpu.model.named_parameters():
         assert torch.allclose(grads[k], p.grad, atol=1e-4 * scale), k
     norm = cpu.optimizer_step(3)
-    assert outs[0]["norm"] == pytest.approx(norm, rel=1e-4) == outs[1]["norm"]
+    assert all(o["norm"] == pytest.approx(norm, rel=1e-4) for o in outs)
     ref = cpu.export_weights()
-    for k, w in ref.items():
-        assert torch.allclose(outs[0]["weights"][k], w, atol=3e-3), k
-        assert torch.equal(outs[0]["weights"][k], outs[1]["weights"][k]), k
+    for r, o in enumerate(outs):
+        if r >= tp:  # later stages' ranks sent theirs to the first stage
+            assert o["weights"] == {}
+            continue
+        assert set(o["weights"]) == set(ref)
+        for k, w in ref.items():
+            assert torch.allclose(o["weights"][k], w, atol=3e-3), k
+            assert torch.equal(o["weights"][k], outs[0]["weights"][k]), k
 
 
 def test_a_tensor_parallel_cell_in_one_workerd_equals_the_cpu_trainer(family_dirs, tmp_path):
@@ -270,9 +321,40 @@ def test_a_tensor_parallel_cell_in_one_workerd_equals_the_cpu_trainer(family_dir
     for k, w in cpu.export_weights().items():
         assert torch.allclose(out["weights"][k], w, atol=3e-3), k
     assert out["error"].startswith("ModelDirError: weights missing") and out["after"].shape == batch.input_ids.shape
-    assert out["rank_error"].startswith("TP rank 1 failed save_checkpoint")
+    assert out["rank_error"].startswith("cell rank 1 failed save_checkpoint")
     assert out["stats2_tokens"] == batch.target_mask.sum()  # the next call's own answer
     assert torch.equal(out["again"], out["logprobs"])  # a second cell built in the same process
+
+
+def test_a_pipeline_parallel_cell_in_one_workerd_through_role_changes(family_dirs, tmp_path):
+    """PP=2 as workerd runs it (tied embeddings, three GPipe chunks): log-probs, a step equal
+    to the CPU trainer's; a publication to the offloaded cell kept per stage and exported
+    whole; a set one stage refuses is refused by the cell; a checkpoint per stage restores."""
+    d = family_dirs["qwen2"]
+    batch = whole_batch(9, tmp_path / "batch.pt")
+    r = subprocess.run([sys.executable, str(Path(__file__).with_name("_megatron_pp_cell.py")), str(d),
+                        str(tmp_path / "batch.pt"), str(tmp_path / "out.pt")], env=CHILD_ENV, capture_output=True,
+                       text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    cpu = CpuTrainer(load_model(d), lr=1e-3)
+    assert torch.allclose(out["logprobs"], cpu.current_logprobs(batch.input_ids), atol=2e-5)
+    assert out["loss"] == pytest.approx(cpu.train_micro_step(batch).loss, rel=1e-4)
+    assert out["norm"] == pytest.approx(cpu.optimizer_step(3), rel=1e-4)
+    ref = cpu.export_weights()
+    assert set(out["trained"]) == set(ref) and out["params"] == sum(p.numel() for p in cpu.model.parameters())
+    for k, w in ref.items():
+        assert torch.allclose(out["trained"][k], w, atol=3e-3), k
+    # Every rank's parameters and Adam moments (fp32), the tied embedding's copy on the last stage too.
+    whole = out["params"] + ref["model.embed_tokens.weight"].numel()
+    assert out["freed"] == 3 * 4 * whole
+    published = out["published"]
+    for key in ("while_offloaded", "onloaded", "restored"):
+        assert set(out[key]) == set(published), key
+        assert all(torch.equal(out[key][k], published[k]) for k in published), key
+    assert out["error"].startswith("weights missing for megatron parameters: decoder.layers.0.mlp"), out["error"]
+    assert out["version"] == 5 and out["loss2"] == out["loss2"] and out["norm2"] > 0
+    assert out["files"] == ["out.pt.ckpt", "out.pt.ckpt.pp1.tp0"]  # rank 0's is the path itself
 
 
 def test_non_finite_gradients_update_nothing(megatron_module, family_dirs):

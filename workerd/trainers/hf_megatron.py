@@ -1,9 +1,10 @@
-"""hf_megatron.py: Hugging Face <-> megatron-core parameter names, layouts and TP shards.
+"""hf_megatron.py: Hugging Face <-> megatron-core parameter names, layouts, TP shards and PP stages.
 
 One mapping serves loading a checkpoint into a Megatron cell and publishing its weights to
 rollout engines (SGLang and the CPU engine take HF names). Pure torch on whole tensors:
-`to_megatron` cuts one tensor-parallel rank's shard out of HF tensors; `to_hf` joins every
-rank's shards back. Covers the dense decoder families gyre supports (Qwen2, Qwen3, Llama,
+`to_megatron` cuts one tensor-parallel rank's shard of one pipeline stage out of HF
+tensors; `to_hf` joins every TP rank's shards of a stage back (a stage's layers are
+numbered from 0 in Megatron, from its `Stage.offset` in HF). Covers the dense decoder families gyre supports (Qwen2, Qwen3, Llama,
 Mistral) with megatron-core's local layer spec (`get_gpt_layer_local_spec`):
 
     model.embed_tokens.weight               embedding.word_embeddings.weight   rows split
@@ -25,6 +26,7 @@ contiguous run of groups. Not a loader of files (modeldir.py) and not a model bu
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import torch
 
@@ -47,6 +49,33 @@ _GLOBAL = {
     "model.norm.weight": ("decoder.final_layernorm.weight", None),
     "lm_head.weight": ("output_layer.weight", "rows"),
 }
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """The part of the model one pipeline stage holds: decoder layers [offset, offset +
+    layers) (None: all), the embedding on the first stage, the final norm and the output
+    layer on the last. With tied embeddings and more than one stage, the last stage's
+    output layer is a copy of the embedding (Megatron keeps the two in sync)."""
+
+    first: bool = True
+    last: bool = True
+    offset: int = 0
+    layers: int | None = None
+
+    def holds_layer(self, i: int) -> bool:
+        return i >= self.offset and (self.layers is None or i < self.offset + self.layers)
+
+
+WHOLE = Stage()
+
+
+def check_pp(config: ModelConfig, pp: int) -> None:
+    if pp < 1:
+        raise ModelDirError(f"pipeline-parallel size must be >= 1, got {pp}")
+    if config.num_hidden_layers % pp:
+        raise ModelDirError(f"num_hidden_layers={config.num_hidden_layers} is not divisible by "
+                            f"pipeline-parallel size {pp}")
 
 
 def check_tp(config: ModelConfig, tp: int) -> None:
@@ -85,25 +114,49 @@ def _qkv_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: Model
     return torch.cat([q, k.reshape(g, d, *rest), v.reshape(g, d, *rest)], dim=1)
 
 
-def to_megatron(hf: dict[str, torch.Tensor], config: ModelConfig, *, rank: int = 0, tp: int = 1
-                ) -> dict[str, torch.Tensor]:
-    """HF-named tensors -> TP rank `rank`'s Megatron-named shards (new tensors where fused,
-    views otherwise). Unknown or missing names are errors."""
+def _held(name: str, config: ModelConfig, stage: Stage) -> str | None:
+    """The Megatron name a global HF tensor has on this stage, or None where it has none."""
+    if name == "model.embed_tokens.weight":
+        if stage.first:
+            return "embedding.word_embeddings.weight"
+        return "output_layer.weight" if stage.last and config.tie_word_embeddings else None
+    if name == "lm_head.weight":  # tied: the output layer reads the embedding (or its copy)
+        return "output_layer.weight" if stage.last and not config.tie_word_embeddings else None
+    return _GLOBAL[name][0] if stage.last else None  # model.norm.weight
+
+
+def holds(name: str, config: ModelConfig, stage: Stage) -> bool:
+    """Whether pipeline stage `stage` needs HF tensor `name` (a tied embedding: the first
+    stage and, for its copy, the last)."""
+    if name in _GLOBAL:
+        return _held(name, config, stage) is not None
+    m = _LAYER.match(name)
+    return m is not None and stage.holds_layer(int(m.group(2)))
+
+
+def to_megatron(hf: dict[str, torch.Tensor], config: ModelConfig, *, rank: int = 0, tp: int = 1,
+                stage: Stage = WHOLE) -> dict[str, torch.Tensor]:
+    """HF-named tensors -> TP rank `rank`'s Megatron-named shards of pipeline stage `stage`
+    (new tensors where fused, views otherwise); other stages' tensors are passed over.
+    Unknown names are errors; missing ones are for the caller to find (its own names)."""
     check_tp(config, tp)
     out: dict[str, torch.Tensor] = {}
     qkv: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     fc1: dict[int, dict[str, torch.Tensor]] = {}
     for name, t in hf.items():
         if name in _GLOBAL:
-            if name == "lm_head.weight" and config.tie_word_embeddings:
-                continue  # tied: the output layer reads the embedding
-            mname, how = _GLOBAL[name]
-            out[mname] = _split(t, how, rank, tp)
+            if (mname := _held(name, config, stage)) is not None:
+                out[mname] = _split(t, _GLOBAL[name][1], rank, tp)  # the output layer's copy: rows, as the embedding
             continue
         m = _LAYER.match(name)
         if m is None or m.group(1) != "model.layers":
             raise ModelDirError(f"weight {name!r} has no megatron-core counterpart")
         i, rest = int(m.group(2)), m.group(3)
+        if i >= config.num_hidden_layers:
+            raise ModelDirError(f"weight {name!r}: the model has {config.num_hidden_layers} layers")
+        if not stage.holds_layer(i):
+            continue
+        i -= stage.offset
         if rest in _SIMPLE:
             mname, how = _SIMPLE[rest]
             out[f"decoder.layers.{i}.{mname}"] = _split(t, how, rank, tp)
@@ -126,9 +179,12 @@ def to_megatron(hf: dict[str, torch.Tensor], config: ModelConfig, *, rank: int =
     return out
 
 
-def to_hf(shards: list[dict[str, torch.Tensor]], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Every TP rank's Megatron-named shards (in rank order) -> whole HF-named tensors.
-    Megatron's `_extra_state` entries are skipped; any other unknown name is an error."""
+def to_hf(shards: list[dict[str, torch.Tensor]], config: ModelConfig, stage: Stage = WHOLE
+          ) -> dict[str, torch.Tensor]:
+    """Every TP rank's Megatron-named shards of one pipeline stage (in rank order) -> whole
+    HF-named tensors, layers numbered in the whole model. Megatron's `_extra_state` entries
+    are skipped, and so is a last stage's copy of a tied embedding (the first stage's is
+    the one); any other unknown name is an error."""
     tp = len(shards)
     check_tp(config, tp)
     g, d, heads = config.num_key_value_heads, config.head_dim, config.num_attention_heads
@@ -139,6 +195,8 @@ def to_hf(shards: list[dict[str, torch.Tensor]], config: ModelConfig) -> dict[st
         if name.endswith("._extra_state"):
             continue
         parts = [s[name] for s in shards]
+        if name == "output_layer.weight" and config.tie_word_embeddings:
+            continue
         if name in reverse_global:
             hname, how = reverse_global[name]
             out[hname] = _join(parts, how)
@@ -146,7 +204,7 @@ def to_hf(shards: list[dict[str, torch.Tensor]], config: ModelConfig) -> dict[st
         m = _LAYER.match(name)
         if m is None or m.group(1) != "decoder.layers":
             raise ModelDirError(f"megatron-core parameter {name!r} has no HF counterpart")
-        i, rest = int(m.group(2)), m.group(3)
+        i, rest = int(m.group(2)) + stage.offset, m.group(3)
         prefix = f"model.layers.{i}"
         if rest in reverse_layer:
             hname, how = reverse_layer[rest]

@@ -12,11 +12,21 @@ loads and a publication reaches SGLang or the CPU engine without a conversion st
           answers "cpu", the no-op inference RNG tracker, an explicit boolean causal mask.
 
 Per-token log-probs are minus Megatron's per-token loss with labels; under TP its
-vocab-parallel cross-entropy gathers them from the vocabulary shards. Role changes call
+vocab-parallel cross-entropy gathers them from the vocabulary shards.
+
+Pipeline parallelism (PP > 1): each rank builds its stage of the GPTModel (the embedding
+on the first, the final norm and output layer on the last) and a micro-step runs as a
+GPipe schedule over `microbatches` chunks of its rows: each chunk's activations go
+forward stage to stage as soon as they are computed, the last stage takes the GSPO loss
+over all rows at once (its executions may span rows, so it is not a sum over chunks), and
+each chunk's gradient goes back as soon as that stage's backward of it is done. The
+pipeline bubble is (PP - 1) / (chunks + PP - 1) of a micro-step. Tied embeddings are a
+parameter on the first stage and a copy on the last, their gradients summed before the
+update, as Megatron does; clipping takes the norm over every stage, the copy counted once. Role changes call
 `offload()` / `onload()`: every storage of parameters, gradients and optimizer state is
 copied to host memory and shrunk to zero bytes in place, so the views into them (DDP's
-buffers) stay valid. Not a multi-process launcher: TP > 1 needs one process per rank with
-torch.distributed initialised by the caller; workerd runs a cell's trainer in-process.
+buffers) stay valid. Not a multi-process launcher: TP x PP > 1 needs one process per rank
+with torch.distributed initialised by the caller (trainers/tp.py does it inside workerd).
 """
 
 from __future__ import annotations
@@ -36,7 +46,8 @@ import torch.nn.functional as F
 from gyre.workerd.modeldir import ModelConfig, ModelDirError, iter_weights
 from gyre.workerd.trainers.base import (MicroBatch, MicroStepStats, backward_micro_step, step_or_drop,
                                         sum_and_normalise)
-from gyre.workerd.trainers.hf_megatron import check_tp, is_tp_split, to_hf, to_megatron
+from gyre.workerd.trainers.hf_megatron import (Stage, check_pp, check_tp, holds, is_tp_split, to_hf,
+                                                to_megatron)
 
 
 @contextlib.contextmanager
@@ -47,7 +58,7 @@ def _quiet_import():
         yield
 
 
-def setup_parallel(tp: int = 1, *, seed: int = 0) -> None:
+def setup_parallel(tp: int = 1, pp: int = 1, *, seed: int = 0) -> None:
     """torch.distributed (a private one-rank world when the caller made none) and
     megatron-core's parallel state; the CPU shim when there is no GPU. Idempotent."""
     with _quiet_import():
@@ -57,17 +68,17 @@ def setup_parallel(tp: int = 1, *, seed: int = 0) -> None:
     if not on_gpu:
         torch.cuda.current_device = lambda: "cpu"  # megatron-core places buffers there
     if not dist.is_initialized():
-        if tp != 1:
-            raise RuntimeError(f"tensor-parallel size {tp} needs torch.distributed initialised "
-                               "by the caller (one process per rank)")
+        if tp * pp != 1:
+            raise RuntimeError(f"tensor-parallel size {tp} x pipeline-parallel size {pp} needs "
+                               "torch.distributed initialised by the caller (one process per rank)")
         store = Path(tempfile.mkdtemp(prefix="gyre-megatron-")) / "store"  # no listening socket
         dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"file://{store}",
                                 rank=0, world_size=1)
     if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp)
-    elif ps.get_tensor_model_parallel_world_size() != tp:
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    elif (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) != (tp, pp):
         raise RuntimeError(f"megatron parallel state has TP={ps.get_tensor_model_parallel_world_size()}, "
-                           f"asked for {tp}")
+                           f"PP={ps.get_pipeline_model_parallel_world_size()}, asked for TP={tp}, PP={pp}")
     if on_gpu:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     else:
@@ -75,8 +86,10 @@ def setup_parallel(tp: int = 1, *, seed: int = 0) -> None:
 
 
 def build_gpt(config: ModelConfig, *, dtype: torch.dtype = torch.float32):
-    """megatron-core GPTModel with the local layer spec for a supported HF family."""
+    """megatron-core GPTModel with the local layer spec for a supported HF family: this
+    rank's pipeline stage of it."""
     with _quiet_import():  # its import and its own defaults trip its warnings
+        from megatron.core import parallel_state as ps
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.transformer.transformer_config import TransformerConfig
@@ -90,21 +103,57 @@ def build_gpt(config: ModelConfig, *, dtype: torch.dtype = torch.float32):
             add_qkv_bias=config.attention_bias, hidden_dropout=0.0, attention_dropout=0.0,
             params_dtype=dtype, bf16=dtype == torch.bfloat16,
             tensor_model_parallel_size=_tp_size(),
+            pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+            pipeline_dtype=dtype if ps.get_pipeline_model_parallel_world_size() > 1 else None,
             use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=False,
             bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
             apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         )
-        model = GPTModel(tc, get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_norm),
-                         vocab_size=config.vocab_size, max_sequence_length=config.max_position_embeddings,
-                         position_embedding_type="rope", rotary_base=int(config.rope_theta),
-                         share_embeddings_and_output_weights=config.tie_word_embeddings)
+        with _tensor_cuda_stays_on_cpu():
+            model = GPTModel(tc, get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_norm),
+                             vocab_size=config.vocab_size, max_sequence_length=config.max_position_embeddings,
+                             position_embedding_type="rope", rotary_base=int(config.rope_theta),
+                             share_embeddings_and_output_weights=config.tie_word_embeddings,
+                             pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
         return model
+
+
+@contextlib.contextmanager
+def _tensor_cuda_stays_on_cpu():
+    """Part of the CPU shim, for building a PP stage: Megatron moves a tied embedding's
+    copy to CUDA before summing it across the first and last stages."""
+    if torch.cuda.is_available():
+        yield
+        return
+    cuda = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = cuda
+
+
+def stage_of(model) -> Stage:
+    """Which part of the whole model this rank's GPTModel is."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return Stage()
+    return Stage(first=model.pre_process, last=model.post_process,
+                 offset=get_transformer_layer_offset(model.config), layers=len(model.decoder.layers))
 
 
 def _tp_size() -> int:
     from megatron.core import parallel_state as ps
 
     return ps.get_tensor_model_parallel_world_size()
+
+
+def _pp_group():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_group()
 
 
 def _tp_rank() -> int:
@@ -116,9 +165,11 @@ def _tp_rank() -> int:
 class MegatronTrainer:
     def __init__(self, model_dir: str, config: ModelConfig, *, lr: float = 1e-5,
                  weight_decay: float = 0.01, grad_clip: float = 1.0, version: int = 0,
-                 tp: int = 1, offload: bool | None = None, seed: int = 0):
+                 tp: int = 1, pp: int = 1, microbatches: int | None = None, offload: bool | None = None,
+                 seed: int = 0):
         check_tp(config, tp)
-        setup_parallel(tp, seed=seed)
+        check_pp(config, pp)
+        setup_parallel(tp, pp, seed=seed)
         self.config = config
         self.version = version
         self.grad_clip = grad_clip
@@ -126,9 +177,16 @@ class MegatronTrainer:
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu")
         self.offload_enabled = self.on_gpu if offload is None else offload
         self.tp, self.tp_rank = _tp_size(), _tp_rank()
-        model = build_gpt(config, dtype=torch.bfloat16 if self.on_gpu else torch.float32).to(self.device)
+        self.pp = pp
+        self.microbatches = pp if microbatches is None else int(microbatches)  # GPipe chunks per micro-step
+        if self.microbatches < 1:
+            raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+        self.dtype = torch.bfloat16 if self.on_gpu else torch.float32
+        model = build_gpt(config, dtype=self.dtype).to(self.device)
+        self.stage = stage_of(model)
         self._load_into(model, dict(iter_weights(model_dir)))
         self.gpt = model  # the GPTModel itself (names without a DDP prefix)
+        self._num_params = self._count_params()  # a collective under PP: every stage counts its own
         self._shapes = {k: v.shape for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
         self._pending: dict[str, torch.Tensor] | None = None  # weights loaded while offloaded
         if self.on_gpu:
@@ -154,33 +212,128 @@ class MegatronTrainer:
             use_distributed_optimizer=True), [ddp])
         return ddp, opt
 
+    def _is_copy(self, name: str) -> bool:
+        """A last stage's copy of a tied embedding (the first stage holds the parameter)."""
+        return name == "output_layer.weight" and self.config.tie_word_embeddings and not self.stage.first
+
+    def _count_params(self) -> int:
+        n = sum(p.numel() * (self.tp if is_tp_split(name) else 1)
+                for name, p in self.gpt.named_parameters() if not self._is_copy(name))
+        if self.pp == 1:
+            return n
+        total = torch.tensor(n, dtype=torch.int64, device=self.device)
+        dist.all_reduce(total, group=_pp_group())
+        return int(total)
+
     @property
     def num_params(self) -> int:
-        """The whole model's parameters (TP-split ones counted over every rank, norms once)."""
-        return sum(p.numel() * (self.tp if is_tp_split(n) else 1) for n, p in self.gpt.named_parameters())
+        """The whole model's parameters (TP-split ones counted over every rank, norms once,
+        every pipeline stage's)."""
+        return self._num_params
 
     # --- forward ------------------------------------------------------------------------
 
     def _logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[R, T] -> log p(input_ids[t] | <t) at [R, T] (t = 0 is 0), float32."""
-        ids = input_ids.to(self.device)
+        """[R, T] -> log p(input_ids[t] | <t) at [R, T] (t = 0 is 0), float32 (one stage)."""
+        return self._forward(input_ids.to(self.device))
+
+    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """This stage's forward of rows `ids`: log-probs on the last stage (on the host),
+        hidden states [T, rows, hidden] on the others (the next stage's input)."""
         r, t = ids.shape
         positions = torch.arange(t, device=self.device).expand(r, t)
         mask = torch.ones(t, t, dtype=torch.bool, device=self.device).triu(1)[None, None]  # True: hidden
-        labels = torch.roll(ids, -1, dims=1)  # the last column's label is never read
-        loss = self.model(ids, positions, mask, labels=labels)  # [R, T], vocab-parallel under TP
-        return F.pad(-loss[:, :-1].float(), (1, 0)).cpu()
+        labels = torch.roll(ids, -1, dims=1) if self.stage.last else None  # the last column's is never read
+        out = self.model(ids, positions, mask, labels=labels)  # [R, T] loss, vocab-parallel under TP
+        return F.pad(-out[:, :-1].float(), (1, 0)).cpu() if self.stage.last else out
+
+    def _chunks(self, rows: int) -> list[slice]:
+        n = min(self.microbatches, rows)
+        bounds = [rows * i // n for i in range(n + 1)]
+        return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+
+    def _pipeline_forward(self, input_ids: torch.Tensor, grad: bool):
+        """The forward half of the GPipe schedule: [(chunk input, chunk output)] per chunk,
+        each output sent on to the next stage as soon as it is computed."""
+        from megatron.core import parallel_state as ps
+
+        ids = input_ids.to(self.device)
+        t = ids.shape[1]
+        group = _pp_group()
+        out = []
+        for rows in self._chunks(ids.shape[0]):
+            x = None
+            if not self.stage.first:
+                x = torch.empty(t, rows.stop - rows.start, self.config.hidden_size, dtype=self.dtype,
+                                device=self.device)
+                dist.recv(x, src=ps.get_pipeline_model_parallel_prev_rank(), group=group)
+                x.requires_grad_(grad)
+                self.gpt.set_input_tensor(x)
+            y = self._forward(ids[rows])
+            if not self.stage.last:
+                dist.send(y.detach().contiguous(), dst=ps.get_pipeline_model_parallel_next_rank(), group=group)
+            out.append((x, y))
+        return out
+
+    def _pipeline_backward(self, chunks, grads: list[torch.Tensor] | None) -> None:
+        """The backward half: each chunk's gradient (from the loss on the last stage, from
+        the next stage on the others) back through this stage, then on to the previous."""
+        from megatron.core import parallel_state as ps
+
+        group = _pp_group()
+        for i, (x, y) in enumerate(chunks):
+            if self.stage.last:
+                g = grads[i]
+            else:
+                g = torch.empty_like(y)
+                dist.recv(g, src=ps.get_pipeline_model_parallel_next_rank(), group=group)
+            torch.autograd.backward(y, g)
+            if not self.stage.first:
+                dist.send(x.grad.contiguous(), dst=ps.get_pipeline_model_parallel_prev_rank(), group=group)
+
+    def _from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` (computed on the last stage; of the same shape elsewhere) on every stage."""
+        from megatron.core import parallel_state as ps
+
+        t = t.to(self.device)
+        dist.broadcast(t, src=ps.get_pipeline_model_parallel_last_rank(), group=_pp_group())
+        return t.cpu()
 
     def train_micro_step(self, batch: MicroBatch) -> MicroStepStats:
         self._need_onloaded()
         t0 = time.perf_counter()
-        stats = backward_micro_step(self._logprobs(batch.input_ids), batch, t0)
+        if self.pp == 1:
+            stats = backward_micro_step(self._logprobs(batch.input_ids), batch, t0)
+        else:
+            stats = self._pipeline_micro_step(batch, t0)
         self.micro_steps += 1
         return stats
 
+    def _pipeline_micro_step(self, batch: MicroBatch, t0: float) -> MicroStepStats:
+        from gyre.workerd.loss import gspo_loss
+
+        chunks = self._pipeline_forward(batch.input_ids, grad=True)
+        summary = torch.zeros(4, dtype=torch.float64)
+        grads = None
+        if self.stage.last:
+            logps = [y for _, y in chunks]
+            out = gspo_loss(torch.cat(logps), batch.behaviour_logprobs, batch.advantages, batch.loss_weights,
+                            batch.target_mask, batch.exec_ids)
+            grads = torch.autograd.grad(out.loss_sum, logps, materialize_grads=True)  # d loss / d each chunk
+            summary = torch.tensor([out.loss_sum.item(), out.tokens, out.executions, out.mismatch],
+                                   dtype=torch.float64)
+        self._pipeline_backward(chunks, grads)
+        loss, tokens, executions, mismatch = self._from_last_stage(summary).tolist()
+        return MicroStepStats(loss, int(tokens), int(executions), mismatch, time.perf_counter() - t0)
+
     def current_logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
         with self._params_onloaded(), torch.no_grad():
-            return self._logprobs(input_ids)
+            if self.pp == 1:
+                return self._logprobs(input_ids)
+            chunks = self._pipeline_forward(input_ids, grad=False)
+            logp = torch.cat([y for _, y in chunks]) if self.stage.last else \
+                torch.zeros(input_ids.shape, dtype=torch.float32)
+            return self._from_last_stage(logp)
 
     # --- update -------------------------------------------------------------------------
 
@@ -199,25 +352,43 @@ class MegatronTrainer:
         if self.on_gpu:
             return self._gpu_step(num_executions, reducer, apply)
         sum_and_normalise(list(self.gpt.parameters()), num_executions, reducer)
+        self._sync_tied_embedding(lambda p: p.grad)
         return step_or_drop(self, self._clip(list(self.gpt.named_parameters())), apply)
+
+    def _sync_tied_embedding(self, grad_of) -> None:
+        """Under PP a tied embedding is a parameter on the first stage and a copy on the
+        last; both take the sum of their gradients, so both make the same update."""
+        from megatron.core import parallel_state as ps
+
+        if self.pp == 1 or not self.config.tie_word_embeddings or not (self.stage.first or self.stage.last):
+            return
+        weight = self.gpt.shared_embedding_or_output_weight()
+        dist.all_reduce(grad_of(weight), group=ps.get_embedding_group())
 
     def _clip(self, params: list[tuple[str, torch.nn.Parameter]]) -> float:
         """Global-norm clipping over the whole model: TP-sharded gradients are summed across
-        the TP group, replicated ones counted once. Same formula as torch's clip_grad_norm_."""
-        if self.tp == 1:
+        the TP group, replicated ones counted once, every pipeline stage's added (a tied
+        embedding's copy left out). Same formula as torch's clip_grad_norm_."""
+        if self.tp == 1 and self.pp == 1:
             return float(torch.nn.utils.clip_grad_norm_([p for _, p in params], self.grad_clip))
         from megatron.core import parallel_state as ps
 
         sharded = torch.zeros((), dtype=torch.float64)
         replicated = torch.zeros((), dtype=torch.float64)
         for name, p in params:
+            if self._is_copy(name):
+                continue
             sq = p.grad.double().pow(2).sum()
             if is_tp_split(name):
                 sharded += sq
             else:
                 replicated += sq
-        dist.all_reduce(sharded, group=ps.get_tensor_model_parallel_group())
-        norm = float((sharded + replicated).sqrt())
+        if self.tp > 1:
+            dist.all_reduce(sharded, group=ps.get_tensor_model_parallel_group())
+        total = sharded + replicated
+        if self.pp > 1:
+            dist.all_reduce(total, group=_pp_group())
+        norm = float(total.sqrt())
         coef = min(1.0, self.grad_clip / (norm + 1e-6))
         for _, p in params:
             p.grad.mul_(coef)
@@ -229,9 +400,17 @@ class MegatronTrainer:
             grad_buffers = [b.grad_data for b in self.model.buffers + self.model.expert_parallel_buffers]
             if reducer is not None:
                 reducer.all_reduce(grad_buffers)
+            self._sync_tied_embedding(lambda p: p.main_grad)
             # Checked after the reduction, so every cell of the group reaches the same verdict
-            # (a cell refusing before it would leave the others waiting in the all-reduce).
-            if not all(bool(torch.isfinite(g).all()) for g in grad_buffers):
+            # (a cell refusing before it would leave the others waiting in the all-reduce),
+            # and agreed over the cell's ranks (each holds its own part of the model).
+            finite = torch.tensor(float(all(bool(torch.isfinite(g).all()) for g in grad_buffers)),
+                                  device=self.device)
+            if self.tp * self.pp > 1:
+                from megatron.core import parallel_state as ps
+
+                dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=ps.get_model_parallel_group())
+            if not bool(finite):
                 raise RuntimeError("non-finite gradients: step skipped, gradients dropped")
             for g in grad_buffers:
                 g.div_(num_executions)
@@ -254,13 +433,36 @@ class MegatronTrainer:
 
     # --- weights ------------------------------------------------------------------------
 
+    def _hf_bytes(self, hf: dict[str, torch.Tensor]) -> int:
+        return sum(t.numel() * t.element_size() for k, t in hf.items()
+                   if not (k == "lm_head.weight" and self.config.tie_word_embeddings))
+
+    def _fit(self, hf: dict[str, torch.Tensor], own: dict[str, tuple]) -> dict[str, torch.Tensor]:
+        """This rank's shards of a whole HF weight set, checked against its own names and
+        shapes. Under PP every rank holds only its stage, so the verdict is agreed over the
+        cell: a set one stage refuses is refused on all, with that stage's reason, and
+        nothing is half-loaded."""
+        error, shards = None, {}
+        try:
+            shards = to_megatron(hf, self.config, rank=self.tp_rank, tp=self.tp, stage=self.stage)
+            self._match(shards, own)
+        except ModelDirError as e:
+            error = str(e)
+        if self.pp > 1:
+            from megatron.core import parallel_state as ps
+
+            verdicts: list[str | None] = [None] * dist.get_world_size(ps.get_model_parallel_group())
+            dist.all_gather_object(verdicts, error, group=ps.get_model_parallel_group())
+            error = next((v for v in verdicts if v is not None), None)
+        if error is not None:
+            raise ModelDirError(error)
+        return shards
+
     def _check(self, hf: dict[str, torch.Tensor]) -> int:
         """Names and shapes of a whole HF weight set, against this model's (shapes from the
         mapping, so it works while offloaded); returns its bytes."""
-        shards = to_megatron(hf, self.config, rank=self.tp_rank, tp=self.tp)
-        self._match(shards, {k: tuple(v) for k, v in self._shapes.items()})
-        return sum(t.numel() * t.element_size() for k, t in hf.items()
-                   if not (k == "lm_head.weight" and self.config.tie_word_embeddings))
+        self._fit(hf, {k: tuple(v) for k, v in self._shapes.items()})
+        return self._hf_bytes(hf)
 
     @staticmethod
     def _match(shards: dict[str, torch.Tensor], own: dict[str, tuple]) -> None:
@@ -274,14 +476,12 @@ class MegatronTrainer:
                 raise ModelDirError(f"weight {name!r} has shape {tuple(t.shape)}, expected {own[name]}")
 
     def _load_into(self, model, hf: dict[str, torch.Tensor]) -> int:
-        shards = to_megatron(hf, self.config, rank=self.tp_rank, tp=self.tp)
         own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-        self._match(shards, {k: tuple(v.shape) for k, v in own.items()})  # before any copy: nothing half-loaded
+        shards = self._fit(hf, {k: tuple(v.shape) for k, v in own.items()})  # before any copy
         with torch.no_grad():
             for name, t in shards.items():
                 own[name].copy_(t)
-        return sum(t.numel() * t.element_size() for k, t in hf.items()
-                   if not (k == "lm_head.weight" and self.config.tie_word_embeddings))
+        return self._hf_bytes(hf)
 
     def _shards(self) -> list[dict[str, torch.Tensor]]:
         mine = {k: v.detach() for k, v in self.gpt.state_dict().items() if not k.endswith("_extra_state")}
@@ -298,20 +498,48 @@ class MegatronTrainer:
                 out[r][name] = part
         return out
 
+    def _gather_stages(self, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every stage's HF tensors at the first stage (which returns the whole model; the
+        others return {}): names and shapes first, then each tensor point to point."""
+        if self.pp == 1:
+            return mine
+        from megatron.core import parallel_state as ps
+
+        group = _pp_group()
+        meta: list[list | None] = [None] * self.pp
+        dist.all_gather_object(meta, [(k, tuple(v.shape), v.dtype) for k, v in mine.items()], group=group)
+        first = ps.get_pipeline_model_parallel_first_rank()
+        if not self.stage.first:
+            for name, _, _ in meta[ps.get_pipeline_model_parallel_rank()]:
+                dist.send(mine[name].to(self.device).contiguous(), dst=first, group=group)
+            return {}
+        out = dict(mine)
+        ranks = dist.get_process_group_ranks(group)
+        for stage in range(1, self.pp):
+            for name, shape, dtype in meta[stage]:
+                t = torch.empty(shape, dtype=dtype, device=self.device)
+                dist.recv(t, src=ranks[stage], group=group)
+                out.setdefault(name, t)
+        return out
+
     def export_weights(self) -> dict[str, torch.Tensor]:
-        """Whole HF-named tensors on the host (every TP rank gathers them); a snapshot."""
+        """Whole HF-named tensors on the host (every TP rank gathers them; under PP the
+        first stage's ranks do, the others return {}); a snapshot."""
         if self._pending is not None:
-            return {k: v.clone() for k, v in self._pending.items()}
+            mine = {k: v for k, v in self._pending.items() if k != "model.embed_tokens.weight" or self.stage.first}
+            return {k: v.to("cpu", copy=True) for k, v in self._gather_stages(mine).items()}
         with self._params_onloaded():
-            return {k: v.to("cpu", copy=True).contiguous() for k, v in to_hf(self._shards(), self.config).items()}
+            mine = to_hf(self._shards(), self.config, self.stage)
+            return {k: v.to("cpu", copy=True).contiguous() for k, v in self._gather_stages(mine).items()}
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
-        """Load HF-named weights. While offloaded (a rollout cell following publications)
-        they are checked and kept on the host, and copied in at `onload`."""
+        """Load HF-named weights (the whole model's; each stage takes its part). While
+        offloaded (a rollout cell following publications) they are checked and this
+        stage's part is kept on the host, to be copied in at `onload`."""
         hf = dict(named)
         if self._host is not None:
             nbytes = self._check(hf)
-            self._pending = {k: v.to("cpu", copy=True) for k, v in hf.items()}
+            self._pending = {k: v.to("cpu", copy=True) for k, v in hf.items() if holds(k, self.config, self.stage)}
         else:
             nbytes = self._load_into(self.gpt, hf)
             if self.on_gpu:  # the distributed optimizer's fp32 main copy follows the new weights
@@ -427,7 +655,15 @@ class MegatronTrainer:
     # --- checkpoints --------------------------------------------------------------------
 
     def _ckpt_path(self, path: str) -> Path:
-        return Path(path) if self.tp == 1 else Path(f"{path}.tp{self.tp_rank}")
+        """One file per rank: `path` itself for the cell's rank 0 (so a run's checkpoint
+        names one file whatever the cell's shape), `path.tpR` for the other TP ranks,
+        `path.ppS.tpR` for the other ranks under PP."""
+        from megatron.core import parallel_state as ps
+
+        stage = ps.get_pipeline_model_parallel_rank()
+        if self.tp_rank == 0 and stage == 0:
+            return Path(path)
+        return Path(f"{path}.pp{stage}.tp{self.tp_rank}") if self.pp > 1 else Path(f"{path}.tp{self.tp_rank}")
 
     def save_checkpoint(self, path: str) -> None:
         with self._onloaded():
@@ -443,7 +679,7 @@ class MegatronTrainer:
             self.optimizer.save_parameter_state(str(target) + ".optim.tmp")
             Path(str(target) + ".optim.tmp").replace(str(target) + ".optim")
         torch.save({"model": model, "optimizer": self.optimizer.state_dict() if stepped or not self.on_gpu else None,
-                    "optimizer_state": stepped, "version": self.version, "tp": self.tp}, tmp)
+                    "optimizer_state": stepped, "version": self.version, "tp": self.tp, "pp": self.pp}, tmp)
         tmp.replace(target)  # atomic: a crash mid-save leaves the previous checkpoint
 
     def load_checkpoint(self, path: str) -> None:
@@ -452,8 +688,9 @@ class MegatronTrainer:
 
     def _restore(self, path: str) -> None:
         state = torch.load(self._ckpt_path(path), map_location="cpu", weights_only=True)
-        if state.get("tp", 1) != self.tp:
-            raise RuntimeError(f"checkpoint {path} was saved with TP={state.get('tp')}, this trainer has TP={self.tp}")
+        if (state.get("tp", 1), state.get("pp", 1)) != (self.tp, self.pp):
+            raise RuntimeError(f"checkpoint {path} was saved with TP={state.get('tp', 1)}, PP={state.get('pp', 1)}; "
+                               f"this trainer has TP={self.tp}, PP={self.pp}")
         missing, unexpected = self.gpt.load_state_dict(state["model"], strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:

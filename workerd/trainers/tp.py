@@ -1,11 +1,14 @@
-"""trainers/tp.py: a tensor-parallel megatron-core cell inside one workerd.
+"""trainers/tp.py: a model-parallel (TP x PP) megatron-core cell inside one workerd.
 
-`TensorParallelTrainer` is rank 0 of the cell's TP group, in the workerd's own process;
-ranks 1..tp-1 are child processes (spawned, never forked) that run the same
-`MegatronTrainer` calls in the same order, SPMD style: every call goes to the children
-first, then runs here, then their answers are collected (an error on any rank is raised
-here, naming the rank). Gradient reduction across cells pairs rank r of every cell:
-each rank joins its own copy of the coordinator's reducer world (`init_reducer`).
+`TensorParallelTrainer` is rank 0 of the cell (TP rank 0 of the first pipeline stage), in
+the workerd's own process; ranks 1..tp*pp-1 are child processes (spawned, never forked)
+that run the same `MegatronTrainer` calls in the same order, SPMD style: every call goes to
+the children first, then runs here, then their answers are collected (an error on any rank
+is raised here, naming the rank). Megatron orders the ranks TP first: rank r is TP rank
+r % tp of stage r // tp. Rank 0 answers for the cell (log-probs and micro-step stats come
+to it from the last stage, exported weights are gathered at the first). Gradient reduction
+across cells pairs rank r of every cell (the same part of the same model): each rank joins
+its own copy of the coordinator's reducer world (`init_reducer`).
 
 On GPUs rank r uses `cuda:r` of the visible devices (CUDA_VISIBLE_DEVICES picks them). Not a launcher of
 workerds and not a scheduler: the worker calls it exactly as it calls a one-rank trainer.
@@ -28,11 +31,11 @@ from gyre.workerd.trainers.base import MicroBatch, MicroStepStats
 
 
 class RankError(RuntimeError):
-    """A TP rank failed a call, or died."""
+    """A rank of the cell failed a call, or died."""
 
 
 def rank_init_method(init_method: str, rank: int) -> str:
-    """The reducer world of TP rank `rank`: a file beside the coordinator's, or the next ports."""
+    """The reducer world of cell rank `rank`: a file beside the coordinator's, or the next ports."""
     if rank == 0:
         return init_method
     if init_method.startswith("file://"):
@@ -40,12 +43,12 @@ def rank_init_method(init_method: str, rank: int) -> str:
     if init_method.startswith("tcp://"):
         host, port = init_method[len("tcp://"):].rsplit(":", 1)
         return f"tcp://{host}:{int(port) + rank}"
-    raise ValueError(f"cannot derive TP rank {rank}'s rendezvous from {init_method!r}")
+    raise ValueError(f"cannot derive cell rank {rank}'s rendezvous from {init_method!r}")
 
 
-def _rank_main(rank: int, tp: int, store: str, model_dir: str, config: ModelConfig, options: dict,
+def _rank_main(rank: int, tp: int, pp: int, store: str, model_dir: str, config: ModelConfig, options: dict,
                threads: int, start_timeout_s: float, conn) -> None:
-    """A child rank: join the TP group, build the trainer, then serve calls until told to stop."""
+    """A child rank: join the cell's group, build the trainer, then serve calls until told to stop."""
     import torch.distributed as dist
 
     from gyre.workerd.trainers.megatron import MegatronTrainer
@@ -55,8 +58,8 @@ def _rank_main(rank: int, tp: int, store: str, model_dir: str, config: ModelConf
         if torch.cuda.is_available():
             torch.cuda.set_device(rank)
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", init_method=store,
-                                rank=rank, world_size=tp, timeout=timedelta(seconds=start_timeout_s))
-        trainer = MegatronTrainer(model_dir, config, tp=tp, **options)
+                                rank=rank, world_size=tp * pp, timeout=timedelta(seconds=start_timeout_s))
+        trainer = MegatronTrainer(model_dir, config, tp=tp, pp=pp, **options)
         reducer = None
         conn.send(("ready", None))
     except BaseException as e:  # noqa: BLE001 - reported to rank 0, which raises it
@@ -91,27 +94,31 @@ def _rank_main(rank: int, tp: int, store: str, model_dir: str, config: ModelConf
 
 
 class TensorParallelTrainer:
-    def __init__(self, model_dir: str, config: ModelConfig, *, tp: int, start_timeout_s: float = 300.0,
+    def __init__(self, model_dir: str, config: ModelConfig, *, tp: int, pp: int = 1, start_timeout_s: float = 300.0,
                  **options: Any):
         import torch.distributed as dist
 
-        from gyre.workerd.trainers.hf_megatron import check_tp
+        from gyre.workerd.trainers.hf_megatron import check_pp, check_tp
         from gyre.workerd.trainers.megatron import MegatronTrainer
 
         check_tp(config, tp)
+        check_pp(config, pp)
+        world = tp * pp
         if dist.is_initialized():
             raise RankError("torch.distributed is already initialised in this process: a TP cell owns it")
-        if torch.cuda.is_available() and torch.cuda.device_count() < tp:
-            raise RankError(f"tensor-parallel size {tp} needs {tp} GPUs; {torch.cuda.device_count()} visible")
-        self.tp = tp
+        if torch.cuda.is_available() and torch.cuda.device_count() < world:
+            raise RankError(f"tensor-parallel size {tp} x pipeline-parallel size {pp} needs {world} GPUs; "
+                            f"{torch.cuda.device_count()} visible")
+        self.tp, self.pp = tp, pp
+        self._replies: list[Any] = []  # the children's answers to the last call
         self._broken: str | None = None
         self._store_dir = Path(tempfile.mkdtemp(prefix="gyre-tp-"))
         store = f"file://{self._store_dir / 'store'}"
         ctx = mp.get_context("spawn")
         self._conns, self._procs = [], []
-        for rank in range(1, tp):
+        for rank in range(1, world):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_rank_main, args=(rank, tp, store, str(model_dir), config, options,
+            proc = ctx.Process(target=_rank_main, args=(rank, tp, pp, store, str(model_dir), config, options,
                                                              torch.get_num_threads(), start_timeout_s, child),
                                daemon=True, name=f"gyre-tp-rank-{rank}")
             proc.start()
@@ -122,8 +129,8 @@ class TensorParallelTrainer:
             if torch.cuda.is_available():
                 torch.cuda.set_device(0)
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", init_method=store,
-                                    rank=0, world_size=tp, timeout=timedelta(seconds=start_timeout_s))
-            self.local = MegatronTrainer(model_dir, config, tp=tp, **options)
+                                    rank=0, world_size=world, timeout=timedelta(seconds=start_timeout_s))
+            self.local = MegatronTrainer(model_dir, config, tp=tp, pp=pp, **options)
             self._collect("start-up", timeout=start_timeout_s)
         except BaseException:
             self.close()
@@ -142,15 +149,15 @@ class TensorParallelTrainer:
         for rank, (conn, proc) in enumerate(zip(self._conns, self._procs), start=1):
             try:
                 if not conn.poll(timeout):
-                    self._broken = (f"TP rank {rank} did not answer {what} within {timeout} s "
+                    self._broken = (f"cell rank {rank} did not answer {what} within {timeout} s "
                                     f"(alive: {proc.is_alive()}, exit code {proc.exitcode})")
                     continue
                 status, value = conn.recv()
             except (EOFError, OSError):
-                self._broken = f"TP rank {rank} died during {what} (exit code {proc.exitcode})"
+                self._broken = f"cell rank {rank} died during {what} (exit code {proc.exitcode})"
                 continue
             if status == "error":
-                errors.append(f"TP rank {rank} failed {what}: {value}")
+                errors.append(f"cell rank {rank} failed {what}: {value}")
             out.append(value)
         if self._broken:
             self.close()
@@ -166,7 +173,7 @@ class TensorParallelTrainer:
             try:
                 conn.send((method, args, kwargs or {}))
             except (BrokenPipeError, OSError):
-                self._broken = f"TP rank {rank} is gone (exit code {self._procs[rank - 1].exitcode})"
+                self._broken = f"cell rank {rank} is gone (exit code {self._procs[rank - 1].exitcode})"
                 self.close()
                 raise RankError(self._broken) from None
 
@@ -183,7 +190,7 @@ class TensorParallelTrainer:
             with contextlib.suppress(RankError):
                 self._collect(method, timeout=60)
             raise
-        self._collect(method)
+        self._replies = self._collect(method)
         return result
 
     # --- the trainer contract -------------------------------------------------------------
@@ -218,7 +225,8 @@ class TensorParallelTrainer:
         return self._all("load_weights", list(named), version)
 
     def offload(self) -> int:
-        return self._all("offload")
+        """Bytes freed on every rank of the cell."""
+        return self._all("offload") + sum(self._replies)
 
     def onload(self) -> None:
         self._all("onload")
@@ -235,7 +243,7 @@ class TensorParallelTrainer:
     # --- cross-cell reduction ---------------------------------------------------------------
 
     def init_reducer(self, *, rank: int, world_size: int, init_method: str):
-        """Rank r of this cell joins the reducer world of TP rank r; returns rank 0's."""
+        """Rank r of this cell joins the reducer world of cell rank r; returns rank 0's."""
         from gyre.workerd.reducer import GradReducer
 
         for r, conn in enumerate(self._conns, start=1):  # each child its own world's rendezvous
