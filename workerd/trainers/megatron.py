@@ -6,7 +6,7 @@ clips and updates; weights go in and out by HF names (hf_megatron.py), so a chec
 loads and a publication reaches SGLang or the CPU engine without a conversion step.
 
     GPU   Megatron's DDP (grads in contiguous fp32 buffers) + its distributed optimizer,
-          bf16 parameters; TP from the caller's process group.
+          bf16 parameters; TP and PP from the caller's process group.
     CPU   Megatron's model and parallel state with torch.optim.AdamW, behind a small shim
           applied only when no GPU is present (DEPS-NOTES.md): `torch.cuda.current_device`
           answers "cpu", the no-op inference RNG tracker, an explicit boolean causal mask.
@@ -16,14 +16,18 @@ vocab-parallel cross-entropy gathers them from the vocabulary shards.
 
 Pipeline parallelism (PP > 1): each rank builds its stage of the GPTModel (the embedding
 on the first, the final norm and output layer on the last) and a micro-step runs as a
-GPipe schedule over `microbatches` chunks of its rows: each chunk's activations go
-forward stage to stage as soon as they are computed, the last stage takes the GSPO loss
-over all rows at once (its executions may span rows, so it is not a sum over chunks), and
-each chunk's gradient goes back as soon as that stage's backward of it is done. The
-pipeline bubble is (PP - 1) / (chunks + PP - 1) of a micro-step. Tied embeddings are a
+GPipe schedule over `microbatches` chunks of its rows (2 x PP unless set; at most one per
+row): each chunk's activations go forward stage to stage as soon as they are computed, the
+last stage takes the GSPO loss over all rows at once (its executions may span rows, so it
+is not a sum over chunks), and each chunk's gradient goes back as soon as that stage's
+backward of it is done. The pipeline bubble is (PP - 1) / (chunks + PP - 1) of a
+micro-step (bench/pipeline.py). Not Megatron's 1F1B schedule: the loss needs every chunk's
+log-probs before any backward, and its schedule is CUDA-bound. Tied embeddings are a
 parameter on the first stage and a copy on the last, their gradients summed before the
-update, as Megatron does; clipping takes the norm over every stage, the copy counted once. Role changes call
-`offload()` / `onload()`: every storage of parameters, gradients and optimizer state is
+update, as Megatron does; clipping takes the norm over every stage, the copy counted once.
+Activations also keep every chunk until the loss (as an unpipelined micro-step does).
+
+Role changes call `offload()` / `onload()`: every storage of parameters, gradients and optimizer state is
 copied to host memory and shrunk to zero bytes in place, so the views into them (DDP's
 buffers) stay valid. Not a multi-process launcher: TP x PP > 1 needs one process per rank
 with torch.distributed initialised by the caller (trainers/tp.py does it inside workerd).
@@ -178,7 +182,8 @@ class MegatronTrainer:
         self.offload_enabled = self.on_gpu if offload is None else offload
         self.tp, self.tp_rank = _tp_size(), _tp_rank()
         self.pp = pp
-        self.microbatches = pp if microbatches is None else int(microbatches)  # GPipe chunks per micro-step
+        # GPipe chunks per micro-step (at most one per row): 2 x PP leaves a bubble of 1/3 to 1/5.
+        self.microbatches = 2 * pp if microbatches is None else int(microbatches)
         if self.microbatches < 1:
             raise ValueError(f"microbatches must be >= 1, got {microbatches}")
         self.dtype = torch.bfloat16 if self.on_gpu else torch.float32
