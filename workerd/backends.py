@@ -88,7 +88,7 @@ def build_backends(model_dir: str, *, engine: str, trainer: str,
 
             tr = TensorParallelTrainer(model_dir, config, tp=tp, pp=pp, **options)
         else:
-            tr = MegatronTrainer(model_dir, config, tp=1, **options)
+            tr = MegatronTrainer(model_dir, config, tp=tp, pp=pp, **options)  # bad sizes refused there
         params = tr.num_params
     else:
         from gyre.workerd.model import load_model, num_params

@@ -32,6 +32,14 @@ if __name__ == "__main__":
         error = ""
     except ModelDirError as e:
         error = str(e)
+    # A malformed tensor of the last stage's (k_proj with a wrong row count): named, on every rank.
+    bad_k = dict(trained)
+    bad_k["model.layers.1.self_attn.k_proj.weight"] = bad_k["model.layers.1.self_attn.k_proj.weight"][:-1]
+    try:
+        trainer.load_weights(bad_k.items(), version=9)
+        malformed = ""
+    except ModelDirError as e:
+        malformed = str(e)
     trainer.onload()
     onloaded = trainer.export_weights()
     ckpt = f"{out}.ckpt"
@@ -40,6 +48,18 @@ if __name__ == "__main__":
     trainer.load_weights(trained.items(), version=5)
     trainer.load_checkpoint(ckpt)
     restored = trainer.export_weights()
+    # A checkpoint whose last-stage file is from another version: refused before any rank loads.
+    other = f"{out}.other"
+    trainer.load_weights(trained.items(), version=6)
+    trainer.save_checkpoint(other)
+    Path(f"{other}.pp1.tp0").replace(f"{ckpt}.pp1.tp0")
+    try:
+        trainer.load_checkpoint(ckpt)
+        mixed = ""
+    except Exception as e:  # noqa: BLE001
+        mixed = str(e)
+    untouched = trainer.export_weights()
+    trainer.load_weights(published.items(), version=4)
     stats2 = trainer.train_micro_step(batch)
     norm2 = trainer.optimizer_step(3)
     version = trainer.version
@@ -48,4 +68,5 @@ if __name__ == "__main__":
     torch.save({"logprobs": logprobs, "loss": stats.loss, "norm": norm, "trained": trained, "freed": freed,
                 "published": published, "while_offloaded": while_offloaded, "error": error,
                 "onloaded": onloaded, "restored": restored, "loss2": stats2.loss, "norm2": norm2,
-                "version": version, "params": params, "files": files}, out)
+                "version": version, "params": params, "files": files, "malformed": malformed, "mixed": mixed,
+                "untouched": untouched}, out)

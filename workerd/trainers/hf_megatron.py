@@ -56,7 +56,7 @@ class Stage:
     """The part of the model one pipeline stage holds: decoder layers [offset, offset +
     layers) (None: all), the embedding on the first stage, the final norm and the output
     layer on the last. With tied embeddings and more than one stage, the last stage's
-    output layer is a copy of the embedding (Megatron keeps the two in sync)."""
+    output layer is a copy of the embedding (the trainer keeps the two in sync)."""
 
     first: bool = True
     last: bool = True
@@ -156,25 +156,34 @@ def to_megatron(hf: dict[str, torch.Tensor], config: ModelConfig, *, rank: int =
             raise ModelDirError(f"weight {name!r}: the model has {config.num_hidden_layers} layers")
         if not stage.holds_layer(i):
             continue
-        i -= stage.offset
         if rest in _SIMPLE:
             mname, how = _SIMPLE[rest]
-            out[f"decoder.layers.{i}.{mname}"] = _split(t, how, rank, tp)
+            out[f"decoder.layers.{i - stage.offset}.{mname}"] = _split(t, how, rank, tp)
         elif (p := re.fullmatch(r"self_attn\.([qkv])_proj\.(weight|bias)", rest)) is not None:
             qkv.setdefault((i, p.group(2)), {})[p.group(1)] = t
         elif (p := re.fullmatch(r"mlp\.(gate|up)_proj\.weight", rest)) is not None:
             fc1.setdefault(i, {})[p.group(1)] = t
         else:
             raise ModelDirError(f"weight {name!r} has no megatron-core counterpart")
+    d = config.head_dim
     for (i, kind), parts in qkv.items():
         if set(parts) != {"q", "k", "v"}:
             raise ModelDirError(f"layer {i} {kind}: q, k and v projections must come together, got {sorted(parts)}")
+        rows = {"q": config.num_attention_heads * d, "k": config.num_key_value_heads * d,
+                "v": config.num_key_value_heads * d}
+        for proj, t in parts.items():  # before the reshape, so a bad one is named, not a reshape error
+            if t.shape[0] != rows[proj] or t.shape[1:] != parts["q"].shape[1:]:
+                raise ModelDirError(f"weight 'model.layers.{i}.self_attn.{proj}_proj.{kind}' has shape "
+                                    f"{tuple(t.shape)}, expected ({rows[proj]}, ...) like its q projection")
         fused = _qkv_groups(parts["q"], parts["k"], parts["v"], config).chunk(tp, dim=0)[rank]
-        out[f"decoder.layers.{i}.self_attention.linear_qkv.{kind}"] = fused.reshape(-1, *fused.shape[2:])
+        out[f"decoder.layers.{i - stage.offset}.self_attention.linear_qkv.{kind}"] = fused.reshape(-1, *fused.shape[2:])
     for i, parts in fc1.items():
         if set(parts) != {"gate", "up"}:
             raise ModelDirError(f"layer {i}: gate and up projections must come together, got {sorted(parts)}")
-        out[f"decoder.layers.{i}.mlp.linear_fc1.weight"] = torch.cat(
+        if parts["gate"].shape != parts["up"].shape:
+            raise ModelDirError(f"layer {i}: gate_proj {tuple(parts['gate'].shape)} and up_proj "
+                                f"{tuple(parts['up'].shape)} differ")
+        out[f"decoder.layers.{i - stage.offset}.mlp.linear_fc1.weight"] = torch.cat(
             [parts["gate"].chunk(tp, dim=0)[rank], parts["up"].chunk(tp, dim=0)[rank]], dim=0)
     return out
 

@@ -18,14 +18,17 @@ Pipeline parallelism (PP > 1): each rank builds its stage of the GPTModel (the e
 on the first, the final norm and output layer on the last) and a micro-step runs as a
 GPipe schedule over `microbatches` chunks of its rows (2 x PP unless set; at most one per
 row): each chunk's activations go forward stage to stage as soon as they are computed, the
-last stage takes the GSPO loss over all rows at once (its executions may span rows, so it
-is not a sum over chunks), and each chunk's gradient goes back as soon as that stage's
-backward of it is done. The pipeline bubble is (PP - 1) / (chunks + PP - 1) of a
-micro-step (bench/pipeline.py). Not Megatron's 1F1B schedule: the loss needs every chunk's
-log-probs before any backward, and its schedule is CUDA-bound. Tied embeddings are a
-parameter on the first stage and a copy on the last, their gradients summed before the
-update, as Megatron does; clipping takes the norm over every stage, the copy counted once.
-Activations also keep every chunk until the loss (as an unpipelined micro-step does).
+last stage takes the GSPO loss over all rows at once (one call of the shared loss, so the
+micro-step's statistics are the same as unpipelined), and each chunk's gradient goes back as
+soon as that stage's backward of it is done. The pipeline bubble is (PP - 1) / (chunks +
+PP - 1) of a micro-step (bench/pipeline.py); every chunk's activations are held until the
+loss, as an unpipelined micro-step holds them. Megatron's 1F1B schedule would hold only PP
+chunks' (the loss is a sum over tokens, so per-chunk losses would do), but it is CUDA-bound
+and not used. Tied embeddings are a parameter on the first stage and a copy on the last,
+their gradients summed before every update (Megatron syncs the copy only when it builds
+the model); clipping takes the norm over every stage, the copy counted once. A stage whose
+computation fails still passes every chunk on, so the others are never left waiting, and
+the failure is raised on every stage with the step's gradients dropped.
 
 Role changes call `offload()` / `onload()`: every storage of parameters, gradients and optimizer state is
 copied to host memory and shrunk to zero bytes in place, so the views into them (DDP's
@@ -257,52 +260,81 @@ class MegatronTrainer:
         bounds = [rows * i // n for i in range(n + 1)]
         return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
 
-    def _pipeline_forward(self, input_ids: torch.Tensor, grad: bool):
-        """The forward half of the GPipe schedule: [(chunk input, chunk output)] per chunk,
-        each output sent on to the next stage as soon as it is computed."""
+    def _pipeline_forward(self, input_ids: torch.Tensor, grad: bool, failed: list[BaseException]):
+        """The forward half of the GPipe schedule: (chunk input, chunk output, shape of the
+        activations between stages) per chunk, each output sent on to the next stage as soon
+        as it is computed. A stage whose computation fails (recorded in `failed`) still sends
+        and receives every chunk (zeros in place of its outputs), so no stage is left waiting."""
         from megatron.core import parallel_state as ps
 
         ids = input_ids.to(self.device)
-        t = ids.shape[1]
+        t, hidden = ids.shape[1], self.config.hidden_size
         group = _pp_group()
         out = []
-        for rows in self._chunks(ids.shape[0]):
-            x = None
+        try:
+            for rows in self._chunks(ids.shape[0]):
+                shape = (t, rows.stop - rows.start, hidden)
+                x = y = None
+                if not self.stage.first:
+                    x = torch.empty(shape, dtype=self.dtype, device=self.device)
+                    dist.recv(x, src=ps.get_pipeline_model_parallel_prev_rank(), group=group)
+                    x.requires_grad_(grad)
+                if not failed:
+                    try:
+                        if x is not None:
+                            self.gpt.set_input_tensor(x)
+                        y = self._forward(ids[rows])
+                    except Exception as e:  # noqa: BLE001 - agreed over the stages, then raised
+                        failed.append(e)
+                if not self.stage.last:
+                    sent = y.detach().contiguous() if y is not None else torch.zeros(shape, dtype=self.dtype,
+                                                                                       device=self.device)
+                    dist.send(sent, dst=ps.get_pipeline_model_parallel_next_rank(), group=group)
+                out.append((x, y, shape))
+        finally:
             if not self.stage.first:
-                x = torch.empty(t, rows.stop - rows.start, self.config.hidden_size, dtype=self.dtype,
-                                device=self.device)
-                dist.recv(x, src=ps.get_pipeline_model_parallel_prev_rank(), group=group)
-                x.requires_grad_(grad)
-                self.gpt.set_input_tensor(x)
-            y = self._forward(ids[rows])
-            if not self.stage.last:
-                dist.send(y.detach().contiguous(), dst=ps.get_pipeline_model_parallel_next_rank(), group=group)
-            out.append((x, y))
+                self.gpt.set_input_tensor(None)  # the last chunk's input is not kept past the step
         return out
 
-    def _pipeline_backward(self, chunks, grads: list[torch.Tensor] | None) -> None:
+    def _pipeline_backward(self, chunks, grads, failed: list[BaseException]) -> None:
         """The backward half: each chunk's gradient (from the loss on the last stage, from
-        the next stage on the others) back through this stage, then on to the previous."""
+        the next stage on the others) back through this stage, then on to the previous.
+        As in the forward half, a failed stage still passes every chunk on (zeros)."""
         from megatron.core import parallel_state as ps
 
         group = _pp_group()
-        for i, (x, y) in enumerate(chunks):
+        for i, (x, y, shape) in enumerate(chunks):
             if self.stage.last:
-                g = grads[i]
+                g = grads[i] if grads is not None else None
             else:
-                g = torch.empty_like(y)
+                g = torch.empty(shape, dtype=self.dtype, device=self.device)
                 dist.recv(g, src=ps.get_pipeline_model_parallel_next_rank(), group=group)
-            torch.autograd.backward(y, g)
+            if not failed and y is not None and g is not None:
+                try:
+                    torch.autograd.backward(y, g)
+                except Exception as e:  # noqa: BLE001
+                    failed.append(e)
             if not self.stage.first:
-                dist.send(x.grad.contiguous(), dst=ps.get_pipeline_model_parallel_prev_rank(), group=group)
+                back = x.grad if not failed and x.grad is not None else torch.zeros_like(x)
+                dist.send(back.contiguous(), dst=ps.get_pipeline_model_parallel_prev_rank(), group=group)
 
-    def _from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
-        """`t` (computed on the last stage; of the same shape elsewhere) on every stage."""
-        from megatron.core import parallel_state as ps
-
-        t = t.to(self.device)
-        dist.broadcast(t, src=ps.get_pipeline_model_parallel_last_rank(), group=_pp_group())
-        return t.cpu()
+    def _agree(self, failed: list[BaseException], payload=None, *, drop_grads: bool = False) -> list:
+        """Every stage's (failure, payload) after a schedule; a failure anywhere is raised on
+        every stage (this stage's own exception where it was this stage's), after dropping
+        the step's gradients if asked (a failed micro-step leaves none half-made)."""
+        verdicts: list = [None] * self.pp
+        mine = None if not failed else f"{type(failed[0]).__name__}: {failed[0]}"
+        dist.all_gather_object(verdicts, (mine, payload), group=_pp_group())
+        bad = [(stage, error) for stage, (error, _) in enumerate(verdicts) if error is not None]
+        if bad:
+            if drop_grads:
+                self._drop_grads()
+            if failed:
+                raise failed[0]
+            stage, error = bad[0]
+            dropped = " (this step's gradients were dropped on every stage)" if drop_grads else ""
+            raise RuntimeError(f"pipeline stage {stage} failed: {error}{dropped}")
+        return [p for _, p in verdicts]
 
     def train_micro_step(self, batch: MicroBatch) -> MicroStepStats:
         self._need_onloaded()
@@ -317,28 +349,36 @@ class MegatronTrainer:
     def _pipeline_micro_step(self, batch: MicroBatch, t0: float) -> MicroStepStats:
         from gyre.workerd.loss import gspo_loss
 
-        chunks = self._pipeline_forward(batch.input_ids, grad=True)
-        summary = torch.zeros(4, dtype=torch.float64)
-        grads = None
-        if self.stage.last:
-            logps = [y for _, y in chunks]
-            out = gspo_loss(torch.cat(logps), batch.behaviour_logprobs, batch.advantages, batch.loss_weights,
-                            batch.target_mask, batch.exec_ids)
-            grads = torch.autograd.grad(out.loss_sum, logps, materialize_grads=True)  # d loss / d each chunk
-            summary = torch.tensor([out.loss_sum.item(), out.tokens, out.executions, out.mismatch],
-                                   dtype=torch.float64)
-        self._pipeline_backward(chunks, grads)
-        loss, tokens, executions, mismatch = self._from_last_stage(summary).tolist()
-        return MicroStepStats(loss, int(tokens), int(executions), mismatch, time.perf_counter() - t0)
+        failed: list[BaseException] = []
+        chunks = self._pipeline_forward(batch.input_ids, grad=True, failed=failed)
+        grads, summary = None, None
+        if self.stage.last and not failed:
+            try:
+                logps = [y for _, y, _ in chunks]
+                out = gspo_loss(torch.cat(logps), batch.behaviour_logprobs, batch.advantages, batch.loss_weights,
+                                batch.target_mask, batch.exec_ids)
+                grads = torch.autograd.grad(out.loss_sum, logps, materialize_grads=True)  # d loss / d each chunk
+                summary = (out.loss_sum.item(), out.tokens, out.executions, out.mismatch)
+            except Exception as e:  # noqa: BLE001
+                failed.append(e)
+        self._pipeline_backward(chunks, grads, failed)
+        loss, tokens, executions, mismatch = self._agree(failed, summary, drop_grads=True)[-1]
+        return MicroStepStats(loss, tokens, executions, mismatch, time.perf_counter() - t0)
 
     def current_logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
         with self._params_onloaded(), torch.no_grad():
             if self.pp == 1:
                 return self._logprobs(input_ids)
-            chunks = self._pipeline_forward(input_ids, grad=False)
-            logp = torch.cat([y for _, y in chunks]) if self.stage.last else \
+            failed: list[BaseException] = []
+            chunks = self._pipeline_forward(input_ids, grad=False, failed=failed)
+            self._agree(failed)
+            logp = torch.cat([y for _, y, _ in chunks]) if self.stage.last else \
                 torch.zeros(input_ids.shape, dtype=torch.float32)
-            return self._from_last_stage(logp)
+            logp = logp.to(self.device)
+            from megatron.core import parallel_state as ps
+
+            dist.broadcast(logp, src=ps.get_pipeline_model_parallel_last_rank(), group=_pp_group())
+            return logp.cpu()
 
     # --- update -------------------------------------------------------------------------
 
@@ -428,9 +468,15 @@ class MegatronTrainer:
                 norm = self._norm_only(grad_buffers)
             return float(norm)
         finally:  # a failed step leaves no gradients behind to add to the next
+            self._drop_grads()
+
+    def _drop_grads(self) -> None:
+        if self.on_gpu:
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
-            self.micro_steps = 0
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        self.micro_steps = 0
 
     @staticmethod
     def _norm_only(buffers: list[torch.Tensor]) -> float:
@@ -453,6 +499,8 @@ class MegatronTrainer:
             self._match(shards, own)
         except ModelDirError as e:
             error = str(e)
+        except Exception as e:  # noqa: BLE001 - any malformed tensor: refused by the cell, not one stage
+            error = f"weights do not fit this model ({type(e).__name__}: {e})"
         if self.pp > 1:
             from megatron.core import parallel_state as ps
 
@@ -503,39 +551,45 @@ class MegatronTrainer:
                 out[r][name] = part
         return out
 
-    def _gather_stages(self, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Every stage's HF tensors at the first stage (which returns the whole model; the
-        others return {}): names and shapes first, then each tensor point to point."""
+    def _gather_stages(self, mine) -> dict[str, torch.Tensor]:
+        """Every stage's HF tensors (`mine`: a function giving this stage's) at the first
+        stage, on the host, which returns the whole model; the others return {}. Names and
+        shapes go first (with any stage's failure, raised on all), then each tensor point to
+        point, each moved to the host as it arrives (never the whole model on one device)."""
         if self.pp == 1:
-            return mine
+            return {k: v.to("cpu", copy=True).contiguous() for k, v in mine().items()}
         from megatron.core import parallel_state as ps
 
+        failed: list[BaseException] = []
+        try:
+            tensors = mine()
+        except Exception as e:  # noqa: BLE001 - agreed over the stages, then raised
+            tensors = {}
+            failed.append(e)
+        meta = self._agree(failed, [(k, tuple(v.shape), v.dtype) for k, v in tensors.items()])
         group = _pp_group()
-        meta: list[list | None] = [None] * self.pp
-        dist.all_gather_object(meta, [(k, tuple(v.shape), v.dtype) for k, v in mine.items()], group=group)
-        first = ps.get_pipeline_model_parallel_first_rank()
         if not self.stage.first:
             for name, _, _ in meta[ps.get_pipeline_model_parallel_rank()]:
-                dist.send(mine[name].to(self.device).contiguous(), dst=first, group=group)
+                dist.send(tensors[name].to(self.device).contiguous(), dst=ps.get_pipeline_model_parallel_first_rank(),
+                          group=group)
             return {}
-        out = dict(mine)
+        out = {k: v.to("cpu", copy=True).contiguous() for k, v in tensors.items()}
         ranks = dist.get_process_group_ranks(group)
         for stage in range(1, self.pp):
             for name, shape, dtype in meta[stage]:
                 t = torch.empty(shape, dtype=dtype, device=self.device)
                 dist.recv(t, src=ranks[stage], group=group)
-                out.setdefault(name, t)
+                out.setdefault(name, t.cpu())
         return out
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """Whole HF-named tensors on the host (every TP rank gathers them; under PP the
         first stage's ranks do, the others return {}); a snapshot."""
         if self._pending is not None:
-            mine = {k: v for k, v in self._pending.items() if k != "model.embed_tokens.weight" or self.stage.first}
-            return {k: v.to("cpu", copy=True) for k, v in self._gather_stages(mine).items()}
+            return self._gather_stages(lambda: {k: v for k, v in self._pending.items()
+                                                if k != "model.embed_tokens.weight" or self.stage.first})
         with self._params_onloaded():
-            mine = to_hf(self._shards(), self.config, self.stage)
-            return {k: v.to("cpu", copy=True).contiguous() for k, v in self._gather_stages(mine).items()}
+            return self._gather_stages(lambda: to_hf(self._shards(), self.config, self.stage))
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
         """Load HF-named weights (the whole model's; each stage takes its part). While
@@ -692,15 +746,36 @@ class MegatronTrainer:
             self._restore(path)
 
     def _restore(self, path: str) -> None:
-        state = torch.load(self._ckpt_path(path), map_location="cpu", weights_only=True)
-        if (state.get("tp", 1), state.get("pp", 1)) != (self.tp, self.pp):
-            raise RuntimeError(f"checkpoint {path} was saved with TP={state.get('tp', 1)}, PP={state.get('pp', 1)}; "
-                               f"this trainer has TP={self.tp}, PP={self.pp}")
-        missing, unexpected = self.gpt.load_state_dict(state["model"], strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
-        if missing or unexpected:
-            raise RuntimeError(f"checkpoint {path} does not fit this model: missing {missing[:3]}, "
-                               f"unexpected {unexpected[:3]}")
+        """Each rank reads and checks its file, then the cell agrees (every rank's file there,
+        fitting, from the same version) before any rank changes anything."""
+        error, exc, state = None, None, {}
+        try:
+            state = torch.load(self._ckpt_path(path), map_location="cpu", weights_only=True)
+            if (state.get("tp", 1), state.get("pp", 1)) != (self.tp, self.pp):
+                raise RuntimeError(f"checkpoint {path} was saved with TP={state.get('tp', 1)}, "
+                                   f"PP={state.get('pp', 1)}; this trainer has TP={self.tp}, PP={self.pp}")
+            own = {k for k in self.gpt.state_dict() if not k.endswith("_extra_state")}
+            saved = set(state["model"])
+            if own != saved:
+                raise RuntimeError(f"checkpoint {self._ckpt_path(path)} does not fit this model: missing "
+                                   f"{sorted(own - saved)[:3]}, unexpected {sorted(saved - own)[:3]}")
+        except Exception as e:  # noqa: BLE001 - agreed over the cell below
+            error, exc = f"{type(e).__name__}: {e}", e
+        if self.tp * self.pp > 1:
+            from megatron.core import parallel_state as ps
+
+            group = ps.get_model_parallel_group()
+            verdicts: list = [None] * dist.get_world_size(group)
+            dist.all_gather_object(verdicts, (error, state.get("version")), group=group)
+            errors = [f"rank {r}: {e}" for r, (e, _) in enumerate(verdicts) if e is not None]
+            if errors:
+                raise RuntimeError(f"checkpoint {path} not loaded on any rank: {errors[0]}")
+            versions = {v for _, v in verdicts}
+            if len(versions) > 1:
+                raise RuntimeError(f"checkpoint {path}: the cell's files are from different versions {sorted(versions)}")
+        elif exc is not None:
+            raise exc
+        self.gpt.load_state_dict(state["model"], strict=False)  # _extra_state entries aside, checked above
         if state["optimizer"] is not None:
             self.optimizer.load_state_dict(state["optimizer"])
         if self.on_gpu and state.get("optimizer_state", True):

@@ -16,7 +16,6 @@ workerds and not a scheduler: the worker calls it exactly as it calls a one-rank
 
 from __future__ import annotations
 
-import contextlib
 import tempfile
 from datetime import timedelta
 import traceback
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import torch
+import torch.distributed
 import torch.multiprocessing as mp
 
 from gyre.workerd.modeldir import ModelConfig
@@ -116,23 +116,27 @@ class TensorParallelTrainer:
         store = f"file://{self._store_dir / 'store'}"
         ctx = mp.get_context("spawn")
         self._conns, self._procs = [], []
-        for rank in range(1, world):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_rank_main, args=(rank, tp, pp, store, str(model_dir), config, options,
-                                                             torch.get_num_threads(), start_timeout_s, child),
-                               daemon=True, name=f"gyre-tp-rank-{rank}")
-            proc.start()
-            child.close()
-            self._conns.append(parent)
-            self._procs.append(proc)
         try:
+            for rank in range(1, world):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_rank_main, args=(rank, tp, pp, store, str(model_dir), config, options,
+                                                                 torch.get_num_threads(), start_timeout_s, child),
+                                   daemon=True, name=f"gyre-tp-rank-{rank}")
+                self._conns.append(parent)
+                proc.start()
+                child.close()
+                self._procs.append(proc)
             if torch.cuda.is_available():
                 torch.cuda.set_device(0)
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", init_method=store,
                                     rank=0, world_size=world, timeout=timedelta(seconds=start_timeout_s))
             self.local = MegatronTrainer(model_dir, config, tp=tp, pp=pp, **options)
             self._collect("start-up", timeout=start_timeout_s)
-        except BaseException:
+        except BaseException as e:
+            # A child's own failure (a bad device, out of memory) is why rank 0 timed out in a
+            # collective: its report, already sent, goes with the error.
+            for note in self._child_errors(timeout=5):
+                e.add_note(note)
             self.close()
             raise
         self.reducer = None
@@ -181,14 +185,34 @@ class TensorParallelTrainer:
         self._send(method, args, kwargs)
         return self._here(method, lambda: getattr(self.local, method)(*args, **kwargs))
 
+    def _child_errors(self, timeout: float) -> list[str]:
+        """The error reports the children have sent (or send within `timeout`), read off."""
+        notes = []
+        for rank, conn in enumerate(self._conns, start=1):
+            try:
+                if conn.poll(timeout):
+                    status, value = conn.recv()
+                    if status == "error":
+                        notes.append(f"cell rank {rank}: {value}")
+            except (EOFError, OSError):
+                notes.append(f"cell rank {rank} died")
+        return notes
+
     def _here(self, method: str, fn):
         """Rank 0's share of a call the children were sent; then their answers. When rank
-        0 fails, the children are given a bounded time (a collective may wait on rank 0)."""
+        0 fails, the children are given a bounded time (a collective may wait on rank 0),
+        and their errors go with rank 0's. A failed communication between the ranks (a
+        timed-out or broken collective) breaks the cell: its group cannot be trusted."""
         try:
             result = fn()
-        except BaseException:
-            with contextlib.suppress(RankError):
+        except BaseException as e:
+            try:
                 self._collect(method, timeout=60)
+            except RankError as children:
+                e.add_note(str(children))
+            if isinstance(e, torch.distributed.DistError) and not self._broken:
+                self._broken = f"the cell's process group failed during {method}: {e}"
+                self.close()
             raise
         self._replies = self._collect(method)
         return result
