@@ -28,6 +28,10 @@ def _group(backend: str, store, rank: int, size: int, timeout: timedelta):
     raise ValueError(f"unknown reducer backend {backend!r} (gloo or nccl)")
 
 
+class ReducerError(RuntimeError):
+    """The cross-cell all-reduce failed (a peer cell died or timed out)."""
+
+
 class GradReducer:
     def __init__(self, *, rank: int, world_size: int, init_method: str,
                  backend: str = "gloo", timeout_s: float = 120.0):
@@ -55,7 +59,10 @@ class GradReducer:
         if self.participants == 1:
             return
         flat = torch.cat([t.reshape(-1) for t in tensors])
-        self.group_for(self.participants).allreduce([flat]).wait()
+        try:
+            self.group_for(self.participants).allreduce([flat]).wait()
+        except RuntimeError as e:  # another cell's failure, not this cell's own group
+            raise ReducerError(f"cross-cell gradient reduction over {self.participants} cells failed: {e}") from e
         offset = 0
         for t in tensors:
             n = t.numel()

@@ -282,11 +282,12 @@ def test_model_parallel_cells_equal_the_cpu_trainer(family_dirs, tmp_path, tp, p
             assert o["failures"] == []
             continue
         last = r >= tp * (pp - 1)
+        where = "pipeline stage {}" + (", TP rank 0" if tp > 1 else "")
         assert o["failures"][0] == ("ArithmeticError: injected loss failure" if last else
-                                    "RuntimeError: pipeline stage 1 failed: ArithmeticError: injected loss failure "
-                                    "(this step's gradients were dropped on every stage)")
-        assert o["failures"][1] == ("RuntimeError: pipeline stage 0 failed: ArithmeticError: injected loss failure"
-                                    if r >= tp else "ArithmeticError: injected loss failure")
+                                    f"RuntimeError: micro-step failed on {where.format(1)}: ArithmeticError: injected "
+                                    "loss failure (this step's gradients were dropped on every rank)")
+        assert o["failures"][1] == (f"RuntimeError: log-probs failed on {where.format(0)}: ArithmeticError: injected "
+                                    "loss failure" if r >= tp else "ArithmeticError: injected loss failure")
     cpu = CpuTrainer(load_model(d), lr=1e-3)
     ref_lp = cpu.current_logprobs(batch.input_ids)
     stats = cpu.train_micro_step(batch)
@@ -395,3 +396,20 @@ def test_non_finite_gradients_update_nothing(megatron_module, family_dirs):
     assert meg.version == 0 and all(torch.equal(after[k], before[k]) for k in before)
     meg.train_micro_step(micro_batch([0, 1], ids, mask, behaviour, exec_of_row, adv, counts))
     assert meg.optimizer_step(2) > 0 and meg.version == 1  # the NaN gradients were dropped, not added
+
+
+def test_what_breaks_a_cell_is_its_own_group_failing():
+    """gloo reports a timed-out or broken send/recv/collective as a plain RuntimeError (the
+    messages below are gloo's): those break a cell; a failed cross-cell reduction (another
+    cell's trouble) and ordinary errors do not."""
+    from gyre.workerd.reducer import ReducerError
+    from gyre.workerd.trainers.tp import comm_failure
+
+    assert comm_failure(RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] "
+                                     "Timed out waiting 3000ms for recv operation to complete"))
+    assert comm_failure(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error "
+                                     "[127.0.0.1]:41234: Application timeout caused pair closure"))
+    assert comm_failure(torch.distributed.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp"))
+    assert not comm_failure(ReducerError("cross-cell gradient reduction over 2 cells failed: Timed out waiting"))
+    assert not comm_failure(RuntimeError("micro-step failed on pipeline stage 1: OutOfMemoryError: ..."))
+    assert not comm_failure(ModelDirError("weights missing for megatron parameters: x"))

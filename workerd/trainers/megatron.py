@@ -315,26 +315,46 @@ class MegatronTrainer:
                 except Exception as e:  # noqa: BLE001
                     failed.append(e)
             if not self.stage.first:
-                back = x.grad if not failed and x.grad is not None else torch.zeros_like(x)
+                if not failed and x.grad is None:  # a wiring fault, never a silent zero gradient
+                    failed.append(RuntimeError(f"no gradient reached pipeline stage input (chunk {i})"))
+                back = x.grad if not failed else torch.zeros_like(x)
                 dist.send(back.contiguous(), dst=ps.get_pipeline_model_parallel_prev_rank(), group=group)
 
-    def _agree(self, failed: list[BaseException], payload=None, *, drop_grads: bool = False) -> list:
-        """Every stage's (failure, payload) after a schedule; a failure anywhere is raised on
-        every stage (this stage's own exception where it was this stage's), after dropping
-        the step's gradients if asked (a failed micro-step leaves none half-made)."""
-        verdicts: list = [None] * self.pp
-        mine = None if not failed else f"{type(failed[0]).__name__}: {failed[0]}"
-        dist.all_gather_object(verdicts, (mine, payload), group=_pp_group())
-        bad = [(stage, error) for stage, (error, _) in enumerate(verdicts) if error is not None]
+    def _agree(self, failed: list[BaseException], payload=None, *, what: str, drop_grads: bool = False,
+               passthrough: tuple[type[Exception], ...] = ()) -> list:
+        """Every rank of the cell's (failure, payload) after a step of work that only some
+        ranks may fail (a pipeline stage, or one TP rank, out of memory): a failure anywhere
+        is raised on every rank (the failing rank's own exception there), after dropping the
+        step's gradients if asked, so none is left half-made. Returns the payloads of this
+        rank's pipeline column (its TP rank's on every stage), by stage. A failure of a type
+        in `passthrough` is raised as that type, with its message, on every rank."""
+        if self.tp * self.pp == 1:
+            if failed:
+                if drop_grads:
+                    self._drop_grads()
+                raise failed[0]
+            return [payload]
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_model_parallel_group()
+        mine = None if not failed else (type(failed[0]).__name__, str(failed[0]))
+        verdicts: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(verdicts, (mine, ps.get_pipeline_model_parallel_rank(), self.tp_rank, payload),
+                               group=group)
+        bad = [(stage, tp_rank, error) for error, stage, tp_rank, _ in verdicts if error is not None]
         if bad:
             if drop_grads:
                 self._drop_grads()
             if failed:
                 raise failed[0]
-            stage, error = bad[0]
-            dropped = " (this step's gradients were dropped on every stage)" if drop_grads else ""
-            raise RuntimeError(f"pipeline stage {stage} failed: {error}{dropped}")
-        return [p for _, p in verdicts]
+            stage, tp_rank, (kind, message) = bad[0]
+            for cls in passthrough:
+                if cls.__name__ == kind:
+                    raise cls(message)
+            where = f"pipeline stage {stage}" if self.tp == 1 else f"pipeline stage {stage}, TP rank {tp_rank}"
+            dropped = " (this step's gradients were dropped on every rank)" if drop_grads else ""
+            raise RuntimeError(f"{what} failed on {where}: {kind}: {message}{dropped}")
+        return [p for _, p in sorted((stage, p) for _, stage, tp_rank, p in verdicts if tp_rank == self.tp_rank)]
 
     def train_micro_step(self, batch: MicroBatch) -> MicroStepStats:
         self._need_onloaded()
@@ -362,20 +382,25 @@ class MegatronTrainer:
             except Exception as e:  # noqa: BLE001
                 failed.append(e)
         self._pipeline_backward(chunks, grads, failed)
-        loss, tokens, executions, mismatch = self._agree(failed, summary, drop_grads=True)[-1]
+        loss, tokens, executions, mismatch = self._agree(failed, summary, what="micro-step", drop_grads=True)[-1]
         return MicroStepStats(loss, tokens, executions, mismatch, time.perf_counter() - t0)
 
     def current_logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
         with self._params_onloaded(), torch.no_grad():
             if self.pp == 1:
                 return self._logprobs(input_ids)
+            from megatron.core import parallel_state as ps
+
             failed: list[BaseException] = []
             chunks = self._pipeline_forward(input_ids, grad=False, failed=failed)
-            self._agree(failed)
-            logp = torch.cat([y for _, y, _ in chunks]) if self.stage.last else \
-                torch.zeros(input_ids.shape, dtype=torch.float32)
-            logp = logp.to(self.device)
-            from megatron.core import parallel_state as ps
+            logp = None
+            if not failed:  # everything this rank allocates, before the agreement
+                try:
+                    logp = (torch.cat([y for _, y, _ in chunks]) if self.stage.last else
+                            torch.zeros(input_ids.shape, dtype=torch.float32)).to(self.device)
+                except Exception as e:  # noqa: BLE001
+                    failed.append(e)
+            self._agree(failed, what="log-probs")
 
             dist.broadcast(logp, src=ps.get_pipeline_model_parallel_last_rank(), group=_pp_group())
             return logp.cpu()
@@ -490,25 +515,17 @@ class MegatronTrainer:
 
     def _fit(self, hf: dict[str, torch.Tensor], own: dict[str, tuple]) -> dict[str, torch.Tensor]:
         """This rank's shards of a whole HF weight set, checked against its own names and
-        shapes. Under PP every rank holds only its stage, so the verdict is agreed over the
-        cell: a set one stage refuses is refused on all, with that stage's reason, and
-        nothing is half-loaded."""
-        error, shards = None, {}
+        shapes. Each rank holds only its part (its stage, its TP shard), so the verdict is
+        agreed over the cell: a set one rank refuses is refused on all, with that rank's
+        reason (a ModelDirError: malformed input), and nothing is half-loaded."""
+        failed: list[BaseException] = []
+        shards = {}
         try:
             shards = to_megatron(hf, self.config, rank=self.tp_rank, tp=self.tp, stage=self.stage)
             self._match(shards, own)
-        except ModelDirError as e:
-            error = str(e)
-        except Exception as e:  # noqa: BLE001 - any malformed tensor: refused by the cell, not one stage
-            error = f"weights do not fit this model ({type(e).__name__}: {e})"
-        if self.pp > 1:
-            from megatron.core import parallel_state as ps
-
-            verdicts: list[str | None] = [None] * dist.get_world_size(ps.get_model_parallel_group())
-            dist.all_gather_object(verdicts, error, group=ps.get_model_parallel_group())
-            error = next((v for v in verdicts if v is not None), None)
-        if error is not None:
-            raise ModelDirError(error)
+        except Exception as e:  # noqa: BLE001 - agreed over the cell, then raised
+            failed.append(e)
+        self._agree(failed, what="weight load", passthrough=(ModelDirError,))
         return shards
 
     def _check(self, hf: dict[str, torch.Tensor]) -> int:
@@ -554,32 +571,50 @@ class MegatronTrainer:
     def _gather_stages(self, mine) -> dict[str, torch.Tensor]:
         """Every stage's HF tensors (`mine`: a function giving this stage's) at the first
         stage, on the host, which returns the whole model; the others return {}. Names and
-        shapes go first (with any stage's failure, raised on all), then each tensor point to
-        point, each moved to the host as it arrives (never the whole model on one device)."""
+        shapes go first, then each rank allocates the one device buffer it sends or receives
+        through (sized for the largest tensor: never the whole model on one device), and
+        only when every rank has its buffer do the tensors go, point to point. A failure at
+        either point is raised on every rank."""
         if self.pp == 1:
             return {k: v.to("cpu", copy=True).contiguous() for k, v in mine().items()}
         from megatron.core import parallel_state as ps
 
         failed: list[BaseException] = []
+        tensors: dict[str, torch.Tensor] = {}
         try:
             tensors = mine()
-        except Exception as e:  # noqa: BLE001 - agreed over the stages, then raised
-            tensors = {}
+        except Exception as e:  # noqa: BLE001 - agreed over the cell, then raised
             failed.append(e)
-        meta = self._agree(failed, [(k, tuple(v.shape), v.dtype) for k, v in tensors.items()])
+        meta = self._agree(failed, [(k, tuple(v.shape), v.dtype) for k, v in tensors.items()], what="export")
+        moving = [m for stage in meta[1:] for m in stage] if self.stage.first else \
+            [(k, tuple(v.shape), v.dtype) for k, v in tensors.items() if v.device != self.device]
+        out: dict[str, torch.Tensor] = {}
+        try:
+            buf = torch.empty(max((math.prod(shape) * dtype.itemsize for _, shape, dtype in moving), default=0),
+                              dtype=torch.uint8, device=self.device)
+            if self.stage.first:
+                out = {k: v.to("cpu", copy=True).contiguous() for k, v in tensors.items()}
+        except Exception as e:  # noqa: BLE001
+            failed.append(e)
+        self._agree(failed, what="export")
+
+        def staged(shape, dtype) -> torch.Tensor:
+            return buf[:math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+
         group = _pp_group()
         if not self.stage.first:
-            for name, _, _ in meta[ps.get_pipeline_model_parallel_rank()]:
-                dist.send(tensors[name].to(self.device).contiguous(), dst=ps.get_pipeline_model_parallel_first_rank(),
-                          group=group)
+            for name, shape, dtype in meta[ps.get_pipeline_model_parallel_rank()]:
+                t = tensors[name]
+                if t.device != self.device:  # weights kept on the host (offloaded): through the buffer
+                    t = staged(shape, dtype).copy_(t)
+                dist.send(t.contiguous(), dst=ps.get_pipeline_model_parallel_first_rank(), group=group)
             return {}
-        out = {k: v.to("cpu", copy=True).contiguous() for k, v in tensors.items()}
         ranks = dist.get_process_group_ranks(group)
         for stage in range(1, self.pp):
             for name, shape, dtype in meta[stage]:
-                t = torch.empty(shape, dtype=dtype, device=self.device)
+                t = staged(shape, dtype)
                 dist.recv(t, src=ranks[stage], group=group)
-                out.setdefault(name, t.cpu())
+                out.setdefault(name, t.to("cpu", copy=True))  # a copy: the buffer takes the next one
         return out
 
     def export_weights(self) -> dict[str, torch.Tensor]:
@@ -746,35 +781,39 @@ class MegatronTrainer:
             self._restore(path)
 
     def _restore(self, path: str) -> None:
-        """Each rank reads and checks its file, then the cell agrees (every rank's file there,
-        fitting, from the same version) before any rank changes anything."""
-        error, exc, state = None, None, {}
+        """Each rank reads and checks its file (names, shapes, the optimizer's state file on
+        GPU), then the cell agrees (every rank's file there, fitting, from the same version)
+        before any rank changes anything."""
+        failed: list[BaseException] = []
+        state: dict = {}
         try:
             state = torch.load(self._ckpt_path(path), map_location="cpu", weights_only=True)
             if (state.get("tp", 1), state.get("pp", 1)) != (self.tp, self.pp):
                 raise RuntimeError(f"checkpoint {path} was saved with TP={state.get('tp', 1)}, "
                                    f"PP={state.get('pp', 1)}; this trainer has TP={self.tp}, PP={self.pp}")
-            own = {k for k in self.gpt.state_dict() if not k.endswith("_extra_state")}
-            saved = set(state["model"])
+            own = {k: tuple(v.shape) for k, v in self.gpt.state_dict().items() if not k.endswith("_extra_state")}
+            saved = {k: tuple(v.shape) for k, v in state["model"].items()}
             if own != saved:
+                wrong = sorted(k for k in set(own) & set(saved) if own[k] != saved[k])
                 raise RuntimeError(f"checkpoint {self._ckpt_path(path)} does not fit this model: missing "
-                                   f"{sorted(own - saved)[:3]}, unexpected {sorted(saved - own)[:3]}")
+                                   f"{sorted(set(own) - set(saved))[:3]}, unexpected {sorted(set(saved) - set(own))[:3]}, "
+                                   f"other shapes {wrong[:3]}")
+            optim = Path(str(self._ckpt_path(path)) + ".optim")
+            if self.on_gpu and state.get("optimizer_state", True) and not optim.exists():
+                raise FileNotFoundError(f"checkpoint {path}: {optim} missing (the optimizer's state)")
         except Exception as e:  # noqa: BLE001 - agreed over the cell below
-            error, exc = f"{type(e).__name__}: {e}", e
+            failed.append(e)
+        self._agree(failed, what=f"checkpoint {path}")
+        versions = {state.get("version")}
         if self.tp * self.pp > 1:
             from megatron.core import parallel_state as ps
 
             group = ps.get_model_parallel_group()
-            verdicts: list = [None] * dist.get_world_size(group)
-            dist.all_gather_object(verdicts, (error, state.get("version")), group=group)
-            errors = [f"rank {r}: {e}" for r, (e, _) in enumerate(verdicts) if e is not None]
-            if errors:
-                raise RuntimeError(f"checkpoint {path} not loaded on any rank: {errors[0]}")
-            versions = {v for _, v in verdicts}
-            if len(versions) > 1:
-                raise RuntimeError(f"checkpoint {path}: the cell's files are from different versions {sorted(versions)}")
-        elif exc is not None:
-            raise exc
+            every: list = [None] * dist.get_world_size(group)
+            dist.all_gather_object(every, state.get("version"), group=group)
+            versions = set(every)
+        if len(versions) > 1:
+            raise RuntimeError(f"checkpoint {path}: the cell's files are from different versions {sorted(versions)}")
         self.gpt.load_state_dict(state["model"], strict=False)  # _extra_state entries aside, checked above
         if state["optimizer"] is not None:
             self.optimizer.load_state_dict(state["optimizer"])

@@ -46,6 +46,23 @@ def rank_init_method(init_method: str, rank: int) -> str:
     raise ValueError(f"cannot derive cell rank {rank}'s rendezvous from {init_method!r}")
 
 
+def comm_failure(e: BaseException) -> bool:
+    """Whether `e` is the cell's own process group failing (a timed-out or broken send, recv
+    or collective), after which its ranks cannot be trusted to be in step. gloo raises plain
+    RuntimeErrors for these, so their messages are read; a failed cross-cell reduction
+    (ReducerError: another cell's trouble) is not one."""
+    from gyre.workerd.reducer import ReducerError
+
+    if isinstance(e, ReducerError):
+        return False
+    if isinstance(e, torch.distributed.DistError):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(s in text for s in (
+        "Timed out waiting", "timed out", "pair closure", "Connection closed by peer", "Connection reset by peer",
+        "NCCL error", "NCCL communicator"))
+
+
 def _rank_main(rank: int, tp: int, pp: int, store: str, model_dir: str, config: ModelConfig, options: dict,
                threads: int, start_timeout_s: float, conn) -> None:
     """A child rank: join the cell's group, build the trainer, then serve calls until told to stop."""
@@ -90,7 +107,8 @@ def _rank_main(rank: int, tp: int, pp: int, store: str, model_dir: str, config: 
                     result = None  # rank 0 answers for the cell
             conn.send(("ok", result))
         except BaseException as e:  # noqa: BLE001
-            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"))
+            conn.send(("broken" if comm_failure(e) else "error",
+                       f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"))
 
 
 class TensorParallelTrainer:
@@ -160,7 +178,9 @@ class TensorParallelTrainer:
             except (EOFError, OSError):
                 self._broken = f"cell rank {rank} died during {what} (exit code {proc.exitcode})"
                 continue
-            if status == "error":
+            if status == "broken":  # its side of the cell's group failed: the cell cannot go on
+                self._broken = f"cell rank {rank}'s process group failed during {what}: {value}"
+            elif status == "error":
                 errors.append(f"cell rank {rank} failed {what}: {value}")
             out.append(value)
         if self._broken:
@@ -186,11 +206,14 @@ class TensorParallelTrainer:
         return self._here(method, lambda: getattr(self.local, method)(*args, **kwargs))
 
     def _child_errors(self, timeout: float) -> list[str]:
-        """The error reports the children have sent (or send within `timeout`), read off."""
+        """The error reports the children have sent (or send within `timeout` in all), read off."""
+        import time
+
         notes = []
+        deadline = time.monotonic() + timeout
         for rank, conn in enumerate(self._conns, start=1):
             try:
-                if conn.poll(timeout):
+                if conn.poll(max(0.0, deadline - time.monotonic())):
                     status, value = conn.recv()
                     if status == "error":
                         notes.append(f"cell rank {rank}: {value}")
@@ -210,9 +233,12 @@ class TensorParallelTrainer:
                 self._collect(method, timeout=60)
             except RankError as children:
                 e.add_note(str(children))
-            if isinstance(e, torch.distributed.DistError) and not self._broken:
+            if comm_failure(e) and not self._broken:
                 self._broken = f"the cell's process group failed during {method}: {e}"
-                self.close()
+                try:
+                    self.close()
+                except Exception as closing:  # noqa: BLE001 - the first error is the one to raise
+                    e.add_note(f"closing the cell also failed: {closing}")
             raise
         self._replies = self._collect(method)
         return result
@@ -297,6 +323,8 @@ class TensorParallelTrainer:
             proc.join(10)
             if proc.is_alive():
                 proc.kill()
+        for conn in self._conns:
+            conn.close()
         self._conns, self._procs = [], []
         from megatron.core import parallel_state as ps
 
