@@ -219,3 +219,10 @@ async def restore(coord) -> None:
                        groups=len(dispatches) - len(consumed & set(dispatches)))
     log.info("resumed at step %d (version %d): %d closed executions restored, %d dispatched again",
              coord.steps_done, coord.version, restored, redone)
+    # A run checkpointed at its last step made no boundary dispatch for a next one (there
+    # was none): extended with `--steps`, it dispatches up to the target now, or it would wait
+    # for groups forever.
+    if coord.steps_done < coord.c.steps:
+        short = coord.c.dispatch_target(coord.publications) - coord.groups_dispatched
+        if short > 0:
+            coord._dispatch(short)

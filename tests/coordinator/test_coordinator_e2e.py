@@ -4,6 +4,7 @@ outcomes reach training."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -149,6 +150,13 @@ async def test_an_elastic_run_on_pipeline_parallel_megatron_trainers(tiny_dir, t
     fresh = [s for s in steps if s["tokens_trained"] and not any(s["staleness"])]
     assert fresh and all(abs(s["mismatch"]) < 1e-3 for s in fresh)
     assert any(s["version"] == 2 for s in fresh)  # the step after the first publication
-    # The core's checkpoint: a file per rank, rank 0's the one a resume looks for.
+    # The core's checkpoint: a file per rank, rank 0's the one a resume looks for; the run,
+    # extended by a step, resumes from it on fresh PP cells (each rank loads its own file,
+    # into an offloaded trainer) and trains on (a finished run used to wait for groups forever).
     folder, state = resume.latest(cfg.run_dir)
     assert sorted(p.name for p in folder.glob("trainer.pt*")) == ["trainer.pt", "trainer.pt.pp1.tp0"]
+    again = await Coordinator(dataclasses.replace(cfg, steps=3), resume=True).run()
+    assert [r.version for r in again] == [3]
+    lines = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    (res,) = [x for x in lines if x["event"] == "resume"]
+    assert res["step"] == 2

@@ -201,7 +201,7 @@ def test_load_weights_then_export_is_exact_and_checkpoint_round_trips(megatron_m
     assert meg.version == 7 and all(torch.equal(meg.export_weights()[k], other[k]) for k in other)  # untouched
 
 
-def test_offload_frees_every_storage_and_onload_restores_it(megatron_module, family_dirs):
+def test_offload_frees_every_storage_and_onload_restores_it(megatron_module, family_dirs, tmp_path):
     d = family_dirs["qwen2"]
     meg = megatron_module.MegatronTrainer(str(d), load_config(d), lr=1e-3, offload=True)
     ids, mask, behaviour, exec_of_row, adv = make_rows(3)
@@ -239,6 +239,17 @@ def test_offload_frees_every_storage_and_onload_restores_it(megatron_module, fam
     # Training goes on with the restored optimizer state.
     meg.train_micro_step(micro_batch([0, 1], ids, mask, behaviour, exec_of_row, adv, counts))
     assert meg.optimizer_step(2) > 0 and meg.version == 6
+    # A checkpoint loaded into an offloaded trainer (a resume on a rollout cell): its
+    # optimizer state must offload again (storages read from a file cannot be resized).
+    saved = meg.export_weights()
+    meg.save_checkpoint(str(tmp_path / "trainer.pt"))
+    meg.offload()
+    meg.load_checkpoint(str(tmp_path / "trainer.pt"))
+    assert all(p.untyped_storage().nbytes() == 0 for p in meg.gpt.parameters())
+    meg.onload()
+    assert meg.offload() == freed and meg.version == 6
+    meg.onload()
+    assert all(torch.equal(meg.export_weights()[k], saved[k]) for k in saved)
 
 
 # --- TP=2: two processes over gloo --------------------------------------------------------

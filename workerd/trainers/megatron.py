@@ -816,7 +816,12 @@ class MegatronTrainer:
             raise RuntimeError(f"checkpoint {path}: the cell's files are from different versions {sorted(versions)}")
         self.gpt.load_state_dict(state["model"], strict=False)  # _extra_state entries aside, checked above
         if state["optimizer"] is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
+            # Storages read from a file cannot be resized, so an offload would fail on them:
+            # the optimizer keeps copies of its own.
+            from torch.utils._pytree import tree_map
+
+            self.optimizer.load_state_dict(tree_map(lambda v: v.clone() if torch.is_tensor(v) else v,
+                                                    state["optimizer"]))
         if self.on_gpu and state.get("optimizer_state", True):
             # The fp32 main parameters come from here (reload_model_params would overwrite
             # them with the bf16 model's, losing what bf16 cannot hold).
