@@ -21,7 +21,7 @@ failures = []
 if pp > 1:  # one stage fails alone: every stage raises, none is left waiting, nothing is kept
     import gyre.workerd.loss as loss_module
 
-    real_loss, real_forward = loss_module.gspo_loss, trainer._forward
+    real_loss, real_forward = loss_module.gspo_loss, trainer.pipe.run
 
     def broken(*args, **kwargs):
         raise ArithmeticError("injected loss failure")
@@ -34,12 +34,12 @@ if pp > 1:  # one stage fails alone: every stage raises, none is left waiting, n
         failures.append(f"{type(e).__name__}: {e}")
     loss_module.gspo_loss = real_loss
     if trainer.stage.first:
-        trainer._forward = broken
+        trainer.pipe.run = broken
     try:
         trainer.current_logprobs(batch.input_ids)
     except Exception as e:  # noqa: BLE001
         failures.append(f"{type(e).__name__}: {e}")
-    trainer._forward = real_forward
+    trainer.pipe.run = real_forward
 logprobs = trainer.current_logprobs(batch.input_ids)
 stats = trainer.train_micro_step(batch)
 shards = [{} for _ in range(tp)]

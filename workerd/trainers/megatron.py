@@ -8,41 +8,40 @@ loads and a publication reaches SGLang or the CPU engine without a conversion st
     GPU   Megatron's DDP (grads in contiguous fp32 buffers) + its distributed optimizer,
           bf16 parameters; TP and PP from the caller's process group.
     CPU   Megatron's model and parallel state with torch.optim.AdamW, behind a small shim
-          applied only when no GPU is present (DEPS-NOTES.md): `torch.cuda.current_device`
-          answers "cpu", the no-op inference RNG tracker, an explicit boolean causal mask.
+          applied only when no GPU is present (DEPS-NOTES.md; megatron_model.py builds the
+          model and parallel state): `torch.cuda.current_device` answers "cpu", the no-op
+          inference RNG tracker, an explicit boolean causal mask.
 
 Per-token log-probs are minus Megatron's per-token loss with labels; under TP its
 vocab-parallel cross-entropy gathers them from the vocabulary shards.
 
 Pipeline parallelism (PP > 1): each rank builds its stage of the GPTModel (the embedding
 on the first, the final norm and output layer on the last) and a micro-step runs as a
-GPipe schedule over `microbatches` chunks of its rows (2 x PP unless set; at most one per
-row): each chunk's activations go forward stage to stage as soon as they are computed, the
-last stage takes the GSPO loss over all rows at once (one call of the shared loss, so the
-micro-step's statistics are the same as unpipelined), and each chunk's gradient goes back as
-soon as that stage's backward of it is done. The pipeline bubble is (PP - 1) / (chunks +
-PP - 1) of a micro-step (bench/pipeline.py); every chunk's activations are held until the
-loss, as an unpipelined micro-step holds them. Megatron's 1F1B schedule would hold only PP
-chunks' (the loss is a sum over tokens, so per-chunk losses would do), but it is CUDA-bound
-and not used. Tied embeddings are a parameter on the first stage and a copy on the last,
-their gradients summed before every update (Megatron syncs the copy only when it builds
-the model); clipping takes the norm over every stage, the copy counted once. A stage whose
-computation fails still passes every chunk on, so the others are never left waiting, and
-the failure is raised on every stage with the step's gradients dropped.
+GPipe schedule (pipeline.py) over `microbatches` chunks of its rows (2 x PP unless set):
+the last stage takes the GSPO loss over all rows at once (one call of the shared loss, so
+the micro-step's statistics are the same as unpipelined) and each chunk's gradient goes
+back from there. The bubble is (PP - 1) / (chunks + PP - 1) of a micro-step
+(bench/pipeline.py); every chunk's activations are held until the loss, as an unpipelined
+micro-step holds them. Megatron's 1F1B schedule would hold only PP chunks' (the loss is a
+sum over tokens, so per-chunk losses would do), but it is CUDA-bound and not used. Tied
+embeddings are a parameter on the first stage and a copy on the last, their gradients
+summed before every update (Megatron syncs the copy only when it builds the model);
+clipping takes the norm over every stage, the copy counted once. A failure on some ranks
+only is agreed over the cell (`_agree`) and raised on every rank, the step's gradients
+dropped.
 
-Role changes call `offload()` / `onload()`: every storage of parameters, gradients and optimizer state is
-copied to host memory and shrunk to zero bytes in place, so the views into them (DDP's
-buffers) stay valid. Not a multi-process launcher: TP x PP > 1 needs one process per rank
-with torch.distributed initialised by the caller (trainers/tp.py does it inside workerd).
+Role changes call `offload()` / `onload()`: every storage of parameters, gradients and
+optimizer state is copied to host memory and shrunk to zero bytes in place, so the views
+into them (DDP's buffers) stay valid. Not a multi-process launcher: TP x PP > 1 needs one
+process per rank with torch.distributed initialised by the caller (trainers/tp.py does it
+inside workerd).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import tempfile
 import time
-import warnings
 from pathlib import Path
 from typing import Iterable
 
@@ -53,120 +52,10 @@ import torch.nn.functional as F
 from gyre.workerd.modeldir import ModelConfig, ModelDirError, iter_weights
 from gyre.workerd.trainers.base import (MicroBatch, MicroStepStats, backward_micro_step, step_or_drop,
                                         sum_and_normalise)
-from gyre.workerd.trainers.hf_megatron import (Stage, check_pp, check_tp, holds, is_tp_split, to_hf,
-                                                to_megatron)
-
-
-@contextlib.contextmanager
-def _quiet_import():
-    # megatron-core warns on import that Transformer Engine and Apex are missing.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-
-
-def setup_parallel(tp: int = 1, pp: int = 1, *, seed: int = 0) -> None:
-    """torch.distributed (a private one-rank world when the caller made none) and
-    megatron-core's parallel state; the CPU shim when there is no GPU. Idempotent."""
-    with _quiet_import():
-        from megatron.core import parallel_state as ps
-        from megatron.core import tensor_parallel
-    on_gpu = torch.cuda.is_available()
-    if not on_gpu:
-        torch.cuda.current_device = lambda: "cpu"  # megatron-core places buffers there
-    if not dist.is_initialized():
-        if tp * pp != 1:
-            raise RuntimeError(f"tensor-parallel size {tp} x pipeline-parallel size {pp} needs "
-                               "torch.distributed initialised by the caller (one process per rank)")
-        store = Path(tempfile.mkdtemp(prefix="gyre-megatron-")) / "store"  # no listening socket
-        dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"file://{store}",
-                                rank=0, world_size=1)
-    if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    elif (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) != (tp, pp):
-        raise RuntimeError(f"megatron parallel state has TP={ps.get_tensor_model_parallel_world_size()}, "
-                           f"PP={ps.get_pipeline_model_parallel_world_size()}, asked for TP={tp}, PP={pp}")
-    if on_gpu:
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    else:
-        tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-
-
-def build_gpt(config: ModelConfig, *, dtype: torch.dtype = torch.float32):
-    """megatron-core GPTModel with the local layer spec for a supported HF family: this
-    rank's pipeline stage of it."""
-    with _quiet_import():  # its import and its own defaults trip its warnings
-        from megatron.core import parallel_state as ps
-        from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        from megatron.core.transformer.transformer_config import TransformerConfig
-
-        tc = TransformerConfig(
-            num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
-            ffn_hidden_size=config.intermediate_size, num_attention_heads=config.num_attention_heads,
-            num_query_groups=config.num_key_value_heads, kv_channels=config.head_dim,
-            normalization="RMSNorm", layernorm_epsilon=config.rms_norm_eps, qk_layernorm=config.qk_norm,
-            gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-            add_qkv_bias=config.attention_bias, hidden_dropout=0.0, attention_dropout=0.0,
-            params_dtype=dtype, bf16=dtype == torch.bfloat16,
-            tensor_model_parallel_size=_tp_size(),
-            pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
-            pipeline_dtype=dtype if ps.get_pipeline_model_parallel_world_size() > 1 else None,
-            use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=False,
-            bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-            apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
-        )
-        with _tensor_cuda_stays_on_cpu():
-            model = GPTModel(tc, get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_norm),
-                             vocab_size=config.vocab_size, max_sequence_length=config.max_position_embeddings,
-                             position_embedding_type="rope", rotary_base=int(config.rope_theta),
-                             share_embeddings_and_output_weights=config.tie_word_embeddings,
-                             pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
-        return model
-
-
-@contextlib.contextmanager
-def _tensor_cuda_stays_on_cpu():
-    """Part of the CPU shim, for building a PP stage: Megatron moves a tied embedding's
-    copy to CUDA before summing it across the first and last stages."""
-    if torch.cuda.is_available():
-        yield
-        return
-    cuda = torch.Tensor.cuda
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self
-    try:
-        yield
-    finally:
-        torch.Tensor.cuda = cuda
-
-
-def stage_of(model) -> Stage:
-    """Which part of the whole model this rank's GPTModel is."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-    if ps.get_pipeline_model_parallel_world_size() == 1:
-        return Stage()
-    return Stage(first=model.pre_process, last=model.post_process,
-                 offset=get_transformer_layer_offset(model.config), layers=len(model.decoder.layers))
-
-
-def _tp_size() -> int:
-    from megatron.core import parallel_state as ps
-
-    return ps.get_tensor_model_parallel_world_size()
-
-
-def _pp_group():
-    from megatron.core import parallel_state as ps
-
-    return ps.get_pipeline_model_parallel_group()
-
-
-def _tp_rank() -> int:
-    from megatron.core import parallel_state as ps
-
-    return ps.get_tensor_model_parallel_rank()
+from gyre.workerd.trainers.hf_megatron import check_pp, check_tp, holds, is_tp_split, to_hf, to_megatron
+from gyre.workerd.trainers.megatron_model import (build_gpt, pp_group, quiet_import, setup_parallel, stage_of,
+                                                  tp_rank, tp_size)
+from gyre.workerd.trainers.pipeline import GPipe
 
 
 class MegatronTrainer:
@@ -183,15 +72,15 @@ class MegatronTrainer:
         self.on_gpu = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu")
         self.offload_enabled = self.on_gpu if offload is None else offload
-        self.tp, self.tp_rank = _tp_size(), _tp_rank()
+        self.tp, self.tp_rank = tp_size(), tp_rank()
         self.pp = pp
-        # GPipe chunks per micro-step (at most one per row): 2 x PP leaves a bubble of 1/3 to 1/5.
-        self.microbatches = 2 * pp if microbatches is None else int(microbatches)
-        if self.microbatches < 1:
-            raise ValueError(f"microbatches must be >= 1, got {microbatches}")
         self.dtype = torch.bfloat16 if self.on_gpu else torch.float32
         model = build_gpt(config, dtype=self.dtype).to(self.device)
         self.stage = stage_of(model)
+        # GPipe chunks per micro-step (at most one per row): 2 x PP leaves a bubble of 1/3 to 1/5.
+        self.pipe = GPipe(self.stage, hidden=config.hidden_size, dtype=self.dtype, device=self.device,
+                          chunks=2 * pp if microbatches is None else int(microbatches), run=self._forward,
+                          set_input=model.set_input_tensor) if pp > 1 else None
         self._load_into(model, dict(iter_weights(model_dir)))
         self.gpt = model  # the GPTModel itself (names without a DDP prefix)
         self._num_params = self._count_params()  # a collective under PP: every stage counts its own
@@ -209,7 +98,7 @@ class MegatronTrainer:
 
     @staticmethod
     def _megatron_ddp(model, lr, weight_decay, grad_clip):
-        with _quiet_import():
+        with quiet_import():
             from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
             from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
@@ -230,7 +119,7 @@ class MegatronTrainer:
         if self.pp == 1:
             return n
         total = torch.tensor(n, dtype=torch.int64, device=self.device)
-        dist.all_reduce(total, group=_pp_group())
+        dist.all_reduce(total, group=pp_group())
         return int(total)
 
     @property
@@ -254,71 +143,6 @@ class MegatronTrainer:
         labels = torch.roll(ids, -1, dims=1) if self.stage.last else None  # the last column's is never read
         out = self.model(ids, positions, mask, labels=labels)  # [R, T] loss, vocab-parallel under TP
         return F.pad(-out[:, :-1].float(), (1, 0)).cpu() if self.stage.last else out
-
-    def _chunks(self, rows: int) -> list[slice]:
-        n = min(self.microbatches, rows)
-        bounds = [rows * i // n for i in range(n + 1)]
-        return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
-
-    def _pipeline_forward(self, input_ids: torch.Tensor, grad: bool, failed: list[BaseException]):
-        """The forward half of the GPipe schedule: (chunk input, chunk output, shape of the
-        activations between stages) per chunk, each output sent on to the next stage as soon
-        as it is computed. A stage whose computation fails (recorded in `failed`) still sends
-        and receives every chunk (zeros in place of its outputs), so no stage is left waiting."""
-        from megatron.core import parallel_state as ps
-
-        ids = input_ids.to(self.device)
-        t, hidden = ids.shape[1], self.config.hidden_size
-        group = _pp_group()
-        out = []
-        try:
-            for rows in self._chunks(ids.shape[0]):
-                shape = (t, rows.stop - rows.start, hidden)
-                x = y = None
-                if not self.stage.first:
-                    x = torch.empty(shape, dtype=self.dtype, device=self.device)
-                    dist.recv(x, src=ps.get_pipeline_model_parallel_prev_rank(), group=group)
-                    x.requires_grad_(grad)
-                if not failed:
-                    try:
-                        if x is not None:
-                            self.gpt.set_input_tensor(x)
-                        y = self._forward(ids[rows])
-                    except Exception as e:  # noqa: BLE001 - agreed over the stages, then raised
-                        failed.append(e)
-                if not self.stage.last:
-                    sent = y.detach().contiguous() if y is not None else torch.zeros(shape, dtype=self.dtype,
-                                                                                       device=self.device)
-                    dist.send(sent, dst=ps.get_pipeline_model_parallel_next_rank(), group=group)
-                out.append((x, y, shape))
-        finally:
-            if not self.stage.first:
-                self.gpt.set_input_tensor(None)  # the last chunk's input is not kept past the step
-        return out
-
-    def _pipeline_backward(self, chunks, grads, failed: list[BaseException]) -> None:
-        """The backward half: each chunk's gradient (from the loss on the last stage, from
-        the next stage on the others) back through this stage, then on to the previous.
-        As in the forward half, a failed stage still passes every chunk on (zeros)."""
-        from megatron.core import parallel_state as ps
-
-        group = _pp_group()
-        for i, (x, y, shape) in enumerate(chunks):
-            if self.stage.last:
-                g = grads[i] if grads is not None else None
-            else:
-                g = torch.empty(shape, dtype=self.dtype, device=self.device)
-                dist.recv(g, src=ps.get_pipeline_model_parallel_next_rank(), group=group)
-            if not failed and y is not None and g is not None:
-                try:
-                    torch.autograd.backward(y, g)
-                except Exception as e:  # noqa: BLE001
-                    failed.append(e)
-            if not self.stage.first:
-                if not failed and x.grad is None:  # a wiring fault, never a silent zero gradient
-                    failed.append(RuntimeError(f"no gradient reached pipeline stage input (chunk {i})"))
-                back = x.grad if not failed else torch.zeros_like(x)
-                dist.send(back.contiguous(), dst=ps.get_pipeline_model_parallel_prev_rank(), group=group)
 
     def _agree(self, failed: list[BaseException], payload=None, *, what: str, drop_grads: bool = False,
                passthrough: tuple[type[Exception], ...] = ()) -> list:
@@ -370,7 +194,7 @@ class MegatronTrainer:
         from gyre.workerd.loss import gspo_loss
 
         failed: list[BaseException] = []
-        chunks = self._pipeline_forward(batch.input_ids, grad=True, failed=failed)
+        chunks = self.pipe.forward(batch.input_ids, grad=True, failed=failed)
         grads, summary = None, None
         if self.stage.last and not failed:
             try:
@@ -381,7 +205,7 @@ class MegatronTrainer:
                 summary = (out.loss_sum.item(), out.tokens, out.executions, out.mismatch)
             except Exception as e:  # noqa: BLE001
                 failed.append(e)
-        self._pipeline_backward(chunks, grads, failed)
+        self.pipe.backward(chunks, grads, failed)
         loss, tokens, executions, mismatch = self._agree(failed, summary, what="micro-step", drop_grads=True)[-1]
         return MicroStepStats(loss, tokens, executions, mismatch, time.perf_counter() - t0)
 
@@ -392,7 +216,7 @@ class MegatronTrainer:
             from megatron.core import parallel_state as ps
 
             failed: list[BaseException] = []
-            chunks = self._pipeline_forward(input_ids, grad=False, failed=failed)
+            chunks = self.pipe.forward(input_ids, grad=False, failed=failed)
             logp = None
             if not failed:  # everything this rank allocates, before the agreement
                 try:
@@ -402,7 +226,7 @@ class MegatronTrainer:
                     failed.append(e)
             self._agree(failed, what="log-probs")
 
-            dist.broadcast(logp, src=ps.get_pipeline_model_parallel_last_rank(), group=_pp_group())
+            dist.broadcast(logp, src=ps.get_pipeline_model_parallel_last_rank(), group=pp_group())
             return logp.cpu()
 
     # --- update -------------------------------------------------------------------------
@@ -457,7 +281,7 @@ class MegatronTrainer:
             dist.all_reduce(sharded, group=ps.get_tensor_model_parallel_group())
         total = sharded + replicated
         if self.pp > 1:
-            dist.all_reduce(total, group=_pp_group())
+            dist.all_reduce(total, group=pp_group())
         norm = float(total.sqrt())
         coef = min(1.0, self.grad_clip / (norm + 1e-6))
         for _, p in params:
@@ -601,7 +425,7 @@ class MegatronTrainer:
         def staged(shape, dtype) -> torch.Tensor:
             return buf[:math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
 
-        group = _pp_group()
+        group = pp_group()
         if not self.stage.first:
             for name, shape, dtype in meta[ps.get_pipeline_model_parallel_rank()]:
                 t = tensors[name]
