@@ -128,9 +128,9 @@ def test_micro_batch_validates_shapes():
                    exec_ids=z.long())
 
 
-def test_non_finite_gradients_update_nothing_on_the_cpu_trainer(tiny_model):
-    """The guard lives in the shared optimizer step (trainers/base.py): every trainer has it."""
-    trainer = CpuTrainer(copy.deepcopy(tiny_model), lr=1e-3)
+def assert_non_finite_gradients_are_dropped(trainer) -> None:
+    """A NaN advantage makes non-finite gradients: the step refuses, nothing is updated, and
+    the next step is not polluted by them (they were dropped, not added)."""
     ids, mask, behaviour, exec_of_row, adv = make_rows(4)
     counts = {i: 1 for i in adv}
     before = trainer.export_weights()
@@ -140,3 +140,8 @@ def test_non_finite_gradients_update_nothing_on_the_cpu_trainer(tiny_model):
     assert trainer.version == 0 and all(torch.equal(trainer.export_weights()[k], v) for k, v in before.items())
     trainer.train_micro_step(micro_batch([0, 1], ids, mask, behaviour, exec_of_row, adv, counts))
     assert trainer.optimizer_step(2) > 0 and trainer.version == 1
+
+
+def test_non_finite_gradients_update_nothing_on_the_cpu_trainer(tiny_model):
+    """The guard lives in the shared optimizer step (trainers/base.py): every trainer has it."""
+    assert_non_finite_gradients_are_dropped(CpuTrainer(copy.deepcopy(tiny_model), lr=1e-3))

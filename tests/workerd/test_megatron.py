@@ -18,7 +18,7 @@ from gyre.workerd.model import load_model
 from gyre.workerd.modeldir import ModelDirError, init_tiny, load_config
 from gyre.workerd.trainers.cpu import CpuTrainer
 from gyre.workerd.trainers.hf_megatron import Stage, holds, to_hf, to_megatron
-from tests.workerd.test_loss import make_rows, micro_batch
+from tests.workerd.test_loss import assert_non_finite_gradients_are_dropped, make_rows, micro_batch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'gyre[test]')")
 
@@ -335,11 +335,12 @@ def test_model_parallel_cells_equal_the_cpu_trainer(family_dirs, tmp_path, tp, p
             assert torch.equal(o["weights"][k], outs[0]["weights"][k]), k
 
 
-def test_a_tensor_parallel_cell_in_one_workerd_equals_the_cpu_trainer(family_dirs, tmp_path):
-    """TP=2 as workerd runs it: rank 0 in the process, rank 1 a child that mirrors every call."""
-    d = family_dirs["llama"]
-    batch = whole_batch(5, tmp_path / "batch.pt")
-    r = subprocess.run([sys.executable, str(Path(__file__).with_name("_megatron_tp_cell.py")), str(d),
+def run_cell(script: str, d, seed: int, tmp_path):
+    """A cell script (its results to a file) on make_rows(seed)'s micro-step; its first
+    log-probs, loss and grad norm checked against the CPU trainer's on the same step.
+    Returns (results, the batch, that CPU trainer, stepped once)."""
+    batch = whole_batch(seed, tmp_path / "batch.pt")
+    r = subprocess.run([sys.executable, str(Path(__file__).with_name(script)), str(d),
                         str(tmp_path / "batch.pt"), str(tmp_path / "out.pt")], env=CHILD_ENV, capture_output=True,
                        text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -348,6 +349,12 @@ def test_a_tensor_parallel_cell_in_one_workerd_equals_the_cpu_trainer(family_dir
     assert torch.allclose(out["logprobs"], cpu.current_logprobs(batch.input_ids), atol=2e-5)
     assert out["loss"] == pytest.approx(cpu.train_micro_step(batch).loss, rel=1e-4)
     assert out["norm"] == pytest.approx(cpu.optimizer_step(3), rel=1e-4)
+    return out, batch, cpu
+
+
+def test_a_tensor_parallel_cell_in_one_workerd_equals_the_cpu_trainer(family_dirs, tmp_path):
+    """TP=2 as workerd runs it: rank 0 in the process, rank 1 a child that mirrors every call."""
+    out, batch, cpu = run_cell("_megatron_tp_cell.py", family_dirs["llama"], 5, tmp_path)
     assert out["version"] == 1 and out["freed"] > 0
     for k, w in cpu.export_weights().items():
         assert torch.allclose(out["weights"][k], w, atol=3e-3), k
@@ -361,17 +368,7 @@ def test_a_pipeline_parallel_cell_in_one_workerd_through_role_changes(family_dir
     """PP=2 as workerd runs it (tied embeddings, three GPipe chunks): log-probs, a step equal
     to the CPU trainer's; a publication to the offloaded cell kept per stage and exported
     whole; a set one stage refuses is refused by the cell; a checkpoint per stage restores."""
-    d = family_dirs["qwen2"]
-    batch = whole_batch(9, tmp_path / "batch.pt")
-    r = subprocess.run([sys.executable, str(Path(__file__).with_name("_megatron_pp_cell.py")), str(d),
-                        str(tmp_path / "batch.pt"), str(tmp_path / "out.pt")], env=CHILD_ENV, capture_output=True,
-                       text=True, timeout=240)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = torch.load(tmp_path / "out.pt", weights_only=True)
-    cpu = CpuTrainer(load_model(d), lr=1e-3)
-    assert torch.allclose(out["logprobs"], cpu.current_logprobs(batch.input_ids), atol=2e-5)
-    assert out["loss"] == pytest.approx(cpu.train_micro_step(batch).loss, rel=1e-4)
-    assert out["norm"] == pytest.approx(cpu.optimizer_step(3), rel=1e-4)
+    out, batch, cpu = run_cell("_megatron_pp_cell.py", family_dirs["qwen2"], 9, tmp_path)
     ref = cpu.export_weights()
     assert set(out["trained"]) == set(ref) and out["params"] == sum(p.numel() for p in cpu.model.parameters())
     for k, w in ref.items():
@@ -396,17 +393,7 @@ def test_a_pipeline_parallel_cell_in_one_workerd_through_role_changes(family_dir
 
 def test_non_finite_gradients_update_nothing(megatron_module, family_dirs):
     d = family_dirs["qwen2"]
-    meg = megatron_module.MegatronTrainer(str(d), load_config(d), lr=1e-3)
-    ids, mask, behaviour, exec_of_row, adv = make_rows(4)
-    counts = {i: 1 for i in adv}
-    before = meg.export_weights()
-    meg.train_micro_step(micro_batch([0, 1], ids, mask, behaviour, exec_of_row, {**adv, 0: float("nan")}, counts))
-    with pytest.raises(RuntimeError, match="non-finite gradient norm"):
-        meg.optimizer_step(2)
-    after = meg.export_weights()
-    assert meg.version == 0 and all(torch.equal(after[k], before[k]) for k in before)
-    meg.train_micro_step(micro_batch([0, 1], ids, mask, behaviour, exec_of_row, adv, counts))
-    assert meg.optimizer_step(2) > 0 and meg.version == 1  # the NaN gradients were dropped, not added
+    assert_non_finite_gradients_are_dropped(megatron_module.MegatronTrainer(str(d), load_config(d), lr=1e-3))
 
 
 def test_what_breaks_a_cell_is_its_own_group_failing():
