@@ -70,13 +70,14 @@ def main() -> None:
     print(f"model: {args.layers} layers, hidden {args.hidden}; micro-step {args.rows} rows x {args.tokens} tokens")
 
     from gyre.workerd.trainers.megatron import MegatronTrainer
+    from gyre.workerd.trainers.megatron_model import teardown_parallel
     from gyre.workerd.trainers.tp import TensorParallelTrainer
 
     # The baseline first, in a cell of its own world (closed before the PP cells are built).
     one = MegatronTrainer(str(model_dir), config, lr=1e-6, offload=False)
     baseline = timed(one, batch, args.repeat)
     print(f"{'PP=1 (one process)':<22}{baseline:.3f} s per micro-step")
-    _reset_parallel()
+    teardown_parallel()  # the baseline's private world, gone before a cell takes the process
     rows = []
     for chunks in [int(c) for c in args.chunks.split(",")]:
         cell = TensorParallelTrainer(str(model_dir), config, tp=1, pp=2, lr=1e-6, offload=False, microbatches=chunks)
@@ -93,17 +94,6 @@ def main() -> None:
     print("ratios (same run): PP=2 with k chunks / PP=2 with 1 chunk: "
           + ", ".join(f"{r['chunks']}: {r['seconds'] / first:.2f}x" for r in rows))
     print(json.dumps({"baseline_pp1_seconds": round(baseline, 4), "rows": rows}))
-
-
-def _reset_parallel() -> None:
-    """The PP=1 trainer's private world and Megatron state, gone before a cell takes the process."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -59,6 +59,16 @@ def setup_parallel(tp: int = 1, pp: int = 1, *, seed: int = 0) -> None:
         tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
 
+def teardown_parallel() -> None:
+    """Undo `setup_parallel` (and a caller's process group): the process can build another."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def build_gpt(config: ModelConfig, *, dtype: torch.dtype = torch.float32):
     """megatron-core GPTModel with the local layer spec for a supported HF family: this
     rank's pipeline stage of it."""

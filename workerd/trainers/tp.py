@@ -312,7 +312,6 @@ class TensorParallelTrainer:
         Welcome can build another): Megatron's parallel state, the process group, the store."""
         import shutil
 
-        import torch.distributed as dist
 
         for conn in self._conns:
             try:
@@ -326,10 +325,7 @@ class TensorParallelTrainer:
         for conn in self._conns:
             conn.close()
         self._conns, self._procs = [], []
-        from megatron.core import parallel_state as ps
+        from gyre.workerd.trainers.megatron_model import teardown_parallel
 
-        if ps.model_parallel_is_initialized():
-            ps.destroy_model_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        teardown_parallel()
         shutil.rmtree(self._store_dir, ignore_errors=True)
