@@ -141,6 +141,7 @@ class SimResult:
     mu: int = 1
     async_training_cells: int | None = None
     step_hours: list[float] = field(default_factory=list)  # time of each optimizer update
+    publication_hours: list[float] = field(default_factory=list)  # time each publication completed
 
     @property
     def cells(self) -> int:
@@ -181,6 +182,7 @@ class _Sim:
         self.taken = self.unclaimed = self.outstanding = self.v_before = 0
         self.staleness: list[int] = []
         self.step_hours: list[float] = []
+        self.publication_hours: list[float] = []
         self.wl_area = 0.0
         self.ms_h = w.train_h_all * w.cells / (w.groups_per_step * w.micro_steps_per_group)
 
@@ -315,6 +317,7 @@ class _Sim:
         self.publishing, self.busy[0] = False, False
         self.version, self.steps_in_burst = self.trainer_version, 0
         self.publications += 1
+        self.publication_hours.append(self.t)
         p, w = self.publications, self.w
         self.dispatch(dispatch_target(self.phi, self.mu, w.groups_per_step, p)
                       - dispatch_target(self.phi, self.mu, w.groups_per_step, p - 1))
@@ -378,7 +381,8 @@ class _Sim:
                          per_cell_training_share=[s / hours if hours else 0.0 for s in share],
                          role_timeline=[(round(t, 6), c, r) for t, c, r in self.timeline], switches=self.switches,
                          mean_waterlevel=self.wl_area / hours if hours else 0.0, policy=self.policy_name,
-                         phi=self.phi, mu=self.mu, async_training_cells=self.async_cells, step_hours=self.step_hours)
+                         phi=self.phi, mu=self.mu, async_training_cells=self.async_cells, step_hours=self.step_hours,
+                         publication_hours=self.publication_hours)
 
 
 def simulate(workload: Workload, *, policy: str, phi: float, mu: int, steps: int, seed: int, standalone: int = 0,
