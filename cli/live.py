@@ -3,13 +3,19 @@
 `render(status, width)` is a pure function of the data, so `gyre up` (in-process) and `gyre
 top` (over HTTP) draw the same thing, and tests render recorded states at any width. It
 stays readable at 80 columns: the role strip takes what the fixed columns leave. `plain_line`
-is the one-line form for logs and non-terminals. Not a poller: callers refresh it.
+is the one-line form for logs and non-terminals. `follow` draws it until told to stop; while
+the view is up, `print` and the root logger's terminal output go through the view's console
+(printed above the view, which is redrawn below), and every way out of it shows the cursor
+again and leaves the last frame on screen.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -120,8 +126,84 @@ def fetch(url: str, timeout: float = 5.0) -> dict:
         raise ConnectionError(f"no coordinator answering at {url}: {e}") from None
 
 
+class _ConsoleLogHandler(logging.Handler):
+    """Stands in for a root StreamHandler while the live view is up: the same level, filters
+    and format, the line printed through the view's console (as is: no markup, no highlighting,
+    no wrapping) so that it lands above the view instead of across it."""
+
+    def __init__(self, console, replaces: logging.Handler) -> None:
+        super().__init__(replaces.level)
+        self.console = console
+        self.replaces = replaces
+        self.setFormatter(replaces.formatter)
+        self.filters = list(replaces.filters)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.console.print(Text(self.format(record)), soft_wrap=True, highlight=False)
+        except RecursionError:
+            raise
+        except Exception:
+            self.handleError(record)
+
+
+def _fileno(stream) -> int | None:
+    try:
+        return stream.fileno()
+    except (AttributeError, OSError, ValueError):  # io.StringIO, closed, detached
+        return None
+
+
+def _terminal_streams(console) -> tuple[list, set[int]]:
+    """The stream objects a handler may hold to write where the view draws, and their fds."""
+    streams = [getattr(s, "rich_proxied_file", s)
+               for s in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__, console.file) if s is not None]
+    fds = {fd for fd in map(_fileno, streams) if fd is not None} | {1, 2}
+    return streams, fds
+
+
+@contextlib.contextmanager
+def _logs_through(console):
+    """Route the root logger's StreamHandlers on stdout/stderr (or the console's own file)
+    through `console` for the duration; put the very same handlers back afterwards."""
+    root = logging.getLogger()
+    streams, fds = _terminal_streams(console)
+    swapped: list[tuple[logging.Handler, logging.Handler]] = []
+    for i, h in enumerate(list(root.handlers)):
+        if not isinstance(h, logging.StreamHandler) or isinstance(h, logging.FileHandler):
+            continue
+        stream = getattr(h.stream, "rich_proxied_file", h.stream)
+        if any(stream is t for t in streams) or _fileno(stream) in fds:
+            stand_in = _ConsoleLogHandler(console, h)
+            root.handlers[i] = stand_in  # in place: a record logged meanwhile goes to one or the other
+            swapped.append((h, stand_in))
+    try:
+        yield
+    finally:
+        for original, stand_in in swapped:
+            for i, h in enumerate(root.handlers):
+                if h is stand_in:
+                    root.handlers[i] = original
+                    break
+
+
+def _flush_redirected() -> None:
+    """A partial line `print`ed into the Live's stdout/stderr proxy, out before the proxy goes."""
+    from rich.file_proxy import FileProxy
+
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, FileProxy):
+            with contextlib.suppress(Exception):
+                stream.flush()
+
+
 async def follow(get, *, interval_s: float, live: bool, console, until=None) -> None:
-    """Redraw (live) or print one plain line per interval from `get()` until `until()`."""
+    """Redraw (live) or print one plain line per interval from `get()` until `until()`.
+
+    Live: each round draws `get()` and then checks `until()`, so the state that ends it is the
+    frame left on screen. Whatever way it ends (until, an exception from `get`, cancellation,
+    KeyboardInterrupt) the Live context exits: the last frame stays, the cursor is shown again,
+    sys.stdout/sys.stderr and the root logger's handlers are put back."""
     from rich.live import Live
 
     if not live:
@@ -129,7 +211,13 @@ async def follow(get, *, interval_s: float, live: bool, console, until=None) -> 
             console.print(plain_line(await get()), highlight=False, soft_wrap=True)
             await asyncio.sleep(interval_s)
         return
-    with Live(console=console, auto_refresh=False, transient=False) as view:
-        while until is None or not until():
-            view.update(render(await get(), console.width), refresh=True)
-            await asyncio.sleep(interval_s)
+    with _logs_through(console), Live(console=console, auto_refresh=False, transient=False,
+                                      redirect_stdout=True, redirect_stderr=True) as view:
+        try:
+            while True:
+                view.update(render(await get(), console.width), refresh=True)
+                if until is not None and until():
+                    break
+                await asyncio.sleep(interval_s)
+        finally:
+            _flush_redirected()

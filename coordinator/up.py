@@ -41,25 +41,34 @@ def run_up(config: CoordinatorConfig, live: bool = False, resume: bool = False) 
     return reports
 
 
-async def _run_with_view(coord: Coordinator, live: bool) -> list[StepReport]:
-    """The run, with the live view (a terminal) or a plain status line every 10 s."""
+async def _run_with_view(coord: Coordinator, live: bool, console=None) -> list[StepReport]:
+    """The run, with the live view (a terminal) or a plain status line every 10 s.
+
+    While the live view is up, step lines (`print`) and log records go through its console
+    (cli/live.py `follow`). A run that ends (done, or stopped by Ctrl-C) lets the view draw
+    its final state before it closes; a run that fails closes it at once. Either way the
+    view's last frame stays on screen and the cursor is shown again before this returns."""
     import asyncio
 
     from rich.console import Console
 
     from gyre.cli.live import follow
 
+    interval_s = 0.5 if live else 10.0
     task = asyncio.ensure_future(coord.run())
 
     async def get() -> dict:
         return coord.status()
 
-    view = asyncio.ensure_future(follow(get, interval_s=0.5 if live else 10.0, live=live, console=Console(),
-                                        until=task.done))
+    view = asyncio.ensure_future(follow(get, interval_s=interval_s, live=live,
+                                        console=console if console is not None else Console(), until=task.done))
     try:
-        return await task
+        reports = await task
+        if live:  # the next round draws the finished state and ends the view
+            await asyncio.wait({view}, timeout=interval_s + 5.0)
+        return reports
     finally:
-        view.cancel()  # the live view keeps its last frame on screen
+        view.cancel()  # a no-op when it has ended; the live view keeps its last frame on screen
         await asyncio.gather(view, return_exceptions=True)
 
 

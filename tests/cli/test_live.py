@@ -118,3 +118,206 @@ async def test_top_follows_until_the_coordinator_goes(status_server):
     out, err = await proc.communicate()
     assert proc.returncode == 0, err.decode()
     assert "stopped answering" in out.decode()
+
+
+# --- the live view's console: logs and prints above the view, the cursor back on every exit ----
+
+SHOW, HIDE = "\x1b[?25h", "\x1b[?25l"
+FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+@pytest.fixture
+def stderr_logging():
+    """Installs (on call, in the test body: pytest swaps sys.stderr between setup and call) a
+    root handler on sys.stderr, as `gyre`'s root callback does (logging.basicConfig); the test
+    reads what reaches that stream with capsys. Removed at teardown."""
+    import logging
+
+    root, added = logging.getLogger(), []
+
+    def install() -> logging.Handler:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(FORMAT))
+        root.addHandler(handler)
+        added.append(handler)
+        return handler
+
+    yield install
+    for handler in added:
+        root.removeHandler(handler)
+
+
+def terminal() -> tuple[Console, io.StringIO]:
+    out = io.StringIO()
+    return Console(file=out, force_terminal=True, width=100, color_system=None), out
+
+
+def talking_get(calls: list, fail_after: int | None = None, on_talked=None, talk_on: int = 2):
+    """A `get()` that, on its `talk_on`th call (the view is up by then, a frame drawn after
+    the first), logs and prints a marker."""
+    import logging
+
+    async def get() -> dict:
+        calls.append(list(logging.getLogger().handlers))
+        if len(calls) == talk_on:
+            logging.getLogger("gyre.coordinator").warning("marker from the log, shutting down")
+            print("step marker 1/3")
+            if on_talked is not None:
+                on_talked()
+        if fail_after is not None and len(calls) > fail_after:
+            raise RuntimeError("status failed")
+        return STATUS
+    return get
+
+
+def assert_clean_exit(out: str, capsys, before: list, calls: list, handler) -> None:
+    import logging
+
+    assert out.count("WARNING gyre.coordinator: marker from the log, shutting down") == 1
+    assert out.count("step marker 1/3") == 1
+    assert out.index("step marker 1/3") > out.index("marker from the log")  # in the order they came
+    captured = capsys.readouterr()
+    assert "marker" not in captured.err and "marker" not in captured.out  # not around the view
+    after = logging.getLogger().handlers
+    assert len(after) == len(before) and all(a is b for a, b in zip(after, before))
+    assert all(handler not in during for during in calls)  # stood in for while live
+    assert HIDE in out and out.endswith(SHOW) and out.rindex(SHOW) > out.rindex(HIDE)
+    assert "step 2/3" in out  # a frame was drawn (and stays: not transient)
+
+
+async def test_follow_live_prints_logs_and_prints_above_the_view(stderr_logging, capsys):
+    import logging
+
+    from gyre.cli.live import follow
+
+    handler = stderr_logging()
+    console, out = terminal()
+    before, calls = list(logging.getLogger().handlers), []
+    await follow(talking_get(calls), interval_s=0, live=True, console=console, until=lambda: len(calls) >= 3)
+    text = out.getvalue()
+    assert_clean_exit(text, capsys, before, calls, handler)
+    # the marker lines are printed above a redrawn view, not drawn over by it
+    assert text.rindex("step 2/3") > text.index("step marker 1/3")
+    assert sys.stdout is not None and not type(sys.stdout).__name__ == "FileProxy"
+
+
+async def test_follow_live_restores_all_when_get_raises(stderr_logging, capsys):
+    import logging
+
+    from gyre.cli.live import follow
+
+    handler = stderr_logging()
+    console, out = terminal()
+    before, calls = list(logging.getLogger().handlers), []
+    with pytest.raises(RuntimeError, match="status failed"):
+        await follow(talking_get(calls, fail_after=2), interval_s=0, live=True, console=console)
+    assert len(calls) == 3
+    assert_clean_exit(out.getvalue(), capsys, before, calls, handler)
+
+
+async def test_follow_live_restores_all_when_cancelled(stderr_logging, capsys):
+    import logging
+
+    from gyre.cli.live import follow
+
+    handler = stderr_logging()
+    console, out = terminal()
+    before, calls = list(logging.getLogger().handlers), []
+    talked = asyncio.Event()
+    task = asyncio.ensure_future(follow(talking_get(calls, on_talked=talked.set, talk_on=1), interval_s=3600, live=True,
+                                        console=console))
+    await talked.wait()  # the view is up; it draws, then sleeps out its (long) interval
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert_clean_exit(out.getvalue(), capsys, before, calls, handler)
+
+
+def test_follow_live_restores_all_on_keyboard_interrupt(stderr_logging, capsys):
+    import logging
+
+    from gyre.cli.live import follow
+
+    handler = stderr_logging()
+    console, out = terminal()
+    before, calls = list(logging.getLogger().handlers), []
+    inner = talking_get(calls)
+
+    async def get() -> dict:
+        status = await inner()
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return status
+
+    with pytest.raises(KeyboardInterrupt):
+        asyncio.run(follow(get, interval_s=0, live=True, console=console))
+    assert_clean_exit(out.getvalue(), capsys, before, calls, handler)
+
+
+def test_follow_not_live_is_plain_lines(stderr_logging, capsys):
+    import logging
+
+    from gyre.cli.live import follow
+
+    handler = stderr_logging()
+    console, out = terminal()
+    calls = []
+    asyncio.run(follow(talking_get(calls), interval_s=0, live=False, console=console,
+                       until=lambda: len(calls) >= 2))
+    assert out.getvalue().splitlines() == [plain_line(STATUS)] * 2
+    captured = capsys.readouterr()  # the log and the print go where they always go
+    assert "WARNING gyre.coordinator: marker from the log" in captured.err and "step marker 1/3" in captured.out
+    assert HIDE not in out.getvalue()
+    assert logging.getLogger().handlers[-1] is handler
+
+
+async def test_up_view_shows_the_final_state_and_restores(stderr_logging, capsys):
+    """`gyre up`'s view: step lines and logs from the run above it, its last frame the run's end."""
+    import logging
+
+    from gyre.coordinator.up import _run_with_view
+
+    class Coord:
+        def __init__(self):
+            self.drawn = asyncio.Event()
+            self.state = copy.deepcopy(STATUS)
+
+        def status(self) -> dict:
+            self.drawn.set()
+            return self.state
+
+        async def run(self):
+            await self.drawn.wait()  # the view is up
+            logging.getLogger("gyre.coordinator").warning("signal 2: shutting down (again to force)")
+            print("step 3/3  version 3", flush=True)
+            self.state = copy.deepcopy(STATUS)
+            self.state["steps"]["done"] = 3
+            return ["report"]
+
+    stderr_logging()
+    console, out = terminal()
+    before = list(logging.getLogger().handlers)
+    assert await _run_with_view(Coord(), live=True, console=console) == ["report"]
+    text = out.getvalue()
+    assert text.count("WARNING gyre.coordinator: signal 2: shutting down (again to force)") == 1
+    assert text.count("step 3/3  version 3") == 1
+    assert "step 3/3" in text[text.rindex("step 3/3  version 3") + 20:]  # the final frame, drawn after
+    assert text.endswith(SHOW) and text.rindex(SHOW) > text.rindex(HIDE)
+    assert all(a is b for a, b in zip(logging.getLogger().handlers, before))
+    assert "signal 2" not in capsys.readouterr().err
+
+
+async def test_up_view_closes_at_once_when_the_run_fails(stderr_logging):
+    from gyre.coordinator.up import _run_with_view
+
+    class Coord:
+        def status(self) -> dict:
+            return STATUS
+
+        async def run(self):
+            raise RuntimeError("the run failed")
+
+    console, out = terminal()
+    with pytest.raises(RuntimeError, match="the run failed"):
+        await _run_with_view(Coord(), live=True, console=console)
+    assert out.getvalue().endswith(SHOW)
