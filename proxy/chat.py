@@ -6,11 +6,25 @@ recorded model outputs, so the trajectory tree can match requests message by mes
 splice the model's exact recorded tokens in place of its past outputs. Text is tokenised
 per segment, with a cache, so a repeated history costs a dictionary lookup, not a
 re-tokenisation. Not the tree: matching lives in tree.py.
+
+Two rules make a segment's tokens those of the whole rendered text (what Hugging Face's
+`apply_chat_template` gives), for content without special-token text:
+- Content is text. Message contents (and tool-call argument strings) are marked while
+  rendering and encoded with no added-token matching, so a literal `<|im_start|>system` in
+  a user message or a tool result is plain text, never a role turn; only the template's own
+  glue produces special tokens.
+- Cuts sit where tokenisation splits anyway: before an added token of the glue (which
+  splits the text before pre-tokenisation) or at a recorded output. The end of a message's
+  content moves forward to the next such place (Qwen's `result\\n` + `\\n</tool_response>`
+  stays one `\\n\\n` token); where none comes before the next content, the two messages
+  share one segment.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import re
 import secrets
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -25,10 +39,15 @@ import jinja2.sandbox
 
 from gyre.proxy.types import Message, RequestError, ToolCall, ToolSpec
 
-# Private-use markers with a per-process nonce: they cannot come from a client by accident.
+log = logging.getLogger("gyre.proxy")
+
+# Private-use markers with a per-process nonce: they cannot come from a client by accident
+# (a message containing the nonce is refused).
 _NONCE = secrets.token_hex(4)
 MARK = f"\ue000{_NONCE}\ue000"  # end of one message's content
 REF_OPEN, REF_CLOSE = f"\ue001{_NONCE}:", "\ue001"  # a recorded output, by key
+C_OPEN, C_CLOSE = f"\ue002{_NONCE}\ue002", f"\ue003{_NONCE}\ue003"  # around content: plain text
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"  # Hermes tool calls, matched as text
 
 
 class ModelFilesError(FileNotFoundError):
@@ -87,11 +106,21 @@ class ChatTokenizer:
         self.eos_token = _token_text(cfg.get("eos_token"))
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.stop_token_ids = self._stop_ids(root)
-        self.tool_call_open = self.tokenizer.token_to_id("<tool_call>")
-        self.tool_call_close = self.tokenizer.token_to_id("</tool_call>")
+        # Tool calls are found in the decoded text: the tags are single tokens in Qwen's
+        # vocabulary but several pieces in most others (Llama 3, Mistral, SmolLM2).
+        self.tool_call_open, self.tool_call_close = TOOL_OPEN, TOOL_CLOSE
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        spec = json.loads(tok_path.read_text())
+        self._plain = _plain_tokenizer(spec)
+        self._added, self._added_re = _added_tokens(spec)
         self._cache: OrderedDict[str, list[int]] = OrderedDict()
         self._cache_size = cache_size
+        self._leads: dict[str, int | None] = {}  # chunk -> where its leading glue may be cut (see to_segments)
+        self._split: OrderedDict[str, list] = OrderedDict()  # segment text -> its Text/Ref pieces
+        self.supports_tools = self._renders_tools()
+        if not self.supports_tools:
+            log.warning("the chat template in %s ignores `tools`: tool schemas and earlier tool calls never reach "
+                        "the prompt, so the policy cannot call tools (use a template with tool support)", root)
 
     def _stop_ids(self, root: Path) -> frozenset[int]:
         ids = set()
@@ -107,16 +136,49 @@ class ChatTokenizer:
     # --- tokens -------------------------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text` (added tokens recognised), cached by the text itself."""
+        """Token ids of `text` with added tokens recognised, as the model writes them (outputs,
+        tests). Prompts are encoded by `encode_segment`."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of `text` as plain text: special-token strings in it are just characters."""
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    def encode_segment(self, text: str) -> list[int]:
+        """Token ids of one prompt segment (rendered text with its content marked), cached
+        by the segment: the glue's added tokens become their ids, everything between them
+        (glue text and content together) is encoded as one plain run, as a whole text is."""
         ids = self._cache.get(text)
         if ids is not None:
             self._cache.move_to_end(text)
             return ids
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        ids, plain = [], []
+        for i, part in enumerate(text.split(C_OPEN)):
+            if i:
+                content, _, part = part.partition(C_CLOSE)
+                plain.append(content)
+            pos = 0
+            for m in self._added_re.finditer(part) if self._added_re is not None else ():
+                plain.append(part[pos:m.start()])
+                run = "".join(plain)
+                if run:
+                    ids += self.encode_plain(run)
+                plain = []
+                key = m.group(0)
+                ids.append(self._added[key] if key in self._added else self._added[key.strip()])
+                pos = m.end()
+            plain.append(part[pos:])
+        run = "".join(plain)
+        if run:
+            ids += self.encode_plain(run)
         self._cache[text] = ids
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
         return ids
+
+    def prompt_ids(self, messages: list[Message], tools: list[ToolSpec]) -> list[int]:
+        """The prompt of a conversation with no recorded outputs (count_tokens, tests)."""
+        return [t for seg in self.segments(messages, tools, {}) for t in self.encode_segment(seg.text)]
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -136,11 +198,64 @@ class ChatTokenizer:
 
     def segments(self, messages: list[Message], tools: list[ToolSpec], refs: dict[int, str],
                  restore_args: dict[str, str] | None = None) -> list[Text | Ref]:
-        """Render for generation and cut into segments: one text segment per message (its
-        content plus the template text before it), and a `Ref` wherever `refs` maps a
-        message index to a recorded output that must be spliced in verbatim."""
-        return chunks_to_segments(self.chunks(messages, [t.as_template_tool() for t in tools], refs,
-                                              restore_args or {}))
+        """Render for generation and cut into segments: about one text segment per message
+        (its content plus template text around it, cut as the module docstring says), and a
+        `Ref` wherever `refs` maps a message index to a recorded output that must be spliced
+        in verbatim."""
+        return self.to_segments(self.chunks(messages, [t.as_template_tool() for t in tools], refs,
+                                            restore_args or {}))
+
+    def to_segments(self, chunks: list[str]) -> list[Text | Ref]:
+        """Rendered chunks (cut at each content's end) -> segments whose cuts tokenisation
+        respects: each cut moves to the next chunk's first added token or recorded output,
+        or, when that chunk's content comes first, disappears (two messages, one segment)."""
+        out: list[Text | Ref] = []
+        cur = chunks[:1]
+        for chunk in chunks[1:]:
+            lead = self._lead(chunk)
+            if lead is None:
+                cur.append(chunk)
+                continue
+            cur.append(chunk[:lead])
+            out += self._pieces("".join(cur))
+            cur = [chunk[lead:]]
+        if cur:
+            out += self._pieces("".join(cur))
+        return out
+
+    def _lead(self, chunk: str) -> int | None:
+        lead = self._leads.get(chunk, -1)
+        if lead != -1:
+            return lead
+        c = chunk.find(C_OPEN)
+        head = chunk if c < 0 else chunk[:c]
+        r = head.find(REF_OPEN)
+        if r >= 0:
+            head = head[:r]
+        m = self._added_re.search(head) if self._added_re is not None else None
+        lead = m.start() if m else r if r >= 0 else None
+        if len(self._leads) > self._cache_size:
+            self._leads.clear()
+        self._leads[chunk] = lead
+        return lead
+
+    def _pieces(self, text: str) -> list[Text | Ref]:
+        pieces = self._split.get(text)
+        if pieces is None:
+            pieces = self._split[text] = chunks_to_segments([text])
+            if len(self._split) > self._cache_size:
+                self._split.popitem(last=False)
+        return pieces
+
+    def _renders_tools(self) -> bool:
+        """Whether the template renders a tool list at all (SmolLM2's stock one does not)."""
+        probe = [{"role": "user", "content": "hi"}]
+        tool = [{"type": "function", "function": {"name": "probe_tool_x", "description": "d",
+                                                  "parameters": {"type": "object", "properties": {}}}}]
+        try:
+            return self.render(probe, tool, True) != self.render(probe, None, True)
+        except RequestError:
+            return False
 
     def chunks(self, messages: list[Message], tools: list[dict], refs: dict[int, str],
                restore_args: dict[str, str], start: int = 0) -> list[str]:
@@ -150,7 +265,7 @@ class ChatTokenizer:
         for i, m in enumerate(messages):
             if i >= start:
                 for piece in (m.content, *(c.arguments for c in m.tool_calls)):
-                    if MARK in piece or REF_OPEN in piece:
+                    if _NONCE in piece:
                         raise RequestError(f"messages[{i}]", "contains gyre's private segment markers")
             if i in refs:
                 rendered.append({"role": "assistant", "content": f"{REF_OPEN}{refs[i]}{REF_CLOSE}"})
@@ -250,7 +365,7 @@ class Segmenter:
             self.incremental += 1
         self.recent.insert(0, _Rendered(keys, tools_t, chunks, marks))
         del self.recent[self.KEEP:]
-        return chunks_to_segments(chunks)
+        return self.tok.to_segments(chunks)
 
     def _incremental(self, messages, keys, marks, tools_t, refs, restore_args) -> list[str] | None:
         best, common = None, 0
@@ -334,13 +449,13 @@ def probe_locality(tok: ChatTokenizer, seed: int = 0) -> bool:
 def _template_message(m: Message, restore_args: dict[str, str]) -> dict[str, Any]:
     # Empty content stays empty (templates test its truthiness); that message then shares
     # a segment with the next one, which only makes matching coarser, never wrong.
-    d: dict[str, Any] = {"role": m.role, "content": m.content + MARK if m.content else ""}
+    d: dict[str, Any] = {"role": m.role, "content": f"{C_OPEN}{m.content}{C_CLOSE}{MARK}" if m.content else ""}
     if m.tool_calls:
         calls = []
         for c in m.tool_calls:
             raw = restore_args.get(c.id, c.arguments)  # the original payload, if we emitted it
             try:
-                args = json.loads(raw)
+                args = _content_leaves(json.loads(raw))
             except ValueError:
                 args = raw
             calls.append({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": args}})
@@ -350,6 +465,46 @@ def _template_message(m: Message, restore_args: dict[str, str]) -> dict[str, Any
     if m.name:
         d["name"] = m.name
     return d
+
+
+def display_key(text: str) -> str:
+    """A segment's text for records and display: the per-process content markers become
+    the fixed characters U+E002 / U+E003 (content starts / ends)."""
+    return text.replace(C_OPEN, "\ue002").replace(C_CLOSE, "\ue003") if _NONCE in text else text
+
+
+def _content_leaves(obj: Any) -> Any:
+    """Tool-call arguments with every string (keys too) marked as content: text the harness
+    sent, encoded plain wherever the template puts it (its `tojson` keeps the markers)."""
+    if isinstance(obj, str):
+        return f"{C_OPEN}{obj}{C_CLOSE}" if obj else obj
+    if isinstance(obj, dict):
+        return {_content_leaves(k): _content_leaves(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_content_leaves(v) for v in obj]
+    return obj
+
+
+def _plain_tokenizer(spec: dict):
+    """The same tokenizer without its added tokens: text encoded by it is never split on a
+    special-token string (the model part, normaliser and pre-tokeniser are the same)."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(json.dumps({**spec, "added_tokens": []}))
+
+
+def _added_tokens(spec: dict) -> tuple[dict[str, int], re.Pattern | None]:
+    """The added tokens (content -> id) and a regex finding them leftmost-longest, with the
+    whitespace an lstrip / rstrip token absorbs."""
+    tokens = {t["content"]: t["id"] for t in spec.get("added_tokens", []) if t.get("content")}
+    if not tokens:
+        return tokens, None
+    flags = {t["content"]: (t.get("lstrip", False), t.get("rstrip", False)) for t in spec["added_tokens"]}
+    alternatives = []
+    for text in sorted(tokens, key=len, reverse=True):
+        left, right = flags.get(text, (False, False))
+        alternatives.append(("\\s*" if left else "") + re.escape(text) + ("\\s*" if right else ""))
+    return tokens, re.compile("|".join(alternatives))
 
 
 def _token_text(value: Any) -> str | None:

@@ -19,7 +19,7 @@ from typing import IO, Any
 import orjson
 
 from gyre.proxy.admission import Rows, Trajectory, admit, materialise
-from gyre.proxy.chat import ChatTokenizer, Ref, Segmenter
+from gyre.proxy.chat import ChatTokenizer, Ref, Segmenter, display_key
 from gyre.proxy.roles import CallInfo, RoleRule, delegation_prompt
 from gyre.proxy.tree import Node, Tree
 from gyre.proxy.types import ChatRequest, ChatResult, ParseMemo, RequestError
@@ -92,7 +92,7 @@ class Execution:
                     continue
                 nid = None if plan else self.tree.child(parent, "text", text)
                 if nid is None:
-                    plan.append(("text", text, self.tokenizer.encode(text)))
+                    plan.append(("text", text, self.tokenizer.encode_segment(text)))
                     continue
             path.append(nid)
             parent = nid
@@ -174,7 +174,7 @@ class Execution:
 
     def complete(self, prep: Prepared, *, output_ids: list[int], logprobs: list[float], versions: list[int],
                  finish_reason: str, status: str, engine: str, result: ChatResult | None,
-                 request: ChatRequest, invalid_tool_calls: int = 0) -> dict:
+                 request: ChatRequest, invalid_tool_calls: int = 0, sampling: dict | None = None) -> dict:
         """Record the call. Only a call that ended normally leaves a trainable output."""
         parent = prep.path[-1]
         leaf = parent
@@ -209,6 +209,8 @@ class Execution:
         }
         if prep.delegated_by is not None:
             record["delegated_by"] = prep.delegated_by
+        if sampling is not None:  # what the engine sampled with, and what the harness asked for
+            record["sampling"] = sampling
         self.calls.append(record)
         self._write("calls", record)
         return record
@@ -235,7 +237,7 @@ class Execution:
     def _write_node(self, node: Node) -> Node:
         self._write("nodes", {"id": node.id, "parent": node.parent, "kind": node.kind, "policy": node.policy,
                               "call_id": node.call_id, "tokens": node.tokens, "logprobs": node.logprobs,
-                              "versions": node.versions, "key": node.key})
+                              "versions": node.versions, "key": display_key(node.key)})
         return node
 
     def _write(self, name: str, obj: Any) -> None:

@@ -1,96 +1,202 @@
 """parser.py: turns sampled token ids into what the harness sees, as they arrive.
 
-Text streams out as it decodes (an incomplete UTF-8 tail is held back); a Hermes/Qwen
-`<tool_call>{json}</tool_call>` block becomes one tool call when it closes. A block whose
-body is not a JSON object with a string `name` is returned as plain text (never a 500),
-and counted in `invalid_tool_calls`. Stop strings end the output. Not the recorder: the
-tokens themselves are recorded untouched by the caller.
+Tokens are detokenised incrementally (each new token costs a decode of a few tokens, never
+of the whole output; an incomplete UTF-8 tail waits for the token that completes it). A
+Hermes/Qwen `<tool_call>{json}</tool_call>` block, found in the decoded *text* (the tags
+are single tokens in Qwen's vocabulary and several pieces in most others), becomes one tool
+call when it closes; a block whose body is not a JSON object with a string `name` is
+returned as plain text (never a 500) and counted in `invalid_tool_calls`.
+
+Stop strings end the output where the client's text ends: the token in which a stop string
+begins is dropped whole, with everything after it, so the text returned is exactly the
+decoding of the tokens kept (`kept`), which the caller records. What that token carried
+before the stop string is therefore not returned either (the recorded output and the reply
+stay the same tokens: the next prompt then continues what the harness really has). Text is
+held back by whole tokens while it could still begin a stop string. Not the recorder: the
+caller records `ids[:kept]`.
 """
 
 from __future__ import annotations
 
 import json
+from collections import deque
 from typing import Callable
 
 from gyre.proxy.types import Delta, TextDelta, ToolCall, ToolCallDelta
 
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+class IncrementalDecoder:
+    """Text of a growing token sequence, a piece per token, decoding a short window each time
+    (vLLM's prefix/read offsets): the window keeps the previous token, so decoders that
+    strip a leading space at the start of a sequence (SentencePiece's) do so only once."""
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self._decode = decode
+        self.ids: list[int] = []
+        self._prefix = 0  # window start
+        self._read = 0  # tokens whose text has been returned
+
+    MAX_PENDING = 8  # tokens held for an incomplete character (a UTF-8 character is <= 4 bytes)
+
+    def push(self, token: int) -> str:
+        """The new text once `token` is appended ("" while a UTF-8 character is incomplete;
+        invalid bytes held past MAX_PENDING tokens come out as U+FFFD, bounding the work)."""
+        self.ids.append(token)
+        before = self._decode(self.ids[self._prefix:self._read])
+        now = self._decode(self.ids[self._prefix:])
+        complete = not now.endswith("\ufffd") or len(self.ids) - self._read > self.MAX_PENDING
+        if len(now) > len(before) and complete:
+            self._prefix, self._read = self._read, len(self.ids)
+            return now[len(before):]
+        return ""
+
+    def flush(self) -> str:
+        """What is still held (an incomplete character at the end is returned as U+FFFD)."""
+        if self._read == len(self.ids):
+            return ""
+        before = self._decode(self.ids[self._prefix:self._read])
+        now = self._decode(self.ids[self._prefix:])
+        self._prefix = self._read = len(self.ids)
+        return now[len(before):]
+
 
 class OutputParser:
     def __init__(self, decode: Callable[[list[int]], str], *, stop_token_ids: frozenset[int],
-                 tool_open: int | None, tool_close: int | None, new_call_id: Callable[[], str],
-                 stop_strings: list[str] | None = None):
-        self._decode = decode
+                 new_call_id: Callable[[], str], stop_strings: list[str] | None = None,
+                 tool_open: str = TOOL_OPEN, tool_close: str = TOOL_CLOSE):
+        self._decoder = IncrementalDecoder(decode)
         self._stop_ids = stop_token_ids
         self._open, self._close = tool_open, tool_close
         self._new_id = new_call_id
         self._stops = [s for s in (stop_strings or []) if s]
-        self._hold = max((len(s) for s in self._stops), default=1) - 1
-        self._text_ids: list[int] = []  # current run of text tokens
-        self._run_emitted = 0  # chars of the current run already accounted for
-        self._pending = ""  # decoded text not yet emitted (held back for stop strings)
-        self._call_ids: list[int] | None = None  # inside <tool_call> ... </tool_call>
+        self._stop_hold = max((len(s) for s in self._stops), default=1) - 1
+        self._n = 0  # tokens fed
+        self._pending_tok = 0  # the first token whose text the decoder has not returned yet
+        self._text = ""  # decoded text outside a tool call, not yet emitted
+        self._base = 0  # offset of _text[0] in the whole decoded output
+        self._starts: deque[tuple[int, int]] = deque()  # (offset, token) where each token's text begins
+        self._call: str | None = None  # text inside <tool_call> ... </tool_call>, while open
         self.content = ""
         self.tool_calls: list[ToolCall] = []
         self.invalid_tool_calls = 0
         self.stopped = False  # a stop string matched: the caller aborts generation
+        self.kept: int | None = None  # after a stop string: how many output tokens to record
 
     def feed(self, ids: list[int]) -> list[Delta]:
         out: list[Delta] = []
         for t in ids:
             if self.stopped:
                 break
+            index, self._n = self._n, self._n + 1
             if t in self._stop_ids:
+                if self._pending_tok == index:  # nothing held by the decoder: text resumes after it
+                    self._pending_tok = index + 1
                 continue
-            if self._call_ids is not None:
-                if t == self._close:
-                    out += self._close_call()
-                else:
-                    self._call_ids.append(t)
-            elif t == self._open and self._open is not None:
-                out += self._flush_text(final=True)
-                self._call_ids = []
-            else:
-                self._text_ids.append(t)
-        out += self._flush_text(final=False)
+            piece = self._decoder.push(t)
+            if piece:
+                out += self._take(piece, self._pending_tok)
+                self._pending_tok = index + 1
+        if not self.stopped:
+            out += self._emit(final=False)
         return out
 
     def finish(self) -> list[Delta]:
         """End of output: flush held text; an unclosed tool call is returned as text."""
-        out = self._flush_text(final=True)
-        if self._call_ids is not None and not self.stopped:
-            out += self._emit_text("<tool_call>" + self._decode(self._call_ids), final=True)
+        out: list[Delta] = []
+        if not self.stopped:
+            piece = self._decoder.flush()
+            if piece:
+                out += self._take(piece, self._pending_tok)
+        if self.stopped:
+            return out
+        if self._call is not None:
+            body, self._call = self._call, None
             self.invalid_tool_calls += 1
-            self._call_ids = None
-        return out
+            return out + self._text_delta(self._open + body)
+        return out + self._emit(final=True)
 
-    def _flush_text(self, final: bool) -> list[Delta]:
-        if not self._text_ids:
-            return self._emit_text("", final) if final else []
-        text = self._decode(self._text_ids)
-        safe = text if final else text.rstrip("\ufffd")  # hold an incomplete UTF-8 tail
-        new = safe[self._run_emitted:]
-        self._run_emitted = len(safe)
-        if final:
-            self._text_ids, self._run_emitted = [], 0
-        return self._emit_text(new, final)
+    # --- text outside tool calls --------------------------------------------------------
 
-    def _emit_text(self, new: str, final: bool) -> list[Delta]:
-        self._pending += new
-        for s in self._stops:
-            at = self._pending.find(s)
-            if at >= 0:
-                self._pending = self._pending[:at]
-                self.stopped = True
-        cut = len(self._pending) if final or self.stopped else max(0, len(self._pending) - self._hold)
-        text, self._pending = self._pending[:cut], self._pending[cut:]
+    def _take(self, piece: str, token: int) -> list[Delta]:
+        """New decoded text, which began in output token `token`."""
+        if self._call is not None:
+            return self._in_call(piece)
+        self._starts.append((self._base + len(self._text), token))
+        longest = max([len(self._open), *(len(x) for x in self._stops)])
+        scan = max(0, len(self._text) - longest + 1)  # earlier text was searched already
+        self._text += piece
+        found = [(at, x) for x in self._stops if (at := self._text.find(x, scan)) >= 0]
+        stop = min(found)[0] if found else -1
+        tag = self._text.find(self._open, scan)
+        if stop >= 0 and (tag < 0 or stop < tag):
+            return self._stop_at(stop)
+        if tag < 0:
+            return []
+        after = self._text[tag + len(self._open):]
+        self._text = self._text[:tag]
+        out = self._emit(final=True)
+        self._base += len(self._open)
+        self._starts.clear()
+        self._call = ""
+        return out + self._in_call(after)
+
+    def _stop_at(self, at: int) -> list[Delta]:
+        """A stop string begins at `at` in the held text: keep the tokens before the one it
+        begins in and return their held text (held whole tokens at a time, see _emit)."""
+        where = self._base + at
+        offset, token = self._starts[0]
+        for o, t in self._starts:
+            if o > where:
+                break
+            offset, token = o, t
+        self.stopped = True
+        self.kept = token
+        text, self._text = self._text[:max(0, offset - self._base)], ""
+        return self._text_delta(text)
+
+    def _emit(self, final: bool) -> list[Delta]:
+        """Emit the held text that can no longer begin the tool tag or a stop string."""
+        n = cut = len(self._text)
+        if not final:
+            for k in range(min(len(self._open) - 1, n), 0, -1):  # a partial "<tool_call>" waits
+                if self._text.endswith(self._open[:k]):
+                    cut = n - k
+                    break
+            if self._stops:  # and whole tokens, while they could begin a stop string
+                cut = min(cut, n - self._stop_hold)
+                if cut < n:
+                    cut = max((o - self._base for o, _ in self._starts if o - self._base <= cut), default=0)
+        if cut <= 0:
+            return []
+        text, self._text = self._text[:cut], self._text[cut:]
+        self._base += cut
+        while self._starts and self._starts[0][0] < self._base:
+            self._starts.popleft()
+        return self._text_delta(text)
+
+    def _text_delta(self, text: str) -> list[Delta]:
         if not text:
             return []
         self.content += text
         return [TextDelta(text)]
 
-    def _close_call(self) -> list[Delta]:
-        body = self._decode(self._call_ids)
-        self._call_ids = None
+    # --- inside a tool call -------------------------------------------------------------
+
+    def _in_call(self, piece: str) -> list[Delta]:
+        scan = max(0, len(self._call) - len(self._close) + 1)
+        self._call += piece
+        end = self._call.find(self._close, scan)
+        if end < 0:
+            return []
+        body, rest = self._call[:end], self._call[end + len(self._close):]
+        self._call = None
+        out = self._close_call(body)
+        self._base += len(body) + len(self._close)
+        return out + (self._take(rest, self._pending_tok) if rest else [])
+
+    def _close_call(self, body: str) -> list[Delta]:
         try:
             obj = json.loads(body)
             if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -102,7 +208,7 @@ class OutputParser:
                 raise ValueError("arguments is not an object")
         except ValueError:
             self.invalid_tool_calls += 1
-            return self._emit_text(f"<tool_call>{body}</tool_call>", final=True)
+            return self._text_delta(f"{self._open}{body}{self._close}")
         call = ToolCall(id=self._new_id(), name=obj["name"], arguments=json.dumps(args, ensure_ascii=False))
         self.tool_calls.append(call)
         return [ToolCallDelta(len(self.tool_calls) - 1, call)]
