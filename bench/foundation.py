@@ -2,11 +2,14 @@
 
 Measures, on the tiny model: CPU engine tokens/s at 1, 8 and 32 concurrent requests
 against the same 32 requests run one at a time; trainer tokens/s and optimizer-step time;
-weight export + load, in process and over ZeroMQ with gyre's wire framing; and raw
-ZeroMQ tensor bandwidth (tcp, ipc) against a local memcpy. Every ratio compares figures
-taken in this same run, so they hold across machines where absolute numbers do not.
-Not a test: it asserts only output lengths and byte counts. Run:
-    python bench/foundation.py [--quick] [--json PATH]
+the trainer's peak memory for one long micro-step, its chunked log-probs against the
+whole-vocabulary float32 log-softmax (each in a fresh process, on the tiny model with a
+49,152-token vocabulary unless --model names a real one); weight export + load, in
+process and over ZeroMQ with gyre's wire framing; and raw ZeroMQ tensor bandwidth (tcp,
+ipc) against a local memcpy. Every ratio compares figures taken in this same run, so they
+hold across machines where absolute numbers do not. Not a test: it asserts only output
+lengths and byte counts. Run:
+    python bench/foundation.py [--quick] [--json PATH] [--model DIR] [--memory-tokens N]
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -121,6 +126,52 @@ def bench_trainer(trainer: CpuTrainer, rows: int, seq: int, reps: int) -> dict:
                 train_tok_s=targets / micro_s, optimizer_step_s=statistics.median(step))
 
 
+# --- 2b. trainer memory ---------------------------------------------------------------------
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def memory_child(model_dir: str, tokens: int, variant: str) -> dict:
+    """One micro-step of `tokens` targets in this (fresh) process; the peak resident memory
+    it adds over the trainer at rest (VmHWM is reset just before, through clear_refs)."""
+    from gyre.workerd.loss import token_logprobs
+    from gyre.workerd.trainers.base import backward_micro_step
+
+    trainer = CpuTrainer(load_model(model_dir), lr=1e-6)
+    batch = micro_batch(1, tokens, trainer.model.config.vocab_size)
+    Path("/proc/self/clear_refs").write_text("5")  # reset the high-water mark
+    before = _status_kib("VmRSS")
+    t0 = time.perf_counter()
+    if variant == "chunked":
+        trainer.train_micro_step(batch)
+    else:  # the whole [T, V] float32 log-softmax, as loss.py computed it before
+        backward_micro_step(token_logprobs(trainer.model(batch.input_ids), batch.input_ids), batch, t0)
+    seconds = time.perf_counter() - t0
+    return dict(peak_mib=(_status_kib("VmHWM") - before) / 1024, seconds=seconds)
+
+
+def bench_memory(model_dir: str, tokens: int) -> dict:
+    out = {"tokens": tokens}
+    for variant in ("chunked", "full"):
+        r = subprocess.run([sys.executable, __file__, "--memory-child", model_dir, str(tokens), variant],
+                           capture_output=True, text=True, check=True)
+        out[variant] = json.loads(r.stdout.strip().splitlines()[-1])
+    out["vocab"] = load_model_config(model_dir).vocab_size
+    out["full_vs_chunked_peak"] = out["full"]["peak_mib"] / max(out["chunked"]["peak_mib"], 1e-9)
+    return out
+
+
+def load_model_config(model_dir: str):
+    from gyre.workerd.modeldir import load_config
+
+    return load_config(model_dir)
+
+
 # --- 3. weights ---------------------------------------------------------------------------
 
 
@@ -213,6 +264,11 @@ def report(r: dict) -> None:
     print(f"\ntrainer ({t['rows']} rows x {t['seq']} tokens, {t['target_tokens']} targets)")
     print(f"  fwd+bwd {t['micro_step_s']:.3f} s = {t['train_tok_s']:.0f} target tok/s;"
           f" optimizer step {t['optimizer_step_s'] * 1e3:.1f} ms")
+    m = r["memory"]
+    print(f"\ntrainer memory, one micro-step of {m['tokens']} tokens, vocabulary {m['vocab']} ({r['memory_model']})")
+    for variant, label in (("chunked", "chunked log-probs (gyre)"), ("full", "full float32 log-softmax")):
+        print(f"  {label:<28} peak +{m[variant]['peak_mib']:>8.0f} MiB  {m[variant]['seconds']:>7.2f} s")
+    print(f"  ratio full / chunked peak: {m['full_vs_chunked_peak']:.1f}x")
     print(f"\nweights ({w['tensors']} tensors, {w['bytes'] / MIB:.2f} MiB)")
     print(f"  export {w['export_s'] * 1e3:.2f} ms, load into engine {w['load_s'] * 1e3:.2f} ms")
     print(f"  export -> zmq tcp -> load {w['zmq_export_to_load_s'] * 1e3:.2f} ms ({w['zmq_gb_s']:.2f} GB/s)")
@@ -226,13 +282,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller sizes, fewer repetitions")
     ap.add_argument("--json", metavar="PATH", help="also write the figures to PATH")
+    ap.add_argument("--model", metavar="DIR", help="the trainer-memory section on this model directory "
+                    "(default: the tiny model with a 49,152-token vocabulary)")
+    ap.add_argument("--memory-tokens", type=int, metavar="N", help="tokens of the memory section's micro-step "
+                    "(default 8192, 2048 with --quick)")
+    ap.add_argument("--memory-child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.memory_child:
+        model_dir, tokens, variant = args.memory_child
+        print(json.dumps(memory_child(model_dir, int(tokens), variant)))
+        return
     q = args.quick
     reps, prompt_len, new_tokens = (1 if q else 3), 64, (16 if q else 64)
 
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = init_tiny(tmp)
-        engine_model, trainer_model = load_model(model_dir), load_model(model_dir)
+    tmp_dir = tempfile.TemporaryDirectory()
+    model_dir = init_tiny(Path(tmp_dir.name) / "tiny")
+    engine_model, trainer_model = load_model(model_dir), load_model(model_dir)
+    memory_model = args.model or str(init_tiny(Path(tmp_dir.name) / "wide-vocab", overrides={"vocab_size": 49152}))
+    memory_tokens = args.memory_tokens or (2048 if q else 8192)
     trainer = CpuTrainer(trainer_model, lr=1e-4)
     started = time.perf_counter()
     r = dict(quick=q, threads=torch.get_num_threads(), cpus=os.cpu_count(), loadavg=os.getloadavg(),
@@ -240,6 +307,7 @@ def main() -> None:
     sections = {
         "engine": lambda: bench_engine(engine_model, prompt_len, new_tokens, reps),
         "trainer": lambda: bench_trainer(trainer, 8, 128 if q else 512, 2 if q else 3),
+        "memory": lambda: bench_memory(memory_model, memory_tokens),
         "weights": lambda: bench_weights(trainer, CpuEngine(engine_model), 3 if q else 5),
         "transfer": lambda: bench_transfer(16 if q else 64, 4, 3 if q else 5),
     }
@@ -249,6 +317,8 @@ def main() -> None:
         r[name] = fn()
         r["section_s"][name] = time.perf_counter() - t0
     r["wall_s"] = time.perf_counter() - started
+    r["memory_model"] = "tiny, vocabulary 49152" if not args.model else args.model
+    tmp_dir.cleanup()
     report(r)
     times = ", ".join(f"{k} {v:.1f} s" for k, v in r["section_s"].items())
     print(f"\n(total {r['wall_s']:.1f} s: {times})")

@@ -5,7 +5,8 @@ library it does not use. Engines: cpu, sglang; trainers: cpu, megatron. Selectin
 backend whose package is missing says which package to install.
 
 Options come from the coordinator's Welcome (`engine` / `trainer` dicts): the CPU
-backends read threads, seed, max_running, version, lr, weight_decay, grad_clip; the GPU
+backends read threads, seed, max_running, version, lr, weight_decay, grad_clip, temperature
+(the rollout temperature: trainers compute log-probs of the distribution engines sample); the GPU
 backends take theirs on top (sglang: `server` = SGLang ServerArgs fields such as tp_size,
 mem_fraction_static; megatron: tp and pp (a cell of tp x pp ranks, ranks 1.. as child
 processes, trainers/tp.py), microbatches (pipeline chunks per micro-step), offload).
@@ -74,7 +75,8 @@ def build_backends(model_dir: str, *, engine: str, trainer: str,
     eng.release_memory()  # the giving side frees first: the trainer is built into free memory
     common = dict(lr=float(trainer_options.get("lr", 1e-5)),
                   weight_decay=float(trainer_options.get("weight_decay", 0.01)),
-                  grad_clip=float(trainer_options.get("grad_clip", 1.0)), version=version)
+                  grad_clip=float(trainer_options.get("grad_clip", 1.0)), version=version,
+                  temperature=float(trainer_options.get("temperature", 1.0)))
     if trainer == "megatron":
         from gyre.workerd.trainers.megatron import MegatronTrainer
 

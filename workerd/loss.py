@@ -25,11 +25,53 @@ class LossOutput:
     mismatch: float  # mean(b - sg(l)) over targets
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """logits [B, T, V], input_ids [B, T] -> log p(input_ids[t] | <t) at [B, T]; t=0 is 0."""
-    lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """logits [B, T, V], input_ids [B, T] -> log p(input_ids[t] | <t) at [B, T]; t=0 is 0.
+    The whole [B, T, V] float32 log-softmax is built: for small checks; trainers use
+    `chunked_logprobs`, which never holds it."""
+    lp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
     picked = lp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     return torch.nn.functional.pad(picked, (1, 0))
+
+
+CHUNK_TOKENS = 1024  # positions whose [chunk, V] logits exist at once
+
+
+def _chunk_logprobs(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    logits = torch.nn.functional.linear(h, weight).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, input_ids: torch.Tensor,
+                     positions: torch.Tensor | None = None, *, temperature: float = 1.0,
+                     chunk: int = CHUNK_TOKENS) -> torch.Tensor:
+    """Log-probs at the sampling temperature from final hidden states [B, T, H] and the output
+    matrix [V, H], at [B, T] (t = 0 is 0; so is every position outside `positions`, a [B, T]
+    bool mask of the tokens wanted, default all). Logits exist `chunk` positions at a time
+    and, under autograd, are recomputed in the backward pass (activation checkpointing), so
+    peak memory is O(chunk x V), not O(B x T x V): the full-vocabulary float32 log-softmax
+    of a long micro-step is never built."""
+    b, t = input_ids.shape
+    want = torch.ones(b, t, dtype=torch.bool) if positions is None else positions.bool().clone()
+    want[:, 0] = False
+    rows, cols = want.nonzero(as_tuple=True)
+    h = hidden[rows, cols - 1]  # the state before token t predicts it
+    targets = input_ids[rows, cols]
+    grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    pieces = []
+    for s in range(0, h.shape[0], chunk):
+        args = (h[s:s + chunk], weight, targets[s:s + chunk], temperature)
+        if grad:
+            from torch.utils.checkpoint import checkpoint
+
+            pieces.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+        else:
+            pieces.append(_chunk_logprobs(*args))
+    # No position wanted: an empty slice, still in the graph (a backward of zero loss works).
+    picked = torch.cat(pieces) if pieces else hidden.reshape(-1)[:0].float()
+    return torch.zeros(b, t, dtype=torch.float32, device=hidden.device).index_put((rows, cols), picked)
 
 
 def gspo_loss(

@@ -194,15 +194,20 @@ class CausalLM(nn.Module):
             raise ModelDirError(f"weights missing: {', '.join(sorted(missing)[:5])}")
         return nbytes
 
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The [V, H] matrix mapping final hidden states to logits (the embedding when tied)."""
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        h = self.model.norm(h)
-        w = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return F.linear(h, w)
+        return F.linear(self.model.norm(h), self.output_weight)
 
     # --- training: padded rows, causal ---------------------------------------------------
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids [B, T] (right-padded) -> logits [B, T, V]."""
+    def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, T] (right-padded) -> final-normed hidden states [B, T, H]: logits are
+        `hidden @ output_weight.T`, left to the caller so that they need not exist for every
+        position at once (loss.py computes log-probs in chunks)."""
         b, t = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(t).expand(b, t)
@@ -214,7 +219,11 @@ class CausalLM(nn.Module):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             h = h + a.out(o)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.logits(h)
+        return self.model.norm(h)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, T] (right-padded) -> logits [B, T, V]."""
+        return F.linear(self.hidden(input_ids, position_ids), self.output_weight)
 
     # --- inference: one sequence extended, many sequences decoded ------------------------
 

@@ -52,6 +52,38 @@ def test_behaviour_logprobs_match_trainer(tiny_dir):
         assert torch.allclose(torch.tensor(lps), ref, atol=1e-4), (torch.tensor(lps) - ref).abs().max()
 
 
+@pytest.mark.parametrize("temperature", [0.6, 1.7])
+def test_behaviour_logprobs_at_a_temperature_match_the_trainer_at_it(tiny_dir, temperature):
+    """Behaviour log-probs are of the distribution sampled from (logits / T), and the trainer
+    computes them at the same T: equal within 1e-4, and not the temperature-1 ones."""
+    from gyre.workerd.trainers.cpu import CpuTrainer
+
+    engine = CpuEngine(load_model(tiny_dir))
+    trainer = CpuTrainer(load_model(tiny_dir), temperature=temperature)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", p, SamplingParams(max_new_tokens=30, temperature=temperature, seed=i))
+    results = run(engine)
+    for i, p in enumerate(PROMPTS):
+        ids, lps, _ = results[f"r{i}"]
+        row = torch.tensor([p + ids])
+        ref = trainer.current_logprobs(row)[0, len(p):]
+        assert torch.allclose(torch.tensor(lps), ref, atol=1e-4), (torch.tensor(lps) - ref).abs().max()
+        with torch.no_grad():
+            at_one = token_logprobs(trainer.model(row), row)[0, len(p):]
+        assert (torch.tensor(lps) - at_one).abs().max() > 1e-3
+
+
+def test_top_p_behaviour_logprobs_are_renormalised_over_the_kept_set(tiny_model):
+    engine = CpuEngine(tiny_model)
+    engine.add_request("p", PROMPTS[0], SamplingParams(max_new_tokens=20, temperature=1.0, top_p=0.5, seed=3))
+    ids, lps, _ = run(engine)["p"]
+    row = torch.tensor([PROMPTS[0] + ids])
+    with torch.no_grad():
+        full = token_logprobs(tiny_model(row), row)[0, len(PROMPTS[0]):]
+    # Truncation to half the mass raises every drawn token's probability (by at least log 2 - slack).
+    assert all(lp <= 1e-6 for lp in lps) and all(b > f + 0.5 for b, f in zip(lps, full.tolist()))
+
+
 def test_stop_token_ends_request_and_is_kept(tiny_model):
     engine = CpuEngine(tiny_model)
     engine.add_request("g", PROMPTS[0], SamplingParams(max_new_tokens=5, temperature=0))

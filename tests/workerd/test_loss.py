@@ -106,6 +106,28 @@ def test_importance_weight_is_capped(tiny_model):
     assert ref.item() == pytest.approx(base.item(), rel=1e-6)  # both capped at 5
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_logprobs_equal_the_full_log_softmax_with_their_gradients(tiny_model, temperature):
+    """loss.py's chunked log-probs (a few positions' logits at a time, recomputed in the
+    backward) equal the whole-vocabulary log-softmax's, values and every gradient."""
+    from gyre.workerd.loss import chunked_logprobs, token_logprobs
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (3, 40))
+    mask = torch.rand(3, 40) < 0.5
+    mask[:, 0] = False
+    ref = token_logprobs(tiny_model(ids), ids, temperature)
+    (ref * mask).sum().backward()
+    want = {n: p.grad.clone() for n, p in tiny_model.named_parameters()}
+    tiny_model.zero_grad(set_to_none=True)
+    got = chunked_logprobs(tiny_model.hidden(ids), tiny_model.output_weight, ids, mask, temperature=temperature,
+                           chunk=7)
+    assert torch.allclose(got[mask], ref[mask], atol=1e-5) and not got[~mask].any()
+    got.sum().backward()
+    for n, p in tiny_model.named_parameters():
+        assert torch.allclose(p.grad, want[n], atol=1e-5), n
+
+
 def test_no_targets_means_zero_loss_and_no_grad(tiny_model):
     ids = torch.randint(0, 256, (2, 8))
     z = torch.zeros(2, 8)

@@ -84,7 +84,7 @@ def test_generate_streams_only_new_tokens_with_mapped_params(make):
                      "sampling_params": {"max_new_tokens": 4, "temperature": 0.7, "top_p": 0.9,
                                          "stop_token_ids": [2], "sampling_seed": 11}}
     assert gen_b["sampling_params"] == {"max_new_tokens": 2, "temperature": 1.0, "top_p": 1.0}
-    assert os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1"
+    assert os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "0"  # log-probs after temperature, as sampled
 
     fake.emit(a.rid, [(10, -0.5), (11, -0.25)])
     [first] = eng.step()

@@ -34,8 +34,11 @@ class SamplingParams:
 class TokenOutput:
     """Tokens one request produced in one `step()`; `finished` on its last output.
 
-    `logprobs` are behaviour log-probs of the sampled tokens under the model's own
-    distribution (temperature 1, before top-p), the quantity the trainer recomputes.
+    `logprobs` are behaviour log-probs of the sampled tokens under the distribution they
+    were drawn from: the model's logits divided by the request's temperature (temperature 0,
+    greedy, reports temperature 1's), renormalised over the top-p set when top_p < 1. The
+    trainer recomputes them at the same temperature (it cannot reproduce a top-p cut, which
+    is why training runs refuse rollout_top_p < 1 unless told otherwise).
     """
 
     rid: str

@@ -105,11 +105,12 @@ class CpuEngine:
         return outputs
 
     def _sample(self, reqs: list[_Request], logits: torch.Tensor) -> list[TokenOutput]:
-        logits = logits.float()
-        logprobs = torch.log_softmax(logits, dim=-1)
+        # The distribution each request samples from: logits / T (T = 0, greedy, reports T = 1's).
+        temps = torch.tensor([r.params.temperature or 1.0 for r in reqs], dtype=torch.float32)
+        logprobs = torch.log_softmax(logits.float() / temps[:, None], dim=-1)
         outs = []
         for i, req in enumerate(reqs):
-            token = self._draw(logits[i], req)
+            token, lp = self._draw(logprobs[i], req)
             req.output_ids.append(token)
             req.last_token = token
             p = req.params
@@ -120,19 +121,26 @@ class CpuEngine:
                 reason = "length"
             if reason:
                 del self._running[req.rid]
-            outs.append(self._out(req, [token], [logprobs[i, token].item()], finished=reason is not None, reason=reason))
+            outs.append(self._out(req, [token], [lp], finished=reason is not None, reason=reason))
         return outs
 
-    def _draw(self, logits: torch.Tensor, req: _Request) -> int:
+    def _draw(self, logprobs: torch.Tensor, req: _Request) -> tuple[int, float]:
+        """(token, its behaviour log-prob): the log-prob under the distribution it was drawn
+        from, the temperature-scaled one, renormalised over the top-p set when top_p < 1."""
         p = req.params
         if p.temperature == 0:
-            return int(logits.argmax())
-        probs = torch.softmax(logits / p.temperature, dim=-1)
+            token = int(logprobs.argmax())
+            return token, float(logprobs[token])
+        probs = logprobs.exp()
         if p.top_p < 1.0:
             sorted_p, order = probs.sort(descending=True)
             keep = sorted_p.cumsum(0) - sorted_p < p.top_p  # always keeps the top token
-            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
-        return int(torch.multinomial(probs, 1, generator=req.generator or self._generator))
+            kept = order[keep]
+            probs = torch.zeros_like(probs).scatter_(0, kept, sorted_p[keep])
+            token = int(torch.multinomial(probs, 1, generator=req.generator or self._generator))
+            return token, float(logprobs[token] - torch.logsumexp(logprobs[kept], 0))
+        token = int(torch.multinomial(probs, 1, generator=req.generator or self._generator))
+        return token, float(logprobs[token])
 
     def _out(self, req: _Request, ids, lps, *, finished: bool, reason: str | None) -> TokenOutput:
         return TokenOutput(rid=req.rid, token_ids=ids, logprobs=lps, version=self.version,

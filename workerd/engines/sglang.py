@@ -117,10 +117,12 @@ class SglangEngine:
         if io_struct is None:
             from sglang.srt.managers import io_struct
         self._io = io_struct
-        # The contract's log-probs are at temperature 1, before top-p; SGLang returns those
-        # only with this set (else log-probs after temperature). Its scheduler subprocess
-        # reads it at import, so it must be in the environment before the Engine starts.
-        os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
+        # The contract's log-probs are those of the distribution sampled from (after
+        # temperature, renormalised over top-p): SGLang's default. With this set it would
+        # return temperature-1 log-probs instead, so it is cleared whatever the caller's
+        # environment says. Its scheduler subprocess reads it at import, so it must be in
+        # the environment before the Engine starts.
+        os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "0"
         server.setdefault("log_level", "warning")
         # release/resume_memory_occupation free memory only with the memory saver
         # (torch_memory_saver, CUDA-only: on CPU they run their bookkeeping and free nothing).

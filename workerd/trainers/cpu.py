@@ -13,7 +13,7 @@ from typing import Iterable
 
 import torch
 
-from gyre.workerd.loss import token_logprobs
+from gyre.workerd.loss import chunked_logprobs
 from gyre.workerd.model import CausalLM
 from gyre.workerd.trainers.base import (MicroBatch, MicroStepStats, backward_micro_step, step_or_drop,
                                         sum_and_normalise)
@@ -21,9 +21,10 @@ from gyre.workerd.trainers.base import (MicroBatch, MicroStepStats, backward_mic
 
 class CpuTrainer:
     def __init__(self, model: CausalLM, *, lr: float = 1e-5, weight_decay: float = 0.01,
-                 grad_clip: float = 1.0, version: int = 0):
+                 grad_clip: float = 1.0, version: int = 0, temperature: float = 1.0):
         self.model = model.train()
         self.version = version
+        self.temperature = temperature  # the engines' sampling temperature: log-probs of the same distribution
         self.grad_clip = grad_clip
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-15, weight_decay=weight_decay
@@ -32,13 +33,17 @@ class CpuTrainer:
 
     def train_micro_step(self, batch: MicroBatch) -> MicroStepStats:
         t0 = time.perf_counter()
-        stats = backward_micro_step(token_logprobs(self.model(batch.input_ids), batch.input_ids), batch, t0)
+        # Log-probs only where the loss reads them (the targets), a chunk of positions at a time.
+        logp = chunked_logprobs(self.model.hidden(batch.input_ids), self.model.output_weight, batch.input_ids,
+                                batch.target_mask, temperature=self.temperature)
+        stats = backward_micro_step(logp, batch, t0)
         self.micro_steps += 1
         return stats
 
     def current_logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            return token_logprobs(self.model(input_ids), input_ids)
+            return chunked_logprobs(self.model.hidden(input_ids), self.model.output_weight, input_ids,
+                                    temperature=self.temperature)
 
     def optimizer_step(self, num_executions: int, reducer=None, apply: bool = True) -> float:
         """Reduce, normalise, clip; then update (the core) or only drop the gradients (a

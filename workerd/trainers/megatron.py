@@ -58,11 +58,19 @@ from gyre.workerd.trainers.megatron_model import (build_gpt, pp_group, quiet_imp
 from gyre.workerd.trainers.pipeline import GPipe
 
 
+def _scale_logits(temperature: float):
+    def hook(module, args, out):
+        if isinstance(out, tuple):  # ColumnParallelLinear returns (output, bias)
+            return (out[0] / temperature, *out[1:])
+        return out / temperature
+    return hook
+
+
 class MegatronTrainer:
     def __init__(self, model_dir: str, config: ModelConfig, *, lr: float = 1e-5,
                  weight_decay: float = 0.01, grad_clip: float = 1.0, version: int = 0,
                  tp: int = 1, pp: int = 1, microbatches: int | None = None, offload: bool | None = None,
-                 seed: int = 0):
+                 seed: int = 0, temperature: float = 1.0):
         check_tp(config, tp)
         check_pp(config, pp)
         setup_parallel(tp, pp, seed=seed)
@@ -77,6 +85,12 @@ class MegatronTrainer:
         self.dtype = torch.bfloat16 if self.on_gpu else torch.float32
         model = build_gpt(config, dtype=self.dtype).to(self.device)
         self.stage = stage_of(model)
+        self.temperature = temperature
+        if temperature != 1.0 and self.stage.last:
+            # Log-probs of the distribution the engines sample: logits / T before Megatron's
+            # (vocab-parallel) cross-entropy, by a hook on the output layer (GPTModel's forward
+            # takes no temperature).
+            model.output_layer.register_forward_hook(_scale_logits(temperature))
         # GPipe chunks per micro-step (at most one per row): 2 x PP leaves a bubble of 1/3 to 1/5.
         self.pipe = GPipe(self.stage, hidden=config.hidden_size, dtype=self.dtype, device=self.device,
                           chunks=2 * pp if microbatches is None else int(microbatches), run=self._forward,
