@@ -42,32 +42,67 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, raw: dict) -> ModelConfig:
+        if not isinstance(raw, dict):
+            raise ModelDirError(f"config.json must hold a JSON object, got {type(raw).__name__}")
         arch = (raw.get("architectures") or ["?"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ModelDirError(
                 f"config.json architecture {arch!r} is not supported "
                 f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})"
             )
-        if raw.get("rope_scaling"):
-            raise ModelDirError("config.json sets rope_scaling, which gyre does not implement yet")
-        heads = raw["num_attention_heads"]
-        return cls(
-            architecture=arch,
-            vocab_size=raw["vocab_size"],
-            hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
-            num_hidden_layers=raw["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-            rope_theta=float(raw.get("rope_theta", 10000.0)),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=raw.get("max_position_embeddings", 32768),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases; Llama-family configs say so explicitly.
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
-        )
+        try:
+            heads = int(raw["num_attention_heads"])
+            return cls(
+                architecture=arch,
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=int(raw["hidden_size"]),
+                intermediate_size=int(raw["intermediate_size"]),
+                num_hidden_layers=int(raw["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+                head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads),
+                rope_theta=rope_theta(raw),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                # Qwen2 always has q/k/v biases; Llama-family configs say so explicitly.
+                attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
+                qk_norm=arch == "Qwen3ForCausalLM",
+            )
+        except KeyError as e:
+            raise ModelDirError(f"config.json has no {e.args[0]!r}, which a {arch} config needs") from None
+        except (TypeError, ValueError, ZeroDivisionError) as e:
+            raise ModelDirError(f"config.json has a malformed field: {e}") from None
+
+
+SUPPORTED_ROPE_TYPES = ("default",)
+
+
+def rope_theta(raw: dict) -> float:
+    """The RoPE base, from transformers 5's `rope_parameters` or the older top-level
+    `rope_theta` / `rope_scaling`. Only plain RoPE is implemented: any scaling type
+    (llama3, yarn, linear, dynamic, longrope, ...) is refused by name, never ignored."""
+    params = raw.get("rope_parameters")
+    legacy = raw.get("rope_scaling")
+    for where, p in (("rope_parameters", params), ("rope_scaling", legacy)):
+        if p is None:
+            continue
+        if not isinstance(p, dict):
+            raise ModelDirError(f"config.json {where} must be an object, got {p!r}")
+        if p and all(isinstance(v, dict) for v in p.values()):
+            raise ModelDirError(f"config.json {where} is set per layer type ({', '.join(p)}), which gyre "
+                                "does not implement")
+        kind = p.get("rope_type", p.get("type", "default"))
+        if kind not in SUPPORTED_ROPE_TYPES:
+            raise ModelDirError(f"config.json {where}.rope_type {kind!r} is not supported (supported: "
+                                f"{', '.join(SUPPORTED_ROPE_TYPES)}): gyre would compute wrong positions")
+        if float(p.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ModelDirError(f"config.json {where}.partial_rotary_factor {p['partial_rotary_factor']} is not "
+                                "supported (only full rotary embeddings)")
+    theta = (params or {}).get("rope_theta", raw.get("rope_theta"))
+    if theta is None:
+        theta = 10000.0  # transformers' default for Llama and Qwen2 configs that name none
+    return float(theta)
 
 
 def require(path: Path, what: str) -> Path:
@@ -80,8 +115,60 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     root = Path(model_dir)
     if not root.is_dir():
         raise ModelDirError(f"model directory {root} does not exist")
-    raw = json.loads(require(root / "config.json", "the model config").read_text())
-    return ModelConfig.from_hf(raw)
+    return ModelConfig.from_hf(_read_json(require(root / "config.json", "the model config")))
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelDirError(f"{path} is not readable JSON: {e}") from None
+
+
+def check_model_dir(model_dir: str | Path) -> ModelConfig:
+    """Everything gyre reads from a model directory, checked before a run starts: the config,
+    the tokenizer (tokenizer.json loads), a chat template, the weight files, gyre.json."""
+    root = Path(model_dir)
+    config = load_config(root)
+    tok = require(root / "tokenizer.json", "the tokenizer; gyre reads the fast-tokenizer file only")
+    try:
+        from tokenizers import Tokenizer
+
+        Tokenizer.from_file(str(tok))
+    except Exception as e:  # noqa: BLE001 - the tokenizers library's own error, reported with the file
+        raise ModelDirError(f"{tok} does not load: {e}") from None
+    cfg = root / "tokenizer_config.json"
+    template = _read_json(cfg).get("chat_template") if cfg.exists() else None
+    if template is None and not (root / "chat_template.jinja").exists():
+        raise ModelDirError(f"model directory {root} has no chat template "
+                            "(tokenizer_config.json 'chat_template' or chat_template.jinja)")
+    weight_files(root)
+    gyre_defaults(root)
+    return config
+
+
+# gyre.json: run defaults a model directory may carry (the tiny model's; real models rarely
+# have one, and then gyre's defaults for real models apply).
+DEFAULT_KEYS = {"lr": float, "default_max_tokens": int, "max_tokens_cap": int}
+
+
+def gyre_defaults(model_dir: str | Path) -> dict:
+    path = Path(model_dir) / "gyre.json"
+    if not path.exists():
+        return {}
+    raw = _read_json(path)
+    if not isinstance(raw, dict):
+        raise ModelDirError(f"{path} must hold a JSON object")
+    unknown = sorted(set(raw) - set(DEFAULT_KEYS))
+    if unknown:
+        raise ModelDirError(f"{path}: unknown key(s) {', '.join(unknown)} (known: {', '.join(DEFAULT_KEYS)})")
+    out = {}
+    for key, value in raw.items():
+        kind = DEFAULT_KEYS[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ModelDirError(f"{path}: {key} must be a positive number, got {value!r}")
+        out[key] = kind(value)
+    return out
 
 
 def weight_files(model_dir: str | Path) -> list[Path]:
@@ -130,6 +217,8 @@ TINY_CONFIG = dict(
     bos_token_id=256,
     eos_token_id=258,
 )
+
+TINY_DEFAULTS = {"lr": 3e-3, "default_max_tokens": 16, "max_tokens_cap": 64}
 
 # ChatML with Hermes tool calls: the structure of Qwen2.5's template, so a real Qwen
 # checkpoint and the tiny model render the same way.
@@ -244,6 +333,8 @@ def init_tiny(out_dir: str | Path, *, seed: int = 0, overrides: dict | None = No
     (root / "generation_config.json").write_text(json.dumps(
         dict(eos_token_id=[258, 256], pad_token_id=256, temperature=1.0, top_p=1.0), indent=2
     ))
+    # The random tiny model learns at a high rate and says little; a real model's defaults differ.
+    (root / "gyre.json").write_text(json.dumps(TINY_DEFAULTS, indent=2))
     config = ModelConfig.from_hf(hf_config)
     torch.manual_seed(seed)
     model = CausalLM(config)

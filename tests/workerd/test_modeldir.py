@@ -123,3 +123,51 @@ def test_logits_equal_transformers_other_families(tmp_path, arch, model_type):
     ids = torch.randint(0, 265, (2, 24), generator=g)
     with torch.no_grad():
         assert torch.allclose(ours(ids), hf(ids).logits, atol=1e-5)
+
+
+def _with(tiny_dir, tmp_path, **changes) -> "object":
+    d = tmp_path / "m"
+    shutil.copytree(tiny_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_rope_parameters_of_transformers_5_are_read(tiny_dir, tmp_path):
+    """transformers 5 writes `rope_parameters` and no top-level rope_theta: gyre reads it (it
+    silently used 10000 before), and the logits then match transformers'."""
+    transformers = pytest.importorskip("transformers")
+    d = _with(tiny_dir, tmp_path, rope_theta=None, rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
+    assert load_config(d).rope_theta == 100000.0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    assert hf.config.rope_parameters["rope_theta"] == 100000.0
+    ids = torch.randint(0, 265, (1, 300), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert torch.allclose(load_model(d).eval()(ids), hf(ids).logits, atol=1e-4)
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("rope_parameters", {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0},
+     "rope_parameters.rope_type 'llama3' is not supported"),
+    ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}, "rope_type 'yarn'"),
+    ("rope_scaling", {"type": "linear", "factor": 2.0}, "rope_scaling.rope_type 'linear'"),
+    ("rope_parameters", {"rope_theta": 1e4, "partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
+    ("rope_parameters", {"full_attention": {"rope_theta": 1e4}, "sliding_attention": {"rope_theta": 1e4}},
+     "per layer type"),
+    ("rope_parameters", "fast", "must be an object"),
+    ("hidden_size", None, "has no 'hidden_size'"),
+    ("num_attention_heads", "many", "malformed field"),
+])
+def test_unsupported_rope_and_malformed_configs_are_refused_by_name(tiny_dir, tmp_path, field, value, says):
+    with pytest.raises(ModelDirError, match=says):
+        load_config(_with(tiny_dir, tmp_path, **{field: value}))
+
+
+def test_plain_rope_scaling_entries_are_accepted(tiny_dir, tmp_path):
+    d = _with(tiny_dir, tmp_path, rope_scaling={"rope_type": "default"}, rope_theta=5e5)
+    assert load_config(d).rope_theta == 5e5
