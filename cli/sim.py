@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 import typer
 
 sim_app = typer.Typer(help="Simulate placement policies on a workload (virtual clock, the real policy code).",
-                      invoke_without_command=True, no_args_is_help=False)
+                      invoke_without_command=True, no_args_is_help=False, rich_markup_mode=None)
 
 WorkloadOpt = Annotated[str, typer.Option("--workload", help="Preset (nl2repo, deepswe, terminalbench) or a "
                                                            "metrics.jsonl of a real run.")]
@@ -31,15 +31,39 @@ SeedsOpt = Annotated[int, typer.Option("--seeds", help="Number of seeds (0..n-1)
 TimelineOpt = Annotated[Optional[Path], typer.Option("--timeline", help="Write the role timeline as SVG here.")]
 
 
+def _fail(message: str) -> None:
+    typer.echo(f"[error] {message}", err=True)
+    raise typer.Exit(1)
+
+
+def _check(**values) -> None:
+    """One-line errors for options out of range (the simulator would divide by them)."""
+    minimum = {"steps": 1, "mu": 1, "seeds": 1, "cells": 1, "cell_nodes": 1, "phi": 0, "standalone": 0, "ed": 0}
+    for name, value in values.items():
+        if value is not None and value < minimum[name]:
+            _fail(f"--{name.replace('_', '-')} must be >= {minimum[name]}, got {value}")
+
+
+def _check_policy(policy: str) -> None:
+    from gyre.coordinator.config import POLICIES
+
+    if policy not in POLICIES:
+        _fail(f"--policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+
+
 def _workload(name: str, cells: int | None, cell_nodes: int | None):
     from gyre.coordinator.sim import PRESETS, workload_from_metrics
+    from gyre.workerd.wire import GyreError
 
     if name in PRESETS:
         w = PRESETS[name]
     elif Path(name).exists():
-        w = workload_from_metrics(name)
+        try:
+            w = workload_from_metrics(name)
+        except (ValueError, KeyError, OSError, GyreError) as e:
+            _fail(f"workload {name}: cannot read it as a gyre metrics.jsonl ({type(e).__name__}: {e})")
     else:
-        raise typer.BadParameter(f"unknown workload {name!r}: a preset ({', '.join(PRESETS)}) or a metrics.jsonl")
+        _fail(f"unknown workload {name!r}: a preset ({', '.join(PRESETS)}) or a metrics.jsonl")
     changes = {k: v for k, v in (("cells", cells), ("cell_nodes", cell_nodes)) if v is not None}
     return dataclasses.replace(w, **changes) if changes else w
 
@@ -54,10 +78,16 @@ def sim(ctx: typer.Context, workload: WorkloadOpt = "nl2repo", policy: SimPolicy
         ctx.obj = {"workload": workload, "cells": cells, "cell_nodes": cell_nodes, "standalone": standalone}
         return
     from gyre.coordinator.sim import simulate
+    from gyre.workerd.wire import GyreError
     from gyre.coordinator.timeline import role_timeline_svg, role_timeline_text
 
+    _check_policy(policy)
+    _check(steps=steps, mu=mu, phi=phi, cells=cells, cell_nodes=cell_nodes, standalone=standalone)
     w = _workload(workload, cells, cell_nodes)
-    r = simulate(w, policy=policy, phi=phi, mu=mu, steps=steps, seed=seed, standalone=standalone)
+    try:
+        r = simulate(w, policy=policy, phi=phi, mu=mu, steps=steps, seed=seed, standalone=standalone)
+    except (ValueError, GyreError) as e:  # SimError and the simulator's own argument checks
+        _fail(str(e))
     if timeline is not None:
         timeline.write_text(role_timeline_svg(r))
     if as_json:
@@ -79,12 +109,20 @@ def compare_cmd(ctx: typer.Context, workload: Annotated[Optional[str], typer.Opt
                 ed: EdOpt = 1.5, steps: SimStepsOpt = 20, seeds: SeedsOpt = 3, as_json: SimJsonOpt = False) -> None:
     """All three policies at matched mean staleness; speedups of elastic over the others."""
     from gyre.coordinator.sim import compare
+    from gyre.workerd.wire import GyreError
 
     o = ctx.obj or {}
-    w = _workload(workload or o.get("workload", "nl2repo"), cells if cells is not None else o.get("cells"),
-                  cell_nodes if cell_nodes is not None else o.get("cell_nodes"))
+    cells = cells if cells is not None else o.get("cells")
+    cell_nodes = cell_nodes if cell_nodes is not None else o.get("cell_nodes")
     pool = standalone if standalone is not None else o.get("standalone", 0)
-    out = compare(w, ed=ed, steps=steps, seeds=list(range(seeds)), standalone=pool)
+    _check(steps=steps, seeds=seeds, ed=ed, cells=cells, cell_nodes=cell_nodes, standalone=pool)
+    w = _workload(workload or o.get("workload", "nl2repo"), cells, cell_nodes)
+    if w.cells < 2:
+        _fail(f"compare needs at least 2 cells (async splits them into training and rollout); {w.name} has {w.cells}")
+    try:
+        out = compare(w, ed=ed, steps=steps, seeds=list(range(seeds)), standalone=pool)
+    except (ValueError, GyreError) as e:  # SimError and the simulator's own argument checks
+        _fail(str(e))
     if as_json:
         typer.echo(json.dumps(out))
         return

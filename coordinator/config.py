@@ -13,6 +13,18 @@ from pathlib import Path
 POLICIES = ("elastic", "colocate", "async")
 
 
+# (field, bound, strict): value > bound (strict) or >= bound; None passes (optional fields).
+_RANGES = [
+    ("steps", 1, False), ("mu", 1, False), ("groups_per_step", 1, False), ("group_size", 1, False),
+    ("phi", 0, False), ("oversample", 0, False), ("cells", 1, False), ("async_training_cells", 0, False),
+    ("exec_slots_per_cell", 1, False), ("engine_max_running", 1, False), ("execution_timeout_s", 0, True),
+    ("eval_attempts", 1, False), ("eval_budget_s", 0, False), ("j_max", 1, False), ("micro_step_tokens", 1, False),
+    ("lr", 0, True), ("topology_timeout_s", 0, True), ("checkpoint_every", 0, False), ("worker_timeout_s", 0, True),
+    ("worker_call_timeout_s", 0, True), ("default_max_tokens", 1, False), ("max_tokens_cap", 1, False),
+    ("max_context", 2, False), ("rollout_temperature", 0, True), ("transfer_port", 0, False), ("proxy_port", 0, False),
+]
+
+
 def dispatch_target(phi: float, mu: int, groups_per_step: int, publications: int) -> int:
     """Boundary dispatch: cumulative groups dispatched after `publications` weight
     publications (0 = the initial fill of (phi + mu) * B). Shared by runs and `gyre sim`."""
@@ -43,7 +55,7 @@ class CoordinatorConfig:
     eval_budget_s: float = 60.0
     j_max: int | None = 5
     micro_step_tokens: int = 8192  # per-rank token budget of one micro-step (rows x width)
-    lr: float = 3e-3
+    lr: float | None = None  # None: the model directory's gyre.json, else 1e-6 (a real model's)
     seed: int = 0
     address: str = "tcp://127.0.0.1:0"  # ZeroMQ bind for workerds
     workers: str = "local"  # local: spawn one workerd per cell here; external: wait for `cells` to register
@@ -54,6 +66,7 @@ class CoordinatorConfig:
     transfer_port: int = 29510  # broadcast: the rendezvous port on the core's host (workers on other hosts)
     checkpoint_every: int = 5  # steps between checkpoints (at a publication); 0: never
     worker_timeout_s: float = 10.0  # a worker silent this long is dead (heartbeats every 0.5 s)
+    worker_call_timeout_s: float = 600.0  # a micro-step, optimizer step or other long worker call
     keys_dir: Path | None = None  # CURVE keys (gyre keys init): encrypted link, authorised workers only
     engine_backend: str = "cpu"  # the rollout engine of workerds this run spawns: cpu | sglang
     trainer_backend: str = "cpu"  # their trainer: cpu | megatron (external workerds pick their own flags)
@@ -61,15 +74,30 @@ class CoordinatorConfig:
     trainer_options: dict = field(default_factory=dict)  # to every trainer (megatron: tp, pp, microbatches, offload; weight_decay)
     proxy_host: str = "127.0.0.1"
     proxy_port: int = 0
-    default_max_tokens: int = 64
+    # Output limits per model call. None: the model directory's gyre.json, else the remaining
+    # context (a real agent turn may be long; the context bounds it).
+    default_max_tokens: int | None = None  # a request that sets no limit gets this
+    max_tokens_cap: int | None = None  # a request asking more is cut to this
+    max_context: int | None = None  # prompt + output tokens per call; None: the model's max_position_embeddings
+    # Sampling for every call (a harness's own temperature / top_p are recorded, not used):
+    # behaviour log-probs and the trainer's are of this one distribution.
+    rollout_temperature: float = 1.0
+    rollout_top_p: float = 1.0
+    allow_rollout_top_p: bool = False  # train on top-p-truncated samples, which the trainer cannot reproduce
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        if self.mu < 1 or self.groups_per_step < 1 or self.group_size < 1 or self.steps < 1:
-            raise ValueError("mu, groups_per_step, group_size and steps must be >= 1")
-        if self.phi < 0:
-            raise ValueError(f"phi must be >= 0, got {self.phi}")
+        for name, low, strict in _RANGES:
+            value = getattr(self, name)
+            if value is not None and (value <= low if strict else value < low):
+                raise ValueError(f"{name} must be {'>' if strict else '>='} {low}, got {value}")
+        if not 0 < self.rollout_top_p <= 1:
+            raise ValueError(f"rollout_top_p must be in (0, 1], got {self.rollout_top_p}")
+        if self.rollout_top_p < 1 and not self.allow_rollout_top_p:
+            raise ValueError(f"rollout_top_p = {self.rollout_top_p} truncates the distribution the engines sample, "
+                             "which the trainer cannot reproduce (its log-probs would not match the behaviour's); "
+                             "set allow_rollout_top_p = true to train on it anyway")
         if not 1 <= self.min_valid <= self.group_size:
             raise ValueError(f"min_valid must be in [1, group_size={self.group_size}], got {self.min_valid}")
         self.preset()  # an unknown or unusable harness fails here, named

@@ -19,6 +19,7 @@ Placeholders, in the command and in env values:
 
 from __future__ import annotations
 
+import os
 import shutil
 import string
 import sys
@@ -67,9 +68,14 @@ class HarnessPreset:
                                        f"(known: {', '.join(PLACEHOLDERS)})")
 
     def executable(self) -> str | None:
-        """The command's executable, resolved on PATH; None when it is not installed."""
+        """The command's executable, resolved on PATH (or, given as a path, existing and
+        executable); None when it is not installed."""
         exe = self.command[0]
-        return exe if "/" in exe else shutil.which(exe)
+        if "{" in exe:  # a placeholder (e.g. {workspace}/run.sh): known only at launch
+            return exe
+        if "/" in exe:
+            return exe if os.path.isfile(exe) and os.access(exe, os.X_OK) else None
+        return shutil.which(exe)
 
     def expand(self, **values: str) -> tuple[list[str], dict[str, str]]:
         """argv and extra env with the placeholders filled in."""
@@ -82,7 +88,9 @@ class HarnessPreset:
 def _demo() -> HarnessPreset:
     return HarnessPreset(
         name="demo", api="openai", role_rule="generic",
-        command=(sys.executable, "-m", "gyre.proxy.demo_harness", "--max-turns", "1", "--max-tokens", "16",
+        # No --max-tokens: the run's default_max_tokens applies (the tiny model's gyre.json says 16;
+        # a real model may write a whole tool call).
+        command=(sys.executable, "-m", "gyre.proxy.demo_harness", "--max-turns", "1",
                  "--compact-at", "100000", "--max-retries", "2", "--timeout", "120"))
 
 

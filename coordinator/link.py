@@ -30,6 +30,10 @@ class WorkerDeadError(wire.GyreError):
     """The node serving a request died or left; the request may be retried elsewhere."""
 
 
+class WorkerCallTimeout(wire.GyreError):
+    """A worker did not answer a command within its timeout (the work may still be running there)."""
+
+
 class WorkerError(wire.GyreError):
     """The workerd answered a command with an Error."""
 
@@ -54,8 +58,11 @@ class NodeLink:
 
 
 class WorkerLink:
-    def __init__(self, bind: str, on_event: Callable[[Any], None] | None = None, keys_dir: Path | None = None):
+    def __init__(self, bind: str, on_event: Callable[[Any], None] | None = None, keys_dir: Path | None = None,
+                 call_timeout_s: float = 600.0):
         self._bind = bind
+        self.call_timeout_s = call_timeout_s  # a call's default bound (worker_call_timeout_s)
+        self.describe: Callable[[str], str] = lambda node: f"node {node}"  # for errors: "cell 1 (local-1)"
         self._keys_dir = keys_dir  # CURVE: only workers with an authorised key may connect
         self._auth = None
         self._ctx = zmq.asyncio.Context()
@@ -116,13 +123,21 @@ class WorkerLink:
             raise WorkerDeadError(f"node {node} unreachable: {e}") from None
 
     async def call(self, node: str, msg: Any, tensors: list[wire.TensorFrame] | None = None,
-                   timeout: float | None = 120.0) -> tuple[Any, list[wire.TensorFrame]]:
-        """Send a command and wait for its reply; an `Error` reply raises `WorkerError`."""
+                   timeout: float | None = -1.0) -> tuple[Any, list[wire.TensorFrame]]:
+        """Send a command and wait for its reply; an `Error` reply raises `WorkerError`, no
+        reply within `timeout` (default: the link's `call_timeout_s`; None: unbounded)
+        raises `WorkerCallTimeout` naming the node and the command."""
+        if timeout is not None and timeout < 0:
+            timeout = self.call_timeout_s
         fut = asyncio.get_running_loop().create_future()
         self._pending[msg.req_id] = _Pending(node, future=fut)
         try:
             await self.send(node, msg, tensors)
             reply, frames = await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            what = type(msg).__name__ + (f" {msg.method}" if isinstance(msg, wire.Call) else "")
+            raise WorkerCallTimeout(f"{self.describe(node)} did not answer {what} within {timeout:g} s "
+                                    "(worker_call_timeout_s)") from None
         finally:
             self._pending.pop(msg.req_id, None)
         if isinstance(reply, wire.Error):

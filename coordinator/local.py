@@ -52,11 +52,14 @@ class LocalCluster:
     key_name: str = "worker"
     spawn: bool = True  # False: start nothing, wait for `cells` workerds started elsewhere to register
     backends: tuple[str, str] = ("cpu", "cpu")  # (engine, trainer) of the workerds it spawns
+    call_timeout_s: float = 600.0  # a worker call's default bound (micro-steps, checkpoints, ...)
 
     def __post_init__(self) -> None:
         # One cell per core at most: oversubscribed torch threads spin and crawl.
         self.engine = {"threads": max(1, (os.cpu_count() or 1) // self.cells), **self.engine}
-        self.link = WorkerLink(self.address, on_event=self._on_event, keys_dir=self.keys_dir)
+        self.link = WorkerLink(self.address, on_event=self._on_event, keys_dir=self.keys_dir,
+                               call_timeout_s=self.call_timeout_s)
+        self.link.describe = self.describe
         self.nodes: dict[str, NodeInfo] = {}
         self.procs: list[asyncio.subprocess.Process] = []
         self._ready = asyncio.Event()
@@ -64,6 +67,10 @@ class LocalCluster:
         self.events: list = []  # lifecycle messages seen (Register, Ready, WorkerDead, ...)
         self.on_rejoin: Callable[[int, str], None] | None = None  # (cell, node) ready after start-up
         self._reregistering: set[str] = set()  # nodes asked to register again, not yet registered
+
+    def describe(self, node: str) -> str:
+        info = self.nodes.get(node)
+        return f"cell {info.cell} ({node})" if info is not None else f"node {node}"
 
     def node_of_cell(self, cell: int) -> str:
         return next(n.node_id for n in self.nodes.values() if n.cell == cell)
@@ -75,8 +82,8 @@ class LocalCluster:
         import socket
 
         hosts = {n.registered.host for n in self.nodes.values() if n.registered is not None}
-        if hosts <= {socket.gethostname()}:
-            return f"file://{run_dir / f'.rendezvous-{secrets.token_hex(4)}'}"
+        if hosts <= {socket.gethostname()}:  # an absolute path: file://runs/x would name a host "runs"
+            return f"file://{Path(run_dir).resolve() / f'.rendezvous-{secrets.token_hex(4)}'}"
         core = next(n for n in self.nodes.values() if n.cell == 0)
         return f"tcp://{core.registered.host}:{port}"
 

@@ -60,7 +60,9 @@ class StepReport:
 
 class Coordinator:
     def __init__(self, config: CoordinatorConfig, *, on_step=None, resume: bool = False):
-        self.c = config
+        from gyre.coordinator.runconfig import with_model_defaults
+
+        self.c = config = with_model_defaults(config)  # lr, output limits, context: per model
         self.resume = resume  # continue RUN_DIR from its latest checkpoint (resume.py)
         tasks = load_tasks(config.tasks_path) if config.tasks_path else default_tasks()
         self.tasks = TaskSource(tasks, seed=config.seed)
@@ -99,6 +101,7 @@ class Coordinator:
         self.no_reducer: set[int] = set()  # rejoined cells: they roll out, they cannot reduce gradients
         self._rejoins: dict[int, str] = {}  # dead cell -> the ready replacement node, not yet brought in
         self.cluster: LocalCluster | None = None
+        self.peak_rss: list[int | None] = []  # per cell, read from the workers at shutdown
 
     def status(self) -> dict:
         """The live view's data (GET /gyre/status, `gyre top`)."""
@@ -124,10 +127,11 @@ class Coordinator:
         (c.run_dir / "config.json").write_text(json.dumps(c.to_json(), indent=2))
         self.metrics = Metrics(c.run_dir / "metrics.jsonl", t0=t0)
         cluster = LocalCluster(c.model_dir, cells=c.cells, roles=tuple(self.roles), address=c.address,
-                               trainer={"lr": c.lr, **c.trainer_options}, log_dir=c.run_dir / "logs",
+                               trainer={"lr": c.lr, "temperature": c.rollout_temperature, **c.trainer_options},
+                               log_dir=c.run_dir / "logs",
                                engine={"seed": c.seed, "max_running": c.engine_max_running, **c.engine_options},
                                backends=(c.engine_backend, c.trainer_backend),
-                               keys_dir=c.keys_dir, spawn=c.workers == "local",
+                               keys_dir=c.keys_dir, spawn=c.workers == "local", call_timeout_s=c.worker_call_timeout_s,
                                start_timeout_s=c.topology_timeout_s if c.workers == "external" else 120.0)
         self._install_signal_handlers()
         cluster.on_rejoin = self._on_rejoin
@@ -154,6 +158,8 @@ class Coordinator:
 
         def on_signal(sig: int) -> None:
             if self.should_exit and sig == signal.SIGINT:
+                if os.isatty(1):  # os._exit skips the live view's cleanup: show the cursor again
+                    os.write(1, b"\n\x1b[?25h")
                 os._exit(130)
             log.warning("signal %d: shutting down (again to force)", sig)
             self.should_exit = True
@@ -170,7 +176,9 @@ class Coordinator:
         self.table.set_nodes(self.nodes)
         for node, role in zip(self.nodes, self.roles):
             self.table.routes[node].accepting = role == "rollout"
-        proxy_cfg = ProxyConfig(host=c.proxy_host, port=c.proxy_port, default_max_tokens=c.default_max_tokens)
+        proxy_cfg = ProxyConfig(host=c.proxy_host, port=c.proxy_port, default_max_tokens=c.default_max_tokens,
+                                max_tokens_cap=c.max_tokens_cap, max_context=c.max_context,
+                                temperature=c.rollout_temperature, top_p=c.rollout_top_p)
         self.proxy = ProxyServer(ChatTokenizer(c.model_dir), LinkBackend(self.link, self.table), proxy_cfg,
                                  run_dir=c.run_dir)
         await self.proxy.start()
@@ -205,6 +213,10 @@ class Coordinator:
             task.cancel()
         await asyncio.gather(*self.runs.values(), return_exceptions=True)
         await self.proxy.stop()
+        # Each live worker's peak memory, for the summary (a dead one has no answer: None).
+        stats = await asyncio.gather(*(self._call(n, "stats", _timeout=10) for n in self.nodes),
+                                     return_exceptions=True)
+        self.peak_rss = [s.get("peak_rss_bytes") if isinstance(s, dict) else None for s in stats]
 
     def _summary(self) -> None:
         wall = self.metrics.now()
@@ -213,8 +225,10 @@ class Coordinator:
             route = self.table.routes.get(node)
             rollout_busy = route.busy_s if route else 0.0
             train_busy = self.train_busy_s.get(i, 0.0)
+            rss = self.peak_rss[i] if i < len(self.peak_rss) else None
             cells.append({"cell": i, "rollout_busy_s": round(rollout_busy, 3), "train_busy_s": round(train_busy, 3),
                           "rollout_tokens": route.tokens if route else 0,
+                          "peak_rss_mb": None if rss is None else round(rss / 2**20, 1),
                           "idle_frac": round(max(0.0, 1 - (rollout_busy + train_busy) / wall), 4) if wall else None})
         self.metrics.emit("summary", steps=self.steps_done, wall_s=wall, statuses=dict(self.status_counts),
                           pending_groups=sorted(g.id for g in self.buffer.groups.values() if g.state != "consumed"),
@@ -224,8 +238,9 @@ class Coordinator:
                           rollout_tokens=sum(c["rollout_tokens"] for c in cells),
                           tokens_trained=self.tokens_trained, cells=cells)
 
-    async def _call(self, node: str, method: str, _timeout: float | None = 120.0, **args):
-        """A generic call; a worker-side failure raises (never a silent None)."""
+    async def _call(self, node: str, method: str, _timeout: float | None = -1.0, **args):
+        """A generic call; a worker-side failure raises (never a silent None); `_timeout`
+        defaults to worker_call_timeout_s."""
         reply, _ = await self.link.call(node, wire.Call(req_id=self.link.new_req_id(), method=method, args=args),
                                         timeout=_timeout)
         if reply.error:

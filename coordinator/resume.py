@@ -6,7 +6,8 @@ What survives a `kill -9` of the coordinator:
   execution ids) and an `execution` event per closed execution (status, reward, validity);
 - each execution's records (`executions/<id>/nodes.jsonl`, `calls.jsonl`), written as calls
   complete;
-- checkpoints, every `checkpoint_every` steps at a publication (no batch in flight):
+- checkpoints, every `checkpoint_every` steps at a publication (no batch in flight; a run
+  that stopped before its first resumes from step 0, its closed executions restored):
   `checkpoints/step-NNNNNN/trainer.pt` (the core's model, optimizer and version) and
   `state.json` (step, versions, publications, consumed groups, the task order), with
   `checkpoints/latest` naming the newest complete one (written last, atomically).
@@ -68,14 +69,16 @@ def _atomic(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
-def latest(run_dir: Path) -> tuple[Path, dict]:
-    """(checkpoint folder, state) of the newest complete checkpoint."""
+def latest(run_dir: Path) -> tuple[Path | None, dict]:
+    """(checkpoint folder, state) of the newest complete checkpoint; (None, the start's state)
+    for a run that stopped before its first: it resumes from the model directory's weights,
+    with every execution it closed restored from the journal."""
     pointer = run_dir / CHECKPOINTS / "latest"
     if not (run_dir / "config.json").exists():
         raise ResumeError(f"{run_dir} has no config.json: not a gyre run directory")
     if not pointer.exists():
-        raise ResumeError(f"{run_dir} has no checkpoint yet ({pointer} missing): nothing to resume from; "
-                          "start a new run (checkpoints are written every `checkpoint_every` steps)")
+        return None, {"step": 0, "version": 0, "publications": 0, "groups_dispatched": 0, "consumed": [],
+                      "tasks": None, "tokens_trained": 0}
     folder = run_dir / CHECKPOINTS / pointer.read_text().strip()
     state_path, trainer = folder / "state.json", folder / "trainer.pt"
     for f in (state_path, trainer):
@@ -137,7 +140,7 @@ async def checkpoint(coord) -> None:
     t0 = time.monotonic()
     folder = step_dir(coord.c.run_dir, coord.steps_done)
     folder.mkdir(parents=True, exist_ok=True)
-    await coord._call(coord.nodes[0], "save_checkpoint", _timeout=None, path=str(folder / "trainer.pt"))
+    await coord._call(coord.nodes[0], "save_checkpoint", path=str(folder / "trainer.pt"))
     write_state(coord.c.run_dir, coord.steps_done, {
         "step": coord.steps_done, "version": coord.version, "publications": coord.publications,
         "groups_dispatched": coord.groups_dispatched,
@@ -152,17 +155,22 @@ async def restore(coord) -> None:
     st, folder = coord._state, coord._checkpoint_dir
     dispatches, outcomes, _ = coord._journal
     core = coord.nodes[0]
-    loaded = await coord._call(core, "load_checkpoint", _timeout=None, path=str(folder / "trainer.pt"))
-    coord.trainer_version = coord.version = int(loaded["version"])
+    if folder is not None:
+        loaded = await coord._call(core, "load_checkpoint", path=str(folder / "trainer.pt"))
+        coord.trainer_version = coord.version = int(loaded["version"])
+    else:  # no checkpoint yet: the model directory's weights, which every cell loaded at start
+        coord.trainer_version = coord.version = 0
     coord.steps_done, coord.publications = st["step"], st["publications"]
     coord.status_counts = {}
     for out in outcomes.values():  # every closed execution of the run, before and after the checkpoint
         coord.status_counts[out["status"]] = coord.status_counts.get(out["status"], 0) + 1
     coord.tokens_trained = st.get("tokens_trained", 0)
     coord._core_cache = coord._core_offer = None
-    await coord.link.call(core, wire.LoadWeights(req_id=coord.link.new_req_id(), version=coord.version))
-    await push_core_weights(coord, [i for i in range(1, len(coord.nodes))], engine=True, version=coord.version)
-    restore_task_order(coord.tasks, st["tasks"])
+    if folder is not None:
+        await coord.link.call(core, wire.LoadWeights(req_id=coord.link.new_req_id(), version=coord.version))
+        await push_core_weights(coord, [i for i in range(1, len(coord.nodes))], engine=True, version=coord.version)
+    if st["tasks"] is not None:  # else the task source is at its start, as the run was
+        restore_task_order(coord.tasks, st["tasks"])
     tasks = {t.id: t for t in coord.tasks.tasks}
     consumed = set(st["consumed"])
     restored = redone = 0
@@ -214,11 +222,13 @@ async def restore(coord) -> None:
         if any(r.id not in ev["runs"] for r in group.runs):
             coord._journal_group(group)  # the new ids, for a later resume
     coord.groups_dispatched = max([st["groups_dispatched"], *(g + 1 for g in dispatches)])
-    coord.metrics.emit("resume", step=coord.steps_done, version=coord.version, checkpoint=str(folder),
+    coord.metrics.emit("resume", step=coord.steps_done, version=coord.version,
+                       checkpoint=str(folder) if folder is not None else None,
                        executions_restored=restored, executions_redispatched=redone,
                        groups=len(dispatches) - len(consumed & set(dispatches)))
-    log.info("resumed at step %d (version %d): %d closed executions restored, %d dispatched again",
-             coord.steps_done, coord.version, restored, redone)
+    log.info("resumed at step %d (version %d, %s): %d closed executions restored, %d dispatched again",
+             coord.steps_done, coord.version, folder.name if folder is not None else "no checkpoint yet: from the start",
+             restored, redone)
     # A run checkpointed at its last step made no boundary dispatch for a next one (there
     # was none): extended with `--steps`, it dispatches up to the target now, or it would wait
     # for groups forever.

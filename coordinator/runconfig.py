@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre.coordinator.config import CoordinatorConfig
+from gyre.coordinator.rundir import absolute
 from gyre.workerd.wire import GyreError
 
 
@@ -132,9 +133,45 @@ def _check_types(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+REAL_MODEL_LR = 1e-6  # SmolLM2-135M collapsed in one update at 3e-3 and learned stably at 1e-6 (MODEL-NOTES)
+
+
+def model_defaults(model_dir: Path, *, lr: float | None, default_max_tokens: int | None,
+                   max_tokens_cap: int | None, max_context: int | None) -> dict[str, Any]:
+    """The per-model values of the fields left unset (None): the model directory's gyre.json
+    where it names them (the tiny model's does), else real-model defaults: lr 1e-6, output
+    limits up to the remaining context, the context the model was trained for. A
+    max_context above the model's own is clamped to it, with a warning."""
+    import logging
+
+    from gyre.workerd.modeldir import gyre_defaults, load_config
+
+    limit = load_config(model_dir).max_position_embeddings
+    own = gyre_defaults(model_dir)
+    if max_context is not None and max_context > limit:
+        logging.getLogger("gyre.coordinator").warning(
+            "max_context %d is above the model's max_position_embeddings %d: clamped to %d", max_context, limit, limit)
+        max_context = limit
+    return {"lr": own.get("lr", REAL_MODEL_LR) if lr is None else lr,
+            "default_max_tokens": own.get("default_max_tokens") if default_max_tokens is None else default_max_tokens,
+            "max_tokens_cap": own.get("max_tokens_cap") if max_tokens_cap is None else max_tokens_cap,
+            "max_context": limit if max_context is None else max_context}
+
+
+def with_model_defaults(config: CoordinatorConfig) -> CoordinatorConfig:
+    """`config` with its per-model fields resolved against its model directory (idempotent)."""
+    values = model_defaults(config.model_dir, lr=config.lr, default_max_tokens=config.default_max_tokens,
+                            max_tokens_cap=config.max_tokens_cap, max_context=config.max_context)
+    changed = {k: v for k, v in values.items() if getattr(config, k) != v}
+    return dataclasses.replace(config, **changed) if changed else config
+
+
 def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> CoordinatorConfig:
     """`overrides` holds only what was given (a None there clears a field, as `--set F=none`)."""
     values = _check_types({**file_values, **overrides})
+    for name, kind in _hints().items():  # paths against the working directory, stored absolute
+        if Path in _kinds(kind) and isinstance(values.get(name), Path):
+            values[name] = absolute(values[name])
     try:
         return CoordinatorConfig(**values)
     except (TypeError, ValueError) as e:  # HarnessError included

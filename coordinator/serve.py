@@ -53,15 +53,49 @@ async def run_harness_once(proxy: ProxyServer, preset: HarnessPreset, prompt: st
     return summary
 
 
+SERVING_FIELDS = ("default_max_tokens", "max_tokens_cap", "max_context", "rollout_temperature", "rollout_top_p")
+
+
+def serve_settings(*, model_dir: Path, config: Path | None = None, sets: list[str] | None = None,
+                   max_context: int | None = None) -> dict:
+    """The serving fields of a run config (file < --set < --max-context), resolved for the
+    model as `gyre up` resolves them: output limits from gyre.json or the remaining
+    context, the context clamped to the model's. Serving trains nothing, so rollout_top_p
+    < 1 is allowed here."""
+    from gyre.coordinator.runconfig import ConfigError, load_config_file, model_defaults, parse_sets
+
+    values = {k: v for k, v in (load_config_file(config) if config else {}).items() if k in SERVING_FIELDS}
+    for name, value in parse_sets(sets or []).items():
+        if name not in SERVING_FIELDS:
+            raise ConfigError(f"--set {name}: gyre serve takes only {', '.join(SERVING_FIELDS)}")
+        values[name] = value
+    if max_context is not None:
+        values["max_context"] = max_context
+    for name in ("default_max_tokens", "max_tokens_cap", "max_context"):
+        v = values.get(name)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ConfigError(f"field {name}: expected a positive int, got {v!r}")
+    temperature, top_p = values.get("rollout_temperature", 1.0), values.get("rollout_top_p", 1.0)
+    if not isinstance(temperature, (int, float)) or temperature < 0:
+        raise ConfigError(f"field rollout_temperature: expected a number >= 0, got {temperature!r}")
+    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ConfigError(f"field rollout_top_p: expected a number in (0, 1], got {top_p!r}")
+    limits = model_defaults(model_dir, lr=0.0, default_max_tokens=values.get("default_max_tokens"),
+                            max_tokens_cap=values.get("max_tokens_cap"), max_context=values.get("max_context"))
+    return {"default_max_tokens": limits["default_max_tokens"], "max_tokens_cap": limits["max_tokens_cap"],
+            "max_context": limits["max_context"], "temperature": float(temperature), "top_p": float(top_p)}
+
+
 async def serve(*, model_dir: Path, run_dir: Path, host: str, port: int, execution: str = "serve",
                 ready_file: Path | None = None, preset: HarnessPreset | None = None, task: str | None = None,
-                timeout_s: float = 600.0, max_context: int | None = None) -> int:
+                timeout_s: float = 600.0, settings: dict | None = None) -> int:
     loop = asyncio.get_running_loop()
+    settings = settings if settings is not None else serve_settings(model_dir=model_dir)
     async with LocalCluster(model_dir, cells=1, roles=("rollout",), log_dir=run_dir / "logs") as cluster:
         table = RoutingTable()
         table.set_nodes([cluster.node_of_cell(0)])
         tokenizer = ChatTokenizer(model_dir)
-        config = ProxyConfig(host=host, port=port, **({"max_context": max_context} if max_context else {}))
+        config = ProxyConfig(host=host, port=port, **settings)
         proxy = ProxyServer(tokenizer, LinkBackend(cluster.link, table), config, run_dir=run_dir)
         base_url = await proxy.start()
         try:
@@ -97,12 +131,13 @@ async def serve(*, model_dir: Path, run_dir: Path, host: str, port: int, executi
 
 
 def run_serve(*, model_dir: Path, run_dir: Path, host: str, port: int, preset: HarnessPreset | None = None,
-              task: str | None = None, timeout_s: float = 600.0, max_context: int | None = None) -> int:
+              task: str | None = None, timeout_s: float = 600.0, settings: dict | None = None) -> int:
     import uvloop
 
+    settings = settings if settings is not None else serve_settings(model_dir=model_dir)
     (run_dir / "config.json").write_text(json.dumps({
         "command": "serve", "model": str(model_dir), "host": host, "port": port,
         "harness": None if preset is None else preset.name, "task": task, "timeout_s": timeout_s,
-        "max_context": max_context}, indent=2))
+        **settings}, indent=2))
     return uvloop.run(serve(model_dir=model_dir, run_dir=run_dir, host=host, port=port, preset=preset, task=task,
-                            timeout_s=timeout_s, max_context=max_context))
+                            timeout_s=timeout_s, settings=settings))

@@ -169,7 +169,7 @@ class Agent:
     workspace: Workspace
     task: str
     model: str
-    max_tokens: int
+    max_tokens: int | None  # None: the proxy's limit (the run's default_max_tokens)
     max_turns: int
     compact_at: int
     force_compaction: bool = False
@@ -179,8 +179,10 @@ class Agent:
 
     def call(self, messages: list[dict], tools: list[dict] | None) -> Reply:
         kwargs: dict[str, Any] = {"tools": tools} if tools else {}
-        response = self.client.chat.completions.create(
-            model=self.model, messages=messages, max_tokens=self.max_tokens, temperature=1.0, **kwargs)
+        if self.max_tokens is not None:
+            kwargs["max_tokens"] = self.max_tokens
+        response = self.client.chat.completions.create(model=self.model, messages=messages, temperature=1.0,
+                                                       **kwargs)
         return reply_of(response)
 
     def run(self) -> str:
@@ -265,7 +267,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
     p.add_argument("--model", default="policy", help="model name sent to the proxy (any name is served)")
     p.add_argument("--max-turns", type=int, default=6, help="main-agent model calls at most")
-    p.add_argument("--max-tokens", type=int, default=64, help="max_tokens per model call")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="max_tokens per model call (default: none sent; the proxy's default applies)")
     p.add_argument("--compact-at", type=int, default=1500, help="compact when the history exceeds ~N tokens")
     p.add_argument("--force-compaction", action="store_true", help="compact once after the first turn")
     p.add_argument("--force-subagent", action="store_true", help="run one sub-agent after the first turn")
@@ -280,7 +283,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("no task: pass --task, set GYRE_TASK or put task.txt in the workspace")
     if not args.base_url or not args.api_key:
         p.error("no proxy: set OPENAI_BASE_URL and OPENAI_API_KEY (or --base-url/--api-key)")
-    if args.max_turns < 1 or args.max_tokens < 1 or args.max_retries < 0:
+    if args.max_turns < 1 or (args.max_tokens is not None and args.max_tokens < 1) or args.max_retries < 0:
         p.error("--max-turns and --max-tokens must be >= 1, --max-retries >= 0")
     return args
 

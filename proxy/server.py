@@ -37,9 +37,11 @@ class ProxyConfig:
     host: str = "127.0.0.1"
     port: int = 0
     max_body_bytes: int = 32 * 1024 * 1024
-    default_max_tokens: int = 512  # when a request sets no output limit
-    max_tokens_cap: int = 4096  # whatever a request asks (Claude Code asks 32000+)
-    max_context: int = 32768
+    default_max_tokens: int | None = None  # when a request sets no output limit; None: the remaining context
+    max_tokens_cap: int | None = None  # a request asking more gets this; None: the remaining context
+    max_context: int = 32768  # prompt + output tokens (callers pass the model's max_position_embeddings)
+    temperature: float = 1.0  # every call samples at this (the run's rollout_temperature) ...
+    top_p: float = 1.0  # ... and this; a harness's own values are recorded, not used
     ping_interval_s: float = 5.0
     role_rule: str = "generic"
     served_model: str = "gyre-policy"
@@ -138,7 +140,10 @@ class ProxyServer:
         return web.json_response(self.status_provider(), dumps=_dumps)
 
     async def _models(self, request: web.Request) -> web.Response:
-        self._auth(request, api_openai)
+        try:
+            self._auth(request, api_openai)
+        except HttpError as e:
+            return _error(api_openai, e.status, e.message, e.headers)
         now = int(time.time())
         return web.json_response({"object": "list", "data": [
             {"id": self.config.served_model, "object": "model", "created": now, "owned_by": "gyre",
@@ -149,9 +154,7 @@ class ProxyServer:
             self._auth(request, api_anthropic)
             body = await self._json(request)
             req = api_anthropic.parse_count_tokens(body, dict(request.headers))
-            text = self.tokenizer.render([_plain(m) for m in req.messages],
-                                         [t.as_template_tool() for t in req.tools], add_generation_prompt=True)
-            return web.json_response({"input_tokens": len(self.tokenizer.encode(text))})
+            return web.json_response({"input_tokens": len(self.tokenizer.prompt_ids(req.messages, req.tools))})
         except HttpError as e:
             return _error(api_anthropic, e.status, e.message, e.headers)
         except RequestError as e:
@@ -199,11 +202,14 @@ class ProxyServer:
         except ValueError as e:
             return _error(api, 400, str(e))
         budget = self.config.max_context - len(prep.prompt_ids)
-        call = _Call(self, request, api, req, execution, prep, min(budget, self._max_tokens(req)))
+        call = _Call(self, request, api, req, execution, prep, self._max_tokens(req, budget))
         return await call.run()
 
-    def _max_tokens(self, req: ChatRequest) -> int:
-        return min(req.max_tokens or self.config.default_max_tokens, self.config.max_tokens_cap)
+    def _max_tokens(self, req: ChatRequest, budget: int) -> int:
+        """The request's limit (else the default), cut to the cap and to the context left."""
+        c = self.config
+        asked = req.max_tokens or c.default_max_tokens or budget
+        return max(1, min(asked, c.max_tokens_cap or budget, budget))
 
 
 class _Call:
@@ -213,9 +219,9 @@ class _Call:
                  execution: Execution, prep: Prepared, max_new: int):
         self.s, self.request, self.api, self.req, self.ex, self.prep = server, request, api, req, execution, prep
         tok = server.tokenizer
-        self.params = GenParams(max_new_tokens=max_new, temperature=1.0 if req.temperature is None else req.temperature,
-                                top_p=1.0 if req.top_p is None else req.top_p,
-                                stop_token_ids=tuple(sorted(tok.stop_token_ids)))
+        # The run's sampling, whatever the harness asked (its values go into the record).
+        self.params = GenParams(max_new_tokens=max_new, temperature=server.config.temperature,
+                                top_p=server.config.top_p, stop_token_ids=tuple(sorted(tok.stop_token_ids)))
         self.parser = OutputParser(tok.decode, stop_token_ids=tok.stop_token_ids, tool_open=tok.tool_call_open,
                                    tool_close=tok.tool_call_close, new_call_id=api.new_tool_call_id,
                                    stop_strings=req.stop)
@@ -286,11 +292,16 @@ class _Call:
             self.finish = "length" if chunk.finish_reason == "length" else "stop"
         return deltas
 
+    @property
+    def kept(self) -> int:
+        """Output tokens that count: all, or those before a stop string's token (parser.py)."""
+        return len(self.ids) if self.parser.kept is None else self.parser.kept
+
     def _result(self) -> ChatResult:
         reason = "tool_calls" if self.parser.tool_calls else self.finish
         return ChatResult(id=self.response_id, model=self.req.model, content=self.parser.content,
                           tool_calls=list(self.parser.tool_calls), finish_reason=reason,
-                          usage=Usage(len(self.prep.prompt_ids), len(self.ids)))
+                          usage=Usage(len(self.prep.prompt_ids), self.kept))
 
     async def _stop_early(self) -> bool:
         """A stop string matched: abort generation; the output ends here."""
@@ -340,9 +351,14 @@ class _Call:
         if self.recorded:
             return
         self.recorded = True
-        record = self.ex.complete(self.prep, output_ids=self.ids, logprobs=self.logprobs, versions=self.versions,
-                         finish_reason=self.finish, status=status, engine=self.engine, result=result,
-                         request=self.req, invalid_tool_calls=self.parser.invalid_tool_calls)
+        n = self.kept  # the recorded output is what the client was given
+        record = self.ex.complete(self.prep, output_ids=self.ids[:n], logprobs=self.logprobs[:n],
+                                  versions=self.versions[:n], finish_reason=self.finish, status=status,
+                                  engine=self.engine, result=result, request=self.req,
+                                  invalid_tool_calls=self.parser.invalid_tool_calls,
+                                  sampling={"temperature": self.params.temperature, "top_p": self.params.top_p,
+                                            "client_temperature": self.req.temperature,
+                                            "client_top_p": self.req.top_p})
         if self.s.on_record is not None:
             self.s.on_record(self.ex, record)
 
@@ -367,18 +383,3 @@ def _dumps(obj: Any) -> str:
 def _error(api: ModuleType, status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(api.error_body(status, message)),
                         content_type="application/json", headers=headers)
-
-
-def _plain(m) -> dict:
-    d: dict[str, Any] = {"role": m.role, "content": m.content}
-    if m.tool_calls:
-        d["tool_calls"] = [{"id": c.id, "type": "function",
-                            "function": {"name": c.name, "arguments": _args(c.arguments)}} for c in m.tool_calls]
-    return d
-
-
-def _args(text: str):
-    try:
-        return orjson.loads(text)
-    except orjson.JSONDecodeError:
-        return text

@@ -289,10 +289,14 @@ class Worker:
         return [(wire.CallResult(req_id=msg.req_id, result=result), None)]
 
     def stats(self) -> dict:
+        import resource
+
         return {"node_id": self.node_id, "cell": self.cell, "role": self.role.value,
                 "running": self.engine.running if self.engine else 0,
                 "version": self.engine.version if self.engine else -1,
-                "trainer_version": self.trainer.version if self.trainer else -1}
+                "trainer_version": self.trainer.version if self.trainer else -1,
+                # this process's peak resident memory so far (Linux reports KiB)
+                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
     def _need_trainer(self, training: bool = False):
         if self.trainer is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -53,11 +54,15 @@ def test_workerd_passes_its_config(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_gyre_up_runs_the_embedded_default(tmp_path):
-    run = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "gyre.cli", "up", "--steps", "3", "--run-dir", str(run), "--no-live"],
+    """The README's first command as a new user runs it: `gyre up` from a fresh working
+    directory, with the default (relative) run directory."""
+    gyre = Path(sys.executable).with_name("gyre")  # the console script `pip install -e .` made
+    r = subprocess.run([str(gyre), "up", "--steps", "3", "--no-live"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=380)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "step 3/3" in r.stdout
+    (run,) = (tmp_path / "runs").iterdir()
+    assert run.name.startswith("up-") and f"-> {run}" in r.stdout  # named absolute
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [x for x in lines if x["event"] == "step"]
     assert [s["step"] for s in steps] == [1, 2, 3] and [s["version"] for s in steps] == [1, 2, 3]
@@ -71,3 +76,13 @@ def test_gyre_up_runs_the_embedded_default(tmp_path):
     assert all(s["staleness_mean"] == 0 for s in steps)
     config = json.loads((run / "config.json").read_text())
     assert config["policy"] == "elastic" and config["steps"] == 3
+    assert config["run_dir"] == str(run) and config["model_dir"] == str(run / "model")  # absolute: --resume anywhere
+    assert (config["lr"], config["default_max_tokens"]) == (3e-3, 16)  # the tiny model's gyre.json
+
+
+def test_help_texts_keep_their_brackets():
+    """No rich markup in help: `[gpu]`, `[harnesses.NAME]` and `E[d]` are text."""
+    for args, needle in ((["workerd", "--help"], "'gyre[gpu]'"), (["serve", "--help"], "[harnesses.NAME]"),
+                         (["sim", "compare", "--help"], "E[d]")):
+        r = runner.invoke(app, args, env={"COLUMNS": "250"})
+        assert r.exit_code == 0 and needle in " ".join(r.output.split()), (args, r.output)

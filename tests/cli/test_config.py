@@ -56,7 +56,7 @@ def test_bad_sets_name_the_field(sets, message):
 
 @pytest.mark.parametrize("values, message", [
     ({"steps": "five"}, "field steps: expected int, got 'five'"),
-    ({"lr": True}, "field lr: expected float, got True"),
+    ({"lr": True}, "field lr: expected float or none, got True"),
     ({"policy": "warp"}, "policy must be one of elastic, colocate, async, got 'warp'"),
     ({"harness": "nope"}, "unknown harness 'nope'"),
     ({"min_valid": 99}, r"min_valid must be in \[1, group_size=8\]"),
@@ -99,3 +99,47 @@ def test_set_none_clears_a_file_value(tmp_path):
     cfg.write_text('reducer_init = "tcp://10.0.0.1:29500"\n')
     rows = show(str(cfg), "--set", "reducer_init=none")
     assert rows["reducer_init"]["value"] is None and rows["reducer_init"]["source"] == "flag"
+
+
+def test_per_model_defaults_and_the_context_clamp(tmp_path, tiny_dir, caplog):
+    """Unset lr and output limits come from the model directory's gyre.json (the tiny
+    model's); a real model without one gets lr 1e-6 and limits up to the remaining context;
+    max_context defaults to the model's max_position_embeddings and is clamped to it."""
+    import shutil
+
+    from gyre.coordinator.config import CoordinatorConfig
+    from gyre.coordinator.runconfig import with_model_defaults
+    from gyre.coordinator.serve import serve_settings
+
+    c = with_model_defaults(CoordinatorConfig(run_dir=tmp_path, model_dir=tiny_dir))
+    assert (c.lr, c.default_max_tokens, c.max_tokens_cap, c.max_context) == (3e-3, 16, 64, 32768)
+    real = tmp_path / "real"
+    shutil.copytree(tiny_dir, real)
+    (real / "gyre.json").unlink()
+    cfg = json.loads((real / "config.json").read_text())
+    (real / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 4096}))
+    with caplog.at_level("WARNING"):
+        c = with_model_defaults(CoordinatorConfig(run_dir=tmp_path, model_dir=real, max_context=100_000,
+                                                  default_max_tokens=100))
+    assert (c.lr, c.default_max_tokens, c.max_tokens_cap, c.max_context) == (1e-6, 100, None, 4096)
+    assert "clamped to 4096" in caplog.text
+    assert with_model_defaults(c) is c  # idempotent
+    s = serve_settings(model_dir=real, sets=["max_tokens_cap=300"], max_context=9999)
+    assert (s["max_context"], s["default_max_tokens"], s["max_tokens_cap"]) == (4096, None, 300)
+    with pytest.raises(ConfigError, match="gyre serve takes only"):
+        serve_settings(model_dir=real, sets=["lr=1"])
+
+
+async def test_the_proxy_cuts_output_to_the_cap_and_the_context(chat_tokenizer):
+    from gyre.proxy.server import ProxyConfig, ProxyServer
+    from gyre.proxy.types import ChatRequest, Message
+
+    def limit(config, asked, budget):
+        server = ProxyServer(chat_tokenizer, backend=None, config=config)
+        return server._max_tokens(ChatRequest(api="openai", model="m", messages=[Message("user", "x")],
+                                              max_tokens=asked), budget)
+
+    assert limit(ProxyConfig(), None, 5000) == 5000  # no default: the remaining context
+    assert limit(ProxyConfig(default_max_tokens=16), None, 5000) == 16
+    assert limit(ProxyConfig(max_tokens_cap=64), 32000, 5000) == 64  # Claude Code's 32,000, cut
+    assert limit(ProxyConfig(), 32000, 700) == 700  # never past the context

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from gyre.cli.main import app
@@ -38,6 +39,21 @@ def test_compare_json_contract():
     assert (out["policies"]["colocate"]["phi"], out["policies"]["colocate"]["mu"]) == (0, 4)
 
 
-def test_unknown_workload_is_a_usage_error():
+def test_unknown_workload_is_a_one_line_error():
     r = runner.invoke(app, ["sim", "--workload", "nope"])
-    assert r.exit_code == 2 and "unknown workload" in r.output
+    assert r.exit_code == 1 and r.output.startswith("[error] unknown workload") and len(r.output.splitlines()) == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["sim", "--policy", "bogus"], "--policy must be one of"),
+    (["sim", "--steps", "0"], "--steps must be >= 1"),
+    (["sim", "--cells", "0"], "--cells must be >= 1"),
+    (["sim", "--mu", "0"], "--mu must be >= 1"),
+    (["sim", "compare", "--seeds", "0"], "--seeds must be >= 1"),
+    (["sim", "compare", "--steps", "0"], "--steps must be >= 1"),
+    (["sim", "--cells", "1", "compare"], "compare needs at least 2 cells"),
+])
+def test_bad_sim_options_are_one_line_errors(args, message):
+    r = runner.invoke(app, args)
+    assert r.exit_code == 1, r.output
+    assert r.output.startswith(f"[error] {message}") and len(r.output.splitlines()) == 1, r.output

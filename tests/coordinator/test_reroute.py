@@ -48,7 +48,9 @@ async def test_role_changes_under_load_lose_nothing(tiny_dir, tmp_path):
         table = RoutingTable()
         table.set_nodes(nodes)
         backend = LinkBackend(cluster.link, table)
-        proxy = ProxyServer(ChatTokenizer(tiny_dir), backend, ProxyConfig(ping_interval_s=0.2), run_dir=tmp_path)
+        # Greedy for every call (the run's sampling; a client's temperature is only recorded).
+        proxy = ProxyServer(ChatTokenizer(tiny_dir), backend, ProxyConfig(ping_interval_s=0.2, temperature=0.0),
+                            run_dir=tmp_path)
         await proxy.start()
         link = cluster.link
 

@@ -20,7 +20,7 @@ HERE = Path(__file__).parent
 EVAL = [sys.executable, str(HERE / "_evaluator.py")]
 
 
-def write_config(tmp_path: Path, tiny_dir: Path) -> Path:
+def write_config(tmp_path: Path, tiny_dir: Path, *, steps: int = 4, checkpoint_every: int = 1) -> Path:
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("\n".join(json.dumps({"id": f"t{i}", "prompt": f"mode:normal task {i}",
                                            "evaluator": {"type": "command", "argv": EVAL + ["ok"]}})
@@ -28,8 +28,8 @@ def write_config(tmp_path: Path, tiny_dir: Path) -> Path:
     harness = json.dumps([sys.executable, str(HERE / "_harness.py")])
     cfg = tmp_path / "run.toml"
     # async with a dispatch lead: executions are running when the coordinator is killed.
-    cfg.write_text(f'steps = 4\npolicy = "async"\nphi = 1.0\ngroups_per_step = 2\ngroup_size = 3\nmin_valid = 2\n'
-                   f'checkpoint_every = 1\nharness = {harness}\ntasks_path = "{tasks}"\n'
+    cfg.write_text(f'steps = {steps}\npolicy = "async"\nphi = 1.0\ngroups_per_step = 2\ngroup_size = 3\nmin_valid = 2\n'
+                   f'checkpoint_every = {checkpoint_every}\nharness = {harness}\ntasks_path = "{tasks}"\n'
                    f'model_dir = "{tiny_dir}"\ndefault_max_tokens = 16\n')
     return cfg
 
@@ -41,19 +41,7 @@ def events(run: Path) -> list[dict]:
 @pytest.mark.timeout(400)
 def test_kill9_then_resume_loses_nothing(tiny_dir, tmp_path):
     run = tmp_path / "run"
-    cfg = write_config(tmp_path, tiny_dir)
-    first = subprocess.Popen([sys.executable, "-m", "gyre.cli", "up", str(cfg), "--run-dir", str(run), "--no-live"],
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        for line in first.stdout:  # kill as step 2 is reported: step 1's checkpoint exists
-            if line.startswith("step 2/4"):
-                break
-        else:
-            pytest.fail(f"the first run ended before step 2 (exit {first.wait()})")
-        os.kill(first.pid, signal.SIGKILL)
-    finally:
-        first.wait(60)
-        first.stdout.close()
+    kill_at(write_config(tmp_path, tiny_dir), run, "step 2/4")  # as step 2 is reported: step 1's checkpoint exists
     before = events(run)
     ckpt = max(e["step"] for e in before if e["event"] == "checkpoint")
     assert ckpt >= 1 and not any(e["event"] == "summary" for e in before)
@@ -98,14 +86,50 @@ def test_kill9_then_resume_loses_nothing(tiny_dir, tmp_path):
     assert redone and all(e["id"][:-3] not in {x["id"] for x in closed_before} for e in redone)
 
 
-def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path):
+def kill_at(cfg: Path, run: Path, line_start: str) -> None:
+    """Start `gyre up cfg`, kill -9 it when it prints a line starting `line_start`."""
+    first = subprocess.Popen([sys.executable, "-m", "gyre.cli", "up", str(cfg), "--run-dir", str(run), "--no-live"],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        for line in first.stdout:
+            if line.startswith(line_start):
+                break
+        else:
+            pytest.fail(f"the first run ended before {line_start!r} (exit {first.wait()})")
+        os.kill(first.pid, signal.SIGKILL)
+    finally:
+        first.wait(60)
+        first.stdout.close()
+
+
+@pytest.mark.timeout(400)
+def test_a_run_killed_before_its_first_checkpoint_resumes_from_the_start(tiny_dir, tmp_path):
+    """No checkpoint yet (the systemd unit resumes any started run): the model directory's
+    weights, step 0, and every execution closed before the kill restored, none re-run."""
     run = tmp_path / "run"
-    run.mkdir()
-    (run / "config.json").write_text("{}")
+    kill_at(write_config(tmp_path, tiny_dir, steps=2, checkpoint_every=0), run, "step 1/2")
+    before = events(run)
+    assert not any(e["event"] in ("checkpoint", "summary") for e in before)
     r = CliRunner().invoke(app, ["up", "--resume", str(run), "--no-live"])
-    assert r.exit_code == 1 and "[error]" in r.output
+    assert r.exit_code == 0, r.output
+    after = events(run)
+    (res,) = [e for e in after if e["event"] == "resume"]
+    assert (res["step"], res["version"], res["checkpoint"]) == (0, 0, None)
+    cut = after.index(res)
+    assert [e["step"] for e in after[cut:] if e["event"] == "step"] == [1, 2]
+    closed_before = [e for e in before if e["event"] == "execution" and e["status"] != "cancelled"]
+    assert closed_before and res["executions_restored"] == len(closed_before)
+    ids = [e["id"] for e in after if e["event"] == "execution"]
+    assert len(ids) == len(set(ids))  # restored, never run again
+    (summary,) = [e for e in after if e["event"] == "summary"]
+    trained = {g for e in after[cut:] if e["event"] == "step" for g in e["group_ids"]}
+    assert {e["group"] for e in closed_before} <= trained | set(summary["pending_groups"])
+
+
+def test_resume_of_a_directory_without_a_run_is_a_clear_error(tmp_path):
     r = CliRunner().invoke(app, ["up", "--resume", str(tmp_path / "nothing")])
     assert r.exit_code == 1 and "not a gyre run directory" in r.output
+    assert not (tmp_path / "nothing").exists()
 
 
 @pytest.mark.timeout(400)

@@ -138,3 +138,8 @@ async def test_models_health_and_count_tokens(live, clients):
     assert n.input_tokens > 5
     models = await clients(openai.AsyncOpenAI, base_url=f"{live.url}/v1", api_key=ex.key).models.list()
     assert [m.id for m in models.data] == ["gyre-policy"]
+    for key in ("gyre-not-a-key", ""):  # a wrong or missing key: 401 from the SDK, never a 500
+        bad = clients(openai.AsyncOpenAI, base_url=f"{live.url}/v1", api_key=key or "x", max_retries=0,
+                      default_headers={} if key else {"Authorization": ""})
+        with pytest.raises(openai.AuthenticationError, match="invalid API key"):
+            await bad.models.list()

@@ -1,0 +1,153 @@
+"""rundir.py: a run directory's ownership: one live `gyre up` per directory, and what it holds.
+
+`claim()` takes an exclusive `flock` on `RUN_DIR/.lock` (released by the kernel when the
+process exits, however it exits) and writes the holder's pid into it, so a second `gyre up`
+on a live run directory is refused naming that pid. A new run is refused in a directory
+that already holds one (finished, stopped or crashed: `config.json` is there), with a
+message naming `--resume` or a new directory; `--resume` needs one. Paths are made
+absolute here, before anything is written. Not the checkpoints: resume.py reads those.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import orjson
+
+from gyre.workerd.wire import GyreError
+
+LOCK = ".lock"
+
+
+class RunDirError(GyreError):
+    """A run directory that this command cannot use; the message says why and what to do."""
+
+
+def absolute(path: Path | str) -> Path:
+    """`path` against the working directory, normalised, symlinks kept (as os.path.abspath)."""
+    return Path(os.path.abspath(os.path.expanduser(str(path))))
+
+
+@dataclass
+class RunLock:
+    run_dir: Path
+    file: IO[str] | None
+
+    def release(self) -> None:
+        if self.file is not None:
+            self.file.close()  # closing the descriptor drops the flock
+            self.file = None
+
+
+@dataclass(frozen=True, slots=True)
+class RunState:
+    """What a run directory holds: `kind` is "none" (no run started there), "finished",
+    "stopped" (a graceful stop before its target) or "crashed" (no closing summary)."""
+
+    kind: str
+    steps_done: int = 0
+    steps_target: int | None = None
+
+
+def state(run_dir: Path) -> RunState:
+    config = run_dir / "config.json"
+    if not config.exists():
+        return RunState("none")
+    try:
+        target = orjson.loads(config.read_bytes()).get("steps")
+    except (orjson.JSONDecodeError, AttributeError):
+        target = None
+    done, summary = 0, None
+    for ev in _tail_events(run_dir / "metrics.jsonl"):
+        if ev.get("event") == "step":
+            done, summary = max(done, int(ev.get("step", 0))), None
+        elif ev.get("event") == "summary":
+            done, summary = int(ev.get("steps", done)), ev
+        elif ev.get("event") == "resume":
+            done, summary = int(ev.get("step", done)), None
+    if summary is None:
+        return RunState("crashed", done, target)
+    if target is not None and done >= target:
+        return RunState("finished", done, target)
+    return RunState("stopped", done, target)
+
+
+def _tail_events(path: Path, limit: int = 1 << 20) -> list[dict]:
+    """The events in the last `limit` bytes of metrics.jsonl (a torn first or last line skipped)."""
+    if not path.exists():
+        return []
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(max(0, size - limit))
+        data = f.read()
+    out = []
+    for line in data.splitlines():
+        try:
+            ev = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(ev, dict):
+            out.append(ev)
+    return out
+
+
+def claim(run_dir: Path, *, resume: bool = False, command: str = "up") -> RunLock:
+    """Lock `run_dir` for this process (created if missing, unless resuming); refuse a
+    directory another process holds, and a new run where one already started (`command`:
+    "up", or "serve", whose directories are never resumed)."""
+    run_dir = absolute(run_dir)
+    if resume and not (run_dir / "config.json").exists():
+        raise RunDirError(f"{run_dir / 'config.json'} does not exist: not a gyre run directory")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        f = open(run_dir / LOCK, "a+")
+    except OSError as e:
+        raise RunDirError(f"run directory {run_dir}: {e.strerror or e}") from None
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise RunDirError(f"run directory {run_dir} is in use by another gyre process (pid {holder}); "
+                          "stop it, wait for it to finish, or choose another --run-dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    lock = RunLock(run_dir, f)
+    if not resume:
+        s = state(run_dir)
+        if s.kind != "none":
+            lock.release()
+            if command == "serve":
+                raise RunDirError(f"run directory {run_dir} was used by an earlier gyre run; choose a new --run-dir")
+            raise RunDirError(_refusal(run_dir, s))
+    return lock
+
+
+def live_coordinator(run_dir: Path) -> bool:
+    """Whether the coordinator named by RUN_DIR/coordinator.json is still running (its pid)."""
+    try:
+        pid = int(orjson.loads((run_dir / "coordinator.json").read_bytes())["pid"])
+        os.kill(pid, 0)
+    except PermissionError:
+        return True  # alive, another user's
+    except (OSError, KeyError, ValueError, TypeError, orjson.JSONDecodeError):
+        return False
+    return True
+
+
+def _refusal(run_dir: Path, s: RunState) -> str:
+    of = f"{s.steps_done}/{s.steps_target}" if s.steps_target is not None else f"{s.steps_done}"
+    if s.kind == "finished":
+        return (f"run directory {run_dir} holds a finished run ({of} steps): extend it with "
+                f"`gyre up --resume {run_dir} --steps N`, or choose a new --run-dir")
+    how = "stopped" if s.kind == "stopped" else "crashed (no closing summary)"
+    return (f"run directory {run_dir} holds a run that {how} at step {of}: continue it with "
+            f"`gyre up --resume {run_dir}`, or choose a new --run-dir")

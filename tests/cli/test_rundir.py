@@ -1,0 +1,155 @@
+"""The run directory as a user meets it: paths stored absolute, one live `gyre up` per
+directory (a flock naming the holder's pid), a directory that holds a run refused with
+what to do, a refused run leaving nothing behind, `gyre top` finding only live runs, and
+the systemd unit resuming any run that started."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from gyre.cli.main import _latest_run, _resolve_config, app
+from gyre.coordinator.rundir import RunDirError, claim, state
+
+runner = CliRunner()
+
+
+def one_line_error(r) -> str:
+    assert r.exit_code == 1, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("[error] "), r.output
+    return lines[0]
+
+
+def test_paths_are_resolved_absolute_and_nothing_is_created(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg, _, _ = _resolve_config(None, ["tasks_path=tasks.jsonl"], run_dir=Path("runs/x"))
+    assert cfg.run_dir == tmp_path / "runs" / "x" and cfg.model_dir == tmp_path / "runs" / "x" / "model"
+    assert cfg.tasks_path == tmp_path / "tasks.jsonl"
+    assert json.loads(json.dumps(cfg.to_json()))["run_dir"] == str(tmp_path / "runs" / "x")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_live_run_directory_is_refused_naming_its_holder(tmp_path):
+    run = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from gyre.coordinator.rundir import claim; lock = claim(sys.argv[1]); "
+                               "print('held', flush=True); sys.stdin.read()", str(run)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        line = one_line_error(runner.invoke(app, ["up", "--run-dir", str(run), "--steps", "1", "--no-live"]))
+        assert f"in use by another gyre process (pid {holder.pid})" in line
+        with pytest.raises(RunDirError, match=f"pid {holder.pid}"):
+            claim(run)
+    finally:
+        holder.stdin.close()
+        holder.wait(30)
+        holder.stdout.close()
+    claim(run).release()  # the kernel dropped the lock with the holder
+
+
+def _run_dir(tmp_path: Path, events: list[dict]) -> Path:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"steps": 3}))
+    (run / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events) + '{"torn')
+    return run
+
+
+@pytest.mark.parametrize("events, kind, says", [
+    ([{"event": "step", "step": 1}, {"event": "step", "step": 3}, {"event": "summary", "steps": 3}], "finished",
+     "holds a finished run (3/3 steps): extend it with `gyre up --resume"),
+    ([{"event": "step", "step": 1}, {"event": "summary", "steps": 1}], "stopped",
+     "holds a run that stopped at step 1/3: continue it with `gyre up --resume"),
+    ([{"event": "step", "step": 2}], "crashed", "holds a run that crashed (no closing summary) at step 2/3"),
+    ([{"event": "step", "step": 2}, {"event": "summary", "steps": 2}, {"event": "resume", "step": 1}], "crashed",
+     "crashed (no closing summary) at step 1/3"),
+    ([], "crashed", "at step 0/3"),
+])
+def test_a_directory_holding_a_run_is_refused_with_what_to_do(tmp_path, events, kind, says):
+    run = _run_dir(tmp_path, events)
+    assert state(run).kind == kind
+    line = one_line_error(runner.invoke(app, ["up", "--run-dir", str(run), "--steps", "1", "--no-live"]))
+    assert says in line and "or choose a new --run-dir" in line
+    claim(run, resume=True).release()  # --resume may take it
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--set", "cells=0"], "cells must be >= 1, got 0"),
+    (["--set", "cells=-1"], "cells must be >= 1, got -1"),
+    (["--steps", "0"], "steps must be >= 1, got 0"),
+    (["--set", "exec_slots_per_cell=0"], "exec_slots_per_cell must be >= 1"),
+    (["--set", "rollout_temperature=0"], "rollout_temperature must be > 0"),
+    (["--set", "rollout_top_p=0.9"], "set allow_rollout_top_p = true"),
+    (["--set", "harness=nope"], "unknown harness 'nope'"),
+    (["--set", 'harness=["/nonexistent/agent"]'], "is not on PATH"),
+    (["--model", "missing-model"], "model directory missing-model does not exist"),
+])
+def test_a_refused_run_is_one_line_and_leaves_no_run_directory(tmp_path, monkeypatch, args, says):
+    monkeypatch.chdir(tmp_path)
+    assert says in one_line_error(runner.invoke(app, ["up", "--no-live", *args]))
+    assert not (tmp_path / "runs").exists()
+
+
+def test_model_directory_problems_are_one_line_errors(tmp_path, tiny_dir, monkeypatch):
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+    bad = tmp_path / "bad-json"
+    bad.mkdir()
+    (bad / "config.json").write_text("{not json")
+    no_tok = tmp_path / "no-tokenizer"
+    shutil.copytree(tiny_dir, no_tok)
+    (no_tok / "tokenizer.json").unlink()
+    rope = tmp_path / "rope"
+    shutil.copytree(tiny_dir, rope)
+    cfg = json.loads((rope / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}
+    (rope / "config.json").write_text(json.dumps(cfg))
+    for model, says in ((bad, "config.json is not readable JSON"), (no_tok, "has no tokenizer.json"),
+                        (rope, "rope_parameters.rope_type 'llama3' is not supported")):
+        for command in (["up", "--no-live", "--run-dir", str(tmp_path / "r")], ["serve"]):
+            assert says in one_line_error(runner.invoke(app, [*command, "--model", str(model)]))
+    assert not (tmp_path / "r").exists() and not (tmp_path / "runs").exists()
+
+
+def test_top_finds_only_a_live_coordinator(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    for name, pid in (("a-live", os.getpid()), ("b-dead", int(gone.stdout))):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        (tmp_path / "runs" / name / "coordinator.json").write_text(json.dumps({"status_url": "x", "pid": pid}))
+    os.utime(tmp_path / "runs" / "a-live" / "coordinator.json", (1, 1))  # the older of the two
+    assert _latest_run() == str(Path("runs") / "a-live")
+    (tmp_path / "runs" / "a-live" / "coordinator.json").unlink()
+    with pytest.raises(FileNotFoundError, match="no running coordinator under ./runs"):
+        _latest_run()
+
+
+def test_the_coordinator_unit_resumes_any_run_that_started(tmp_path):
+    unit = Path(__file__).parents[2] / "systemd" / "gyre-coordinator.service"
+    line = next(x for x in unit.read_text().splitlines() if x.startswith("ExecStart="))
+    script = line.removeprefix("ExecStart=/bin/sh -c ").strip("'")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "gyre").write_text('#!/bin/sh\necho "$@"\n')
+    (bin_dir / "gyre").chmod(0o755)
+    run = tmp_path / "run"
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", GYRE_CONFIG="/etc/gyre/run.toml",
+               GYRE_RUN_DIR=str(run))
+
+    def start() -> str:
+        return subprocess.run(["/bin/sh", "-c", script], env=env, capture_output=True, text=True).stdout.strip()
+
+    assert start() == f"up /etc/gyre/run.toml --run-dir {run} --no-live"  # a first start
+    run.mkdir()
+    assert start() == f"up /etc/gyre/run.toml --run-dir {run} --no-live"  # made, but no run started in it
+    (run / "config.json").write_text("{}")  # crashed before its first checkpoint, or after: resumed
+    assert start() == f"up --resume {run} --no-live"
