@@ -142,12 +142,12 @@ def memory_child(model_dir: str, tokens: int, variant: str) -> dict:
     from gyre.workerd.loss import token_logprobs
     from gyre.workerd.trainers.base import backward_micro_step
 
-    trainer = CpuTrainer(load_model(model_dir), lr=1e-6)
+    trainer = CpuTrainer(load_model(model_dir), lr=1e-6, checkpoint_layers=variant == "chunked+recompute")
     batch = micro_batch(1, tokens, trainer.model.config.vocab_size)
     Path("/proc/self/clear_refs").write_text("5")  # reset the high-water mark
     before = _status_kib("VmRSS")
     t0 = time.perf_counter()
-    if variant == "chunked":
+    if variant != "full":
         trainer.train_micro_step(batch)
     else:  # the whole [T, V] float32 log-softmax, as loss.py computed it before
         backward_micro_step(token_logprobs(trainer.model(batch.input_ids), batch.input_ids), batch, t0)
@@ -157,7 +157,7 @@ def memory_child(model_dir: str, tokens: int, variant: str) -> dict:
 
 def bench_memory(model_dir: str, tokens: int) -> dict:
     out = {"tokens": tokens}
-    for variant in ("chunked", "full"):
+    for variant in ("chunked", "chunked+recompute", "full"):
         r = subprocess.run([sys.executable, __file__, "--memory-child", model_dir, str(tokens), variant],
                            capture_output=True, text=True, check=True)
         out[variant] = json.loads(r.stdout.strip().splitlines()[-1])
@@ -266,7 +266,8 @@ def report(r: dict) -> None:
           f" optimizer step {t['optimizer_step_s'] * 1e3:.1f} ms")
     m = r["memory"]
     print(f"\ntrainer memory, one micro-step of {m['tokens']} tokens, vocabulary {m['vocab']} ({r['memory_model']})")
-    for variant, label in (("chunked", "chunked log-probs (gyre)"), ("full", "full float32 log-softmax")):
+    for variant, label in (("chunked", "chunked log-probs (gyre)"), ("chunked+recompute", "  + checkpoint_layers"),
+                           ("full", "full float32 log-softmax")):
         print(f"  {label:<28} peak +{m[variant]['peak_mib']:>8.0f} MiB  {m[variant]['seconds']:>7.2f} s")
     print(f"  ratio full / chunked peak: {m['full_vs_chunked_peak']:.1f}x")
     print(f"\nweights ({w['tensors']} tensors, {w['bytes'] / MIB:.2f} MiB)")

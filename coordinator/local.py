@@ -68,6 +68,12 @@ class LocalCluster:
         self.on_rejoin: Callable[[int, str], None] | None = None  # (cell, node) ready after start-up
         self._reregistering: set[str] = set()  # nodes asked to register again, not yet registered
 
+    def _engine_of(self, cell: int) -> dict:
+        """The engine options for `cell`: its own sampling seed. With one seed for all, the
+        executions of a group (one prompt, one per cell) sampled the same text on every cell,
+        and a group of equal rewards has no advantage to train on."""
+        return {**self.engine, "seed": int(self.engine.get("seed", 0)) * 1009 + cell}
+
     def describe(self, node: str) -> str:
         info = self.nodes.get(node)
         return f"cell {info.cell} ({node})" if info is not None else f"node {node}"
@@ -125,7 +131,7 @@ class LocalCluster:
             info = NodeInfo(msg.node_id, cell, self._role_of(cell), registered=msg, rejoin=self._ready.is_set())
             self.nodes[msg.node_id] = info
             welcome = wire.Welcome(req_id=msg.req_id, node_id=msg.node_id, cell=cell, role=info.role,
-                                   model_dir=str(self.model_dir), engine=self.engine, trainer=self.trainer,
+                                   model_dir=str(self.model_dir), engine=self._engine_of(cell), trainer=self.trainer,
                                    heartbeat_s=self.heartbeat_s)
             asyncio.ensure_future(self.link.send(msg.node_id, welcome)).add_done_callback(_log_failure)
         elif isinstance(msg, wire.Ready):

@@ -127,7 +127,8 @@ class Coordinator:
         (c.run_dir / "config.json").write_text(json.dumps(c.to_json(), indent=2))
         self.metrics = Metrics(c.run_dir / "metrics.jsonl", t0=t0)
         cluster = LocalCluster(c.model_dir, cells=c.cells, roles=tuple(self.roles), address=c.address,
-                               trainer={"lr": c.lr, "temperature": c.rollout_temperature, **c.trainer_options},
+                               trainer={"lr": c.lr, "temperature": c.rollout_temperature,
+                                        "micro_step_tokens": c.micro_step_tokens, **c.trainer_options},
                                log_dir=c.run_dir / "logs",
                                engine={"seed": c.seed, "max_running": c.engine_max_running, **c.engine_options},
                                backends=(c.engine_backend, c.trainer_backend),

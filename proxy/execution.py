@@ -19,7 +19,8 @@ from typing import IO, Any
 import orjson
 
 from gyre.proxy.admission import Rows, Trajectory, admit, materialise
-from gyre.proxy.chat import ChatTokenizer, Ref, Segmenter, display_key
+from gyre.proxy.chat import ChatTokenizer, Ref, display_key
+from gyre.proxy.segmenter import Segmenter
 from gyre.proxy.roles import CallInfo, RoleRule, delegation_prompt
 from gyre.proxy.tree import Node, Tree
 from gyre.proxy.types import ChatRequest, ChatResult, ParseMemo, RequestError

@@ -153,6 +153,9 @@ class CausalLM(nn.Module):
         self.config = config
         self.model = Backbone(config)
         self.rope = Rope(config.head_dim, config.rope_theta)
+        # Training only: recompute each layer's activations in the backward pass instead of
+        # holding them (a long micro-step's activations, not its weights, fill the memory).
+        self.checkpoint_layers = False
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -213,12 +216,14 @@ class CausalLM(nn.Module):
             position_ids = torch.arange(t).expand(b, t)
         cos, sin = self.rope(position_ids)
         h = self.model.embed_tokens(input_ids)
+        recompute = self.checkpoint_layers and torch.is_grad_enabled()
         for layer in self.model.layers:
-            a = layer.self_attn
-            q, k, v = a.qkv(layer.input_layernorm(h), cos, sin)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            h = h + a.out(o)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if recompute:
+                from torch.utils.checkpoint import checkpoint
+
+                h = checkpoint(_layer_forward, layer, h, cos, sin, use_reentrant=False)
+            else:
+                h = _layer_forward(layer, h, cos, sin)
         return self.model.norm(h)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -273,6 +278,15 @@ class CausalLM(nn.Module):
         for c in caches:
             c.length += 1
         return self.logits(h)[:, 0]
+
+
+def _layer_forward(layer: DecoderLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """One decoder layer over padded rows, causal (the training path)."""
+    a = layer.self_attn
+    q, k, v = a.qkv(layer.input_layernorm(h), cos, sin)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    h = h + a.out(o)
+    return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
 def num_params(model: nn.Module) -> int:

@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gyre.proxy import api_anthropic, api_openai
-from gyre.proxy.chat import ChatTokenizer, Segmenter, probe_locality
+from gyre.proxy.chat import ChatTokenizer
+from gyre.proxy.segmenter import Segmenter, probe_locality
 from gyre.proxy.types import Message, ParseMemo, ToolCall, ToolSpec
 
 TOOLS = [ToolSpec(name="f", description="d", parameters={"type": "object", "properties": {"x": {"type": "string"}}})]

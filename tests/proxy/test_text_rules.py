@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from gyre.proxy import api_openai
@@ -171,6 +171,8 @@ def test_invalid_bytes_cost_bounded_work(chat_tokenizer):
 @given(before=text_chars, after=text_chars, path=text_chars, sizes=st.lists(st.integers(1, 4), max_size=40))
 def test_tool_calls_are_found_in_the_text(any_tokenizer, before, after, path, sizes):
     tok = any_tokenizer
+    # Only text the vocabulary can write (SmolLM2's has no token for some bytes: they vanish).
+    assume(all(tok.decode(tok.encode(x)) == x for x in (before, after, path)))
     call = json.dumps({"name": "write_file", "arguments": {"path": path}})
     ids = tok.encode(f"{before}<tool_call>\n{call}\n</tool_call>{after}")
     parser = OutputParser(tok.decode, stop_token_ids=tok.stop_token_ids, new_call_id=lambda: "call_1")

@@ -16,7 +16,8 @@ from gyre.proxy.backend import ThreadEngineBackend
 from gyre.proxy.server import ProxyConfig, ProxyServer
 from tests.scripted import ScriptedEngine, tool_call
 
-TURNS = ["Name a colour.", "Name a fruit of that colour.", "Say it in French.", "Thanks. One word: which season?"]
+TURNS = ["Name a colour.", "Name a fruit of that colour.", "Say it in French.", "Thanks. One word: which season?",
+         "Why that one?", "Write it in capitals.", "Now count to three.", "Goodbye."]
 SYSTEM = "You are brief."
 
 

@@ -128,6 +128,27 @@ def test_chunked_logprobs_equal_the_full_log_softmax_with_their_gradients(tiny_m
         assert torch.allclose(p.grad, want[n], atol=1e-5), n
 
 
+def test_recomputed_layers_give_the_same_gradients(tiny_dir):
+    """checkpoint_layers (activations recomputed in the backward pass) changes memory, not maths."""
+    from gyre.workerd.model import load_model
+
+    torch.manual_seed(1)
+    ids = torch.randint(0, 256, (2, 24))
+    mask = torch.ones(2, 24, dtype=torch.bool)
+    mask[:, 0] = False
+    z = torch.zeros(2, 24)
+    batch = MicroBatch(input_ids=ids, target_mask=mask, behaviour_logprobs=z - 5.0, advantages=z + 1.0,
+                       loss_weights=z + 1 / 46, exec_ids=z.long())
+    grads = []
+    for recompute in (False, True):
+        trainer = CpuTrainer(load_model(tiny_dir), checkpoint_layers=recompute)
+        stats = trainer.train_micro_step(batch)
+        grads.append((stats.loss, {n: p.grad for n, p in trainer.model.named_parameters()}))
+    (loss_a, a), (loss_b, b) = grads
+    assert loss_a == pytest.approx(loss_b, rel=1e-6)
+    assert all(torch.allclose(a[n], b[n], atol=1e-6) for n in a)
+
+
 def test_no_targets_means_zero_loss_and_no_grad(tiny_model):
     ids = torch.randint(0, 256, (2, 8))
     z = torch.zeros(2, 8)
@@ -167,3 +188,16 @@ def assert_non_finite_gradients_are_dropped(trainer) -> None:
 def test_non_finite_gradients_update_nothing_on_the_cpu_trainer(tiny_model):
     """The guard lives in the shared optimizer step (trainers/base.py): every trainer has it."""
     assert_non_finite_gradients_are_dropped(CpuTrainer(copy.deepcopy(tiny_model), lr=1e-3))
+
+
+def test_activation_recomputation_is_on_where_activations_would_not_fit(tiny_dir):
+    import dataclasses
+
+    from gyre.workerd.backends import checkpoint_layers
+    from gyre.workerd.modeldir import load_config
+
+    tiny = load_config(tiny_dir)
+    smollm2 = dataclasses.replace(tiny, hidden_size=576, num_hidden_layers=30)  # its shape
+    assert not checkpoint_layers(tiny, {}) and checkpoint_layers(smollm2, {})
+    assert not checkpoint_layers(smollm2, {"micro_step_tokens": 1024})
+    assert checkpoint_layers(tiny, {"checkpoint_layers": True}) and not checkpoint_layers(smollm2, {"checkpoint_layers": False})

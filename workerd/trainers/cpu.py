@@ -21,8 +21,10 @@ from gyre.workerd.trainers.base import (MicroBatch, MicroStepStats, backward_mic
 
 class CpuTrainer:
     def __init__(self, model: CausalLM, *, lr: float = 1e-5, weight_decay: float = 0.01,
-                 grad_clip: float = 1.0, version: int = 0, temperature: float = 1.0):
+                 grad_clip: float = 1.0, version: int = 0, temperature: float = 1.0,
+                 checkpoint_layers: bool = False):
         self.model = model.train()
+        model.checkpoint_layers = checkpoint_layers  # recompute activations: long micro-steps fit
         self.version = version
         self.temperature = temperature  # the engines' sampling temperature: log-probs of the same distribution
         self.grad_clip = grad_clip
