@@ -231,7 +231,7 @@ def serve(model: ModelOpt = None, run_dir: RunDirOpt = None, host: HostOpt = "12
     """Run the proxy and a local engine: print one JSON line with base_url and api_key and
     serve until stopped; or, with --harness and --task, run that harness once and exit."""
     from gyre.coordinator.rundir import absolute, claim
-    from gyre.coordinator.serve import run_serve, serve_settings
+    from gyre.coordinator.serve import run_serve, serve_fields, serve_settings
 
     preset = None
     if harness is not None:
@@ -242,12 +242,18 @@ def serve(model: ModelOpt = None, run_dir: RunDirOpt = None, host: HostOpt = "12
         _fail(ValueError("--task is for --harness (without it, serve waits for your own client)"))
     if model is not None:
         _guard(_check_model, model_dir=model)
+    fields = _guard(serve_fields, config=config, sets=set_ or [], max_context=max_context)
     run_dir = absolute(run_dir or _default_run_dir("serve"))
+    made = not run_dir.exists()
     lock = _guard(claim, run_dir=run_dir, command="serve")
     try:
-        model_dir = _model_dir(absolute(model) if model else None, run_dir, 0)
-        settings = _guard(serve_settings, model_dir=model_dir, config=config, sets=set_ or [],
-                          max_context=max_context)
+        try:
+            model_dir = _model_dir(absolute(model) if model else None, run_dir, 0)
+            settings = _guard(serve_settings, model_dir=model_dir, fields=fields)
+        except BaseException:
+            if made:
+                shutil.rmtree(run_dir, ignore_errors=True)
+            raise
         code = _guard(run_serve, model_dir=model_dir, run_dir=run_dir, host=host, port=port, preset=preset,
                       task=task, timeout_s=timeout, settings=settings)
     finally:

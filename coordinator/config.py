@@ -20,7 +20,7 @@ _RANGES = [
     ("exec_slots_per_cell", 1, False), ("engine_max_running", 1, False), ("execution_timeout_s", 0, True),
     ("eval_attempts", 1, False), ("eval_budget_s", 0, False), ("j_max", 1, False), ("micro_step_tokens", 1, False),
     ("lr", 0, True), ("topology_timeout_s", 0, True), ("checkpoint_every", 0, False), ("worker_timeout_s", 0, True),
-    ("worker_call_timeout_s", 0, True), ("default_max_tokens", 1, False), ("max_tokens_cap", 1, False),
+    ("worker_call_timeout_s", 0, True), ("checkpoint_timeout_s", 0, True), ("default_max_tokens", 1, False), ("max_tokens_cap", 1, False),
     ("max_context", 2, False), ("rollout_temperature", 0, True), ("transfer_port", 0, False), ("proxy_port", 0, False),
 ]
 
@@ -67,6 +67,7 @@ class CoordinatorConfig:
     checkpoint_every: int = 5  # steps between checkpoints (at a publication); 0: never
     worker_timeout_s: float = 10.0  # a worker silent this long is dead (heartbeats every 0.5 s)
     worker_call_timeout_s: float = 600.0  # a micro-step, optimizer step or other long worker call
+    checkpoint_timeout_s: float = 3600.0  # saving or loading a checkpoint (weights + optimizer state, a slow disk)
     keys_dir: Path | None = None  # CURVE keys (gyre keys init): encrypted link, authorised workers only
     engine_backend: str = "cpu"  # the rollout engine of workerds this run spawns: cpu | sglang
     trainer_backend: str = "cpu"  # their trainer: cpu | megatron (external workerds pick their own flags)

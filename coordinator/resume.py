@@ -140,7 +140,7 @@ async def checkpoint(coord) -> None:
     t0 = time.monotonic()
     folder = step_dir(coord.c.run_dir, coord.steps_done)
     folder.mkdir(parents=True, exist_ok=True)
-    await coord._call(coord.nodes[0], "save_checkpoint", path=str(folder / "trainer.pt"))
+    await coord._call(coord.nodes[0], "save_checkpoint", _timeout=coord.c.checkpoint_timeout_s, path=str(folder / "trainer.pt"))
     write_state(coord.c.run_dir, coord.steps_done, {
         "step": coord.steps_done, "version": coord.version, "publications": coord.publications,
         "groups_dispatched": coord.groups_dispatched,
@@ -156,7 +156,7 @@ async def restore(coord) -> None:
     dispatches, outcomes, _ = coord._journal
     core = coord.nodes[0]
     if folder is not None:
-        loaded = await coord._call(core, "load_checkpoint", path=str(folder / "trainer.pt"))
+        loaded = await coord._call(core, "load_checkpoint", _timeout=coord.c.checkpoint_timeout_s, path=str(folder / "trainer.pt"))
         coord.trainer_version = coord.version = int(loaded["version"])
     else:  # no checkpoint yet: the model directory's weights, which every cell loaded at start
         coord.trainer_version = coord.version = 0

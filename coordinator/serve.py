@@ -56,13 +56,12 @@ async def run_harness_once(proxy: ProxyServer, preset: HarnessPreset, prompt: st
 SERVING_FIELDS = ("default_max_tokens", "max_tokens_cap", "max_context", "rollout_temperature", "rollout_top_p")
 
 
-def serve_settings(*, model_dir: Path, config: Path | None = None, sets: list[str] | None = None,
-                   max_context: int | None = None) -> dict:
-    """The serving fields of a run config (file < --set < --max-context), resolved for the
-    model as `gyre up` resolves them: output limits from gyre.json or the remaining
-    context, the context clamped to the model's. Serving trains nothing, so rollout_top_p
-    < 1 is allowed here."""
-    from gyre.coordinator.runconfig import ConfigError, load_config_file, model_defaults, parse_sets
+def serve_fields(*, config: Path | None = None, sets: list[str] | None = None,
+                 max_context: int | None = None) -> dict:
+    """The serving fields of a run config (file < --set < --max-context), checked: nothing
+    is resolved against a model yet, so a bad value is refused before anything is made.
+    Serving trains nothing, so rollout_top_p < 1 is allowed here."""
+    from gyre.coordinator.runconfig import ConfigError, load_config_file, parse_sets
 
     values = {k: v for k, v in (load_config_file(config) if config else {}).items() if k in SERVING_FIELDS}
     for name, value in parse_sets(sets or []).items():
@@ -80,10 +79,21 @@ def serve_settings(*, model_dir: Path, config: Path | None = None, sets: list[st
         raise ConfigError(f"field rollout_temperature: expected a number >= 0, got {temperature!r}")
     if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
         raise ConfigError(f"field rollout_top_p: expected a number in (0, 1], got {top_p!r}")
-    limits = model_defaults(model_dir, lr=0.0, default_max_tokens=values.get("default_max_tokens"),
-                            max_tokens_cap=values.get("max_tokens_cap"), max_context=values.get("max_context"))
+    return {**values, "rollout_temperature": float(temperature), "rollout_top_p": float(top_p)}
+
+
+def serve_settings(*, model_dir: Path, fields: dict | None = None) -> dict:
+    """The ProxyConfig settings of `serve_fields`, resolved for the model as `gyre up`
+    resolves them: output limits from gyre.json or the remaining context, the context
+    clamped to the model's."""
+    from gyre.coordinator.runconfig import model_defaults
+
+    f = fields if fields is not None else serve_fields()
+    limits = model_defaults(model_dir, lr=0.0, default_max_tokens=f.get("default_max_tokens"),
+                            max_tokens_cap=f.get("max_tokens_cap"), max_context=f.get("max_context"))
     return {"default_max_tokens": limits["default_max_tokens"], "max_tokens_cap": limits["max_tokens_cap"],
-            "max_context": limits["max_context"], "temperature": float(temperature), "top_p": float(top_p)}
+            "max_context": limits["max_context"], "temperature": f.get("rollout_temperature", 1.0),
+            "top_p": f.get("rollout_top_p", 1.0)}
 
 
 async def serve(*, model_dir: Path, run_dir: Path, host: str, port: int, execution: str = "serve",

@@ -9,10 +9,13 @@ re-tokenisation. Not the tree: matching lives in tree.py.
 
 Two rules make a segment's tokens those of the whole rendered text (what Hugging Face's
 `apply_chat_template` gives), for content without special-token text:
-- Content is text. Message contents (and tool-call argument strings) are marked while
-  rendering and encoded with no added-token matching, so a literal `<|im_start|>system` in
-  a user message or a tool result is plain text, never a role turn; only the template's own
-  glue produces special tokens.
+- Content is text. Message contents and tool-call arguments (what a user, a tool or the
+  harness wrote) are marked while rendering and encoded with no added-token matching, so a
+  literal `<|im_start|>system` in a user message or a tool result is plain text, never a
+  role turn. Everything else is the template's (its glue, and the tool definitions and
+  names it renders, as Hugging Face renders them). Markers sit around each content's
+  non-blank core, so a template that trims or strips content sees the same text; one that
+  rewrites content beyond that (probed at load) gets unmarked content, with a warning.
 - Cuts sit where tokenisation splits anyway: before an added token of the glue (which
   splits the text before pre-tokenisation) or at a recorded output. The end of a message's
   content moves forward to the next such place (Qwen's `result\\n` + `\\n</tool_response>`
@@ -37,13 +40,14 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 
-from gyre.proxy.types import Message, RequestError, ToolSpec
+from gyre.proxy.types import Message, RequestError, ToolCall, ToolSpec
 
 log = logging.getLogger("gyre.proxy")
 
 # Private-use markers with a per-process nonce: they cannot come from a client by accident
-# (a message containing the nonce is refused).
-_NONCE = secrets.token_hex(4)
+# (a message containing the nonce is refused). Digits, so a template's upper() / lower()
+# leaves them as they are.
+_NONCE = f"{secrets.randbelow(10 ** 8):08d}"
 MARK = f"\ue000{_NONCE}\ue000"  # end of one message's content
 REF_OPEN, REF_CLOSE = f"\ue001{_NONCE}:", "\ue001"  # a recorded output, by key
 C_OPEN, C_CLOSE = f"\ue002{_NONCE}\ue002", f"\ue003{_NONCE}\ue003"  # around content: plain text
@@ -111,12 +115,17 @@ class ChatTokenizer:
         self.tool_call_open, self.tool_call_close = TOOL_OPEN, TOOL_CLOSE
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         spec = json.loads(tok_path.read_text())
-        self._plain = _plain_tokenizer(spec)
+        # A run after an added token is not at the text's start: SentencePiece-style "first"
+        # pre-tokenizers prepend their word marker only at offset 0 of the whole prompt.
+        self._plain, self._plain_first = _plain_tokenizer(spec, first=False), _plain_tokenizer(spec, first=True)
         self._added, self._added_re = _added_tokens(spec)
         self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._cache_first: OrderedDict[str, list[int]] = OrderedDict()  # segments that begin a prompt
         self._cache_size = cache_size
         self._leads: dict[str, int | None] = {}  # chunk -> where its leading glue may be cut (see to_segments)
         self._split: OrderedDict[str, list] = OrderedDict()  # segment text -> its Text/Ref pieces
+        self.marked = True  # content marked as plain text; off for a template that rewrites content
+        self.marked = self._markers_survive(root)
         self.supports_tools = self._renders_tools()
         if not self.supports_tools:
             log.warning("the chat template in %s ignores `tools`: tool schemas and earlier tool calls never reach "
@@ -140,45 +149,54 @@ class ChatTokenizer:
         tests). Prompts are encoded by `encode_segment`."""
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
-    def encode_plain(self, text: str) -> list[int]:
-        """Token ids of `text` as plain text: special-token strings in it are just characters."""
-        return self._plain.encode(text, add_special_tokens=False).ids
+    def encode_plain(self, text: str, *, at_start: bool = False) -> list[int]:
+        """Token ids of `text` as plain text: special-token strings in it are just characters
+        (`at_start`: the text begins the prompt, for pre-tokenizers that treat that specially)."""
+        return (self._plain_first if at_start else self._plain).encode(text, add_special_tokens=False).ids
 
-    def encode_segment(self, text: str) -> list[int]:
+    def encode_segment(self, text: str, *, at_start: bool = False) -> list[int]:
         """Token ids of one prompt segment (rendered text with its content marked), cached
         by the segment: the glue's added tokens become their ids, everything between them
-        (glue text and content together) is encoded as one plain run, as a whole text is."""
-        ids = self._cache.get(text)
+        (glue text and content together) is encoded as one plain run, as a whole text is.
+        `at_start`: the segment begins the prompt. A content marker the template separated
+        from its pair (Qwen3 keeps only the text after a `</think>`) is dropped, its text
+        encoded as glue."""
+        cache = self._cache if not at_start else self._cache_first
+        ids = cache.get(text)
         if ids is not None:
-            self._cache.move_to_end(text)
+            cache.move_to_end(text)
             return ids
-        ids, plain = [], []
-        for i, part in enumerate(text.split(C_OPEN)):
-            if i:
-                content, _, part = part.partition(C_CLOSE)
-                plain.append(content)
+        ids: list[int] = []
+        plain: list[str] = []
+
+        def flush() -> None:  # the run so far; only the segment's first can begin the prompt
+            run = "".join(plain)
+            if run:
+                ids.extend(self.encode_plain(run, at_start=at_start and not ids))
+            plain.clear()
+
+        for is_content, piece in _pieces_of(text):
+            if is_content:
+                plain.append(piece)
+                continue
             pos = 0
-            for m in self._added_re.finditer(part) if self._added_re is not None else ():
-                plain.append(part[pos:m.start()])
-                run = "".join(plain)
-                if run:
-                    ids += self.encode_plain(run)
-                plain = []
+            for m in self._added_re.finditer(piece) if self._added_re is not None else ():
+                plain.append(piece[pos:m.start()])
+                flush()
                 key = m.group(0)
                 ids.append(self._added[key] if key in self._added else self._added[key.strip()])
                 pos = m.end()
-            plain.append(part[pos:])
-        run = "".join(plain)
-        if run:
-            ids += self.encode_plain(run)
-        self._cache[text] = ids
-        if len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
+            plain.append(piece[pos:])
+        flush()
+        cache[text] = ids
+        if len(cache) > self._cache_size:
+            cache.popitem(last=False)
         return ids
 
     def prompt_ids(self, messages: list[Message], tools: list[ToolSpec]) -> list[int]:
         """The prompt of a conversation with no recorded outputs (count_tokens, tests)."""
-        return [t for seg in self.segments(messages, tools, {}) for t in self.encode_segment(seg.text)]
+        return [t for i, seg in enumerate(self.segments(messages, tools, {}))
+                for t in self.encode_segment(seg.text, at_start=i == 0)]
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -247,6 +265,30 @@ class ChatTokenizer:
                 self._split.popitem(last=False)
         return pieces
 
+    def _markers_survive(self, root: Path) -> bool:
+        """Whether content can be marked for this template: rendering marked content and
+        removing the markers gives exactly the plain render (a template that trims content,
+        or splits it, still sees the same text). Else content is rendered unmarked, with a
+        warning: special-token strings in it then match as Hugging Face would match them."""
+        probe = [Message("system", "  You are terse.\n"), Message("user", "\n hello there \n"),
+                 Message("assistant", "<think>\nmaybe\n</think>\n\nok  "), Message("user", "next"),
+                 Message("assistant", " ", tool_calls=[ToolCall("c1", "f", '{"x": " a\\n"}')]),
+                 Message("tool", "result\n", tool_call_id="c1"), Message("tool", "more", tool_call_id="c1")]
+        tools = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {
+            "type": "object", "properties": {"x": {"type": "string"}}}}}]
+        try:
+            for msgs, spec in ((probe, tools), (probe[:4], None), (probe[1:4], None)):
+                plain = self.render([_template_message(m, {}, None) for m in msgs], spec, True)
+                marked = self.render([_template_message(m, {}, True) for m in msgs], spec, True)
+                if _strip_markers(marked) != plain:
+                    log.warning("the chat template in %s rewrites message content in a way gyre's content markers "
+                                "cannot follow: content is encoded with special-token matching for this model "
+                                "(a literal special token in a tool result would be one)", root)
+                    return False
+        except RequestError:
+            return True  # a template that refuses the probe's shape: judged on real requests
+        return True
+
     def _renders_tools(self) -> bool:
         """Whether the template renders a tool list at all (SmolLM2's stock one does not)."""
         probe = [{"role": "user", "content": "hi"}]
@@ -270,7 +312,7 @@ class ChatTokenizer:
             if i in refs:
                 rendered.append({"role": "assistant", "content": f"{REF_OPEN}{refs[i]}{REF_CLOSE}"})
             else:
-                rendered.append(_template_message(m, restore_args))
+                rendered.append(_template_message(m, restore_args, self.marked))
         return self.render(rendered, tools, add_generation_prompt=True).split(MARK)
 
     @cached_property
@@ -296,18 +338,32 @@ def chunks_to_segments(chunks: list[str]) -> list[Text | Ref]:
     return out
 
 
-def _template_message(m: Message, restore_args: dict[str, str]) -> dict[str, Any]:
+def _content(text: str, marked: bool | None) -> str:
+    """A message's content as rendered: its end marked (MARK, where chunks are cut) and,
+    with `marked`, its non-blank core between content markers. Whitespace stays outside
+    them, so a template's trim / strip sees plain text; None: no markers at all (probes)."""
+    if not text or marked is None:
+        return text
+    core = text.strip()
+    if not marked or not core:
+        return text + MARK
+    lead = len(text) - len(text.lstrip())
+    return f"{text[:lead]}{C_OPEN}{core}{C_CLOSE}{MARK}{text[lead + len(core):]}"
+
+
+def _template_message(m: Message, restore_args: dict[str, str], marked: bool | None) -> dict[str, Any]:
     # Empty content stays empty (templates test its truthiness); that message then shares
     # a segment with the next one, which only makes matching coarser, never wrong.
-    d: dict[str, Any] = {"role": m.role, "content": f"{C_OPEN}{m.content}{C_CLOSE}{MARK}" if m.content else ""}
+    d: dict[str, Any] = {"role": m.role, "content": _content(m.content, marked)}
     if m.tool_calls:
         calls = []
         for c in m.tool_calls:
             raw = restore_args.get(c.id, c.arguments)  # the original payload, if we emitted it
             try:
-                args = _content_leaves(json.loads(raw))
+                args = json.loads(raw)
+                args = _content_leaves(args) if marked else args
             except ValueError:
-                args = raw
+                args = f"{C_OPEN}{raw}{C_CLOSE}" if marked and raw else raw
             calls.append({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": args}})
         d["tool_calls"] = calls
     if m.tool_call_id is not None:
@@ -315,6 +371,28 @@ def _template_message(m: Message, restore_args: dict[str, str]) -> dict[str, Any
     if m.name:
         d["name"] = m.name
     return d
+
+
+_MARKERS = re.compile(f"({re.escape(C_OPEN)}|{re.escape(C_CLOSE)})")
+
+
+def _pieces_of(text: str) -> list[tuple[bool, str]]:
+    """(is_content, text) runs of a segment: content is what lies between a C_OPEN and the
+    C_CLOSE right after it; markers left without their pair are dropped."""
+    if _NONCE not in text:
+        return [(False, text)]
+    items = _MARKERS.split(text)
+    texts, marks = items[0::2], items[1::2]
+    out = []
+    for j, t in enumerate(texts):
+        content = j > 0 and marks[j - 1] == C_OPEN and j < len(marks) and marks[j] == C_CLOSE
+        if t:
+            out.append((content, t))
+    return out
+
+
+def _strip_markers(text: str) -> str:
+    return text.replace(C_OPEN, "").replace(C_CLOSE, "").replace(MARK, "")
 
 
 def display_key(text: str) -> str:
@@ -335,12 +413,27 @@ def _content_leaves(obj: Any) -> Any:
     return obj
 
 
-def _plain_tokenizer(spec: dict):
+def _plain_tokenizer(spec: dict, *, first: bool):
     """The same tokenizer without its added tokens: text encoded by it is never split on a
-    special-token string (the model part, normaliser and pre-tokeniser are the same)."""
+    special-token string (the model part, normaliser and pre-tokeniser are the same). With
+    `first` False, a Metaspace pre-tokenizer that prepends its marker at the text's start
+    only (prepend_scheme "first") prepends none: a run after an added token is not there."""
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_str(json.dumps({**spec, "added_tokens": []}))
+    plain = {**spec, "added_tokens": []}
+    if not first:
+        plain["pre_tokenizer"] = _no_first_prepend(spec.get("pre_tokenizer"))
+    return Tokenizer.from_str(json.dumps(plain))
+
+
+def _no_first_prepend(pre: Any) -> Any:
+    if not isinstance(pre, dict):
+        return pre
+    if pre.get("type") == "Metaspace" and pre.get("prepend_scheme") == "first":
+        return {**pre, "prepend_scheme": "never"}
+    if pre.get("type") == "Sequence":
+        return {**pre, "pretokenizers": [_no_first_prepend(p) for p in pre.get("pretokenizers", [])]}
+    return pre
 
 
 def _added_tokens(spec: dict) -> tuple[dict[str, int], re.Pattern | None]:

@@ -93,7 +93,8 @@ class Execution:
                     continue
                 nid = None if plan else self.tree.child(parent, "text", text)
                 if nid is None:
-                    plan.append(("text", text, self.tokenizer.encode_segment(text)))
+                    start = parent < 0 and not plan  # the prompt's first text
+                    plan.append(("text", text, self.tokenizer.encode_segment(text, at_start=start)))
                     continue
             path.append(nid)
             parent = nid

@@ -12,8 +12,10 @@ begins is dropped whole, with everything after it, so the text returned is exact
 decoding of the tokens kept (`kept`), which the caller records. What that token carried
 before the stop string is therefore not returned either (the recorded output and the reply
 stay the same tokens: the next prompt then continues what the harness really has). Text is
-held back by whole tokens while it could still begin a stop string. Not the recorder: the
-caller records `ids[:kept]`.
+held back by whole tokens while it could still begin a stop string. One exception: a stop
+string that begins in the token closing a tool call keeps that token (the call stands); the
+record then holds the stop string's first characters, which the reply does not. Not the
+recorder: the caller records `ids[:kept]`.
 """
 
 from __future__ import annotations
@@ -78,6 +80,8 @@ class OutputParser:
         self._base = 0  # offset of _text[0] in the whole decoded output
         self._starts: deque[tuple[int, int]] = deque()  # (offset, token) where each token's text begins
         self._call: str | None = None  # text inside <tool_call> ... </tool_call>, while open
+        self._index = -1  # the output token being fed
+        self._floor = 0  # tokens a stop string may not cut into: through the one closing the last tool call
         self.content = ""
         self.tool_calls: list[ToolCall] = []
         self.invalid_tool_calls = 0
@@ -90,6 +94,7 @@ class OutputParser:
             if self.stopped:
                 break
             index, self._n = self._n, self._n + 1
+            self._index = index
             if t in self._stop_ids:
                 if self._pending_tok == index:  # nothing held by the decoder: text resumes after it
                     self._pending_tok = index + 1
@@ -152,7 +157,12 @@ class OutputParser:
                 break
             offset, token = o, t
         self.stopped = True
-        self.kept = token
+        if token < self._floor:
+            # The stop string begins in the token that closed a tool call (SmolLM2 has `>.`):
+            # that token is kept, the call stands, and only its text before the stop is returned.
+            self.kept, offset = self._floor, where
+        else:
+            self.kept = token
         text, self._text = self._text[:max(0, offset - self._base)], ""
         return self._text_delta(text)
 
@@ -192,6 +202,7 @@ class OutputParser:
             return []
         body, rest = self._call[:end], self._call[end + len(self._close):]
         self._call = None
+        self._floor = self._index + 1
         out = self._close_call(body)
         self._base += len(body) + len(self._close)
         return out + (self._take(rest, self._pending_tok) if rest else [])

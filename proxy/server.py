@@ -316,7 +316,7 @@ class _Call:
         while True:
             chunk = await self._next(queue)
             self._absorb(chunk)
-            if chunk.finished or await self._stop_early():
+            if await self._stop_early() or chunk.finished:  # a stop string decides first
                 break
         result = self._result()
         self._record("ok", result)
@@ -337,7 +337,7 @@ class _Call:
             for d in self._absorb(chunk):
                 for event in stream.delta(d):
                     await resp.write(event)
-            if chunk.finished or await self._stop_early():
+            if await self._stop_early() or chunk.finished:  # a stop string decides first
                 break
             chunk = await self._next(queue, ping=lambda: resp.write(stream.ping()))
         result = self._result()

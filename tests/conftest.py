@@ -20,27 +20,35 @@ CORPUS = [
     "You are a helpful assistant.\n\nDo the task.\n", "hello world, hello there!\n\n\n", "  indented\n    more\n",
     '{"path": "notes/a.txt", "content": "hi\\n"}\n', "def f(x):\n    return x + 1\n\n", "result\n\n", "ok\n\n\n\n",
     "The quick brown fox jumps over the lazy dog.  Twice.\t\ttabs\r\n", "<tool_call>\n</tool_call>\n",
+    "é 42 ! {} : \" x word", "".join(chr(c) for c in range(32, 127)),
 ]
 
 
 def build_bpe_dir(root, *, split: str, added: list[str]):
-    """A tokenizer with real merges (a byte-level BPE trained on a small corpus) and the tiny
-    model's chat template: `split` "qwen2" (Qwen2's pre-tokenizer regex) or "gpt2" (GPT-2's,
-    as SmolLM2), `added` the added tokens (Qwen's has the tool tags, SmolLM2's only ChatML's).
-    Enough for the proxy's tokenisation properties; there are no weights."""
+    """A tokenizer with real merges (a BPE trained on a small corpus) and the tiny model's chat
+    template: `split` "qwen2" (byte-level, Qwen2's pre-tokenizer regex), "gpt2" (byte-level,
+    GPT-2's, as SmolLM2) or "metaspace" (SentencePiece-style, prepend_scheme "first"), `added`
+    the added tokens (Qwen's has the tool tags, SmolLM2's only ChatML's). Enough for the
+    proxy's tokenisation properties; there are no weights."""
     import json
 
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from gyre.workerd.modeldir import CHAT_TEMPLATE
 
-    tok = Tokenizer(models.BPE())
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split == "gpt2")
-    tok.pre_tokenizer = byte_level if split == "gpt2" else pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"), byte_level])
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=700, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    if split == "metaspace":  # SentencePiece-style (Mistral, Llama 2): "▁" marks spaces, prepended at offset 0
+        tok = Tokenizer(models.BPE(unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+        tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+        trainer = trainers.BpeTrainer(vocab_size=700, show_progress=False, special_tokens=["<unk>"])
+    else:
+        tok = Tokenizer(models.BPE())
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split == "gpt2")
+        tok.pre_tokenizer = byte_level if split == "gpt2" else pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"), byte_level])
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=700, show_progress=False,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS * 20, trainer)
     tok.add_special_tokens([AddedToken(t, special=t.startswith("<|"), normalized=False) for t in added])
     root.mkdir(parents=True, exist_ok=True)
@@ -57,12 +65,13 @@ def bpe_dirs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("bpe")
     return {"qwen2": build_bpe_dir(root / "qwen2", split="qwen2", added=SPECIAL_TOKENS),
-            "gpt2": build_bpe_dir(root / "gpt2", split="gpt2", added=SPECIAL_TOKENS[:3])}
+            "gpt2": build_bpe_dir(root / "gpt2", split="gpt2", added=SPECIAL_TOKENS[:3]),
+            "metaspace": build_bpe_dir(root / "metaspace", split="metaspace", added=SPECIAL_TOKENS)}
 
 
-@pytest.fixture(scope="session", params=["tiny", "qwen2", "gpt2"])
+@pytest.fixture(scope="session", params=["tiny", "qwen2", "gpt2", "metaspace"])
 def any_tokenizer(request, tiny_dir, bpe_dirs):
-    """The tiny model's byte tokenizer and the two BPE ones, each a ChatTokenizer."""
+    """The tiny model's byte tokenizer and the three BPE ones, each a ChatTokenizer."""
     from gyre.proxy.chat import ChatTokenizer
 
     return ChatTokenizer(tiny_dir if request.param == "tiny" else bpe_dirs[request.param])

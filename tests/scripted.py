@@ -37,6 +37,7 @@ class ScriptedEngine:
     tokens_per_step: int = 3
     version: int = 0
     hold: bool = False  # keep requests open (never finish) until released
+    final_reason: str = "stop"  # the finish reason of a completed output ("length": as if cut at max tokens)
     prompts: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self):
@@ -71,7 +72,8 @@ class ScriptedEngine:
             done = st[1] >= len(ids)
             if done:
                 del self._running[rid]
-            outs.append(Out(rid, chunk, [-0.25] * len(chunk), self.version, done, "stop" if done else None, n_prompt))
+            outs.append(Out(rid, chunk, [-0.25] * len(chunk), self.version, done,
+                            self.final_reason if done else None, n_prompt))
         return outs
 
     def abort(self, rid):

@@ -165,8 +165,9 @@ def gyre_defaults(model_dir: str | Path) -> dict:
     out = {}
     for key, value in raw.items():
         kind = DEFAULT_KEYS[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise ModelDirError(f"{path}: {key} must be a positive number, got {value!r}")
+        wrong = isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value))
+        if wrong or value <= 0:
+            raise ModelDirError(f"{path}: {key} must be a positive {kind.__name__}, got {value!r}")
         out[key] = kind(value)
     return out
 

@@ -109,7 +109,7 @@ def test_per_model_defaults_and_the_context_clamp(tmp_path, tiny_dir, caplog):
 
     from gyre.coordinator.config import CoordinatorConfig
     from gyre.coordinator.runconfig import with_model_defaults
-    from gyre.coordinator.serve import serve_settings
+    from gyre.coordinator.serve import serve_fields, serve_settings
 
     c = with_model_defaults(CoordinatorConfig(run_dir=tmp_path, model_dir=tiny_dir))
     assert (c.lr, c.default_max_tokens, c.max_tokens_cap, c.max_context) == (3e-3, 16, 64, 32768)
@@ -124,10 +124,10 @@ def test_per_model_defaults_and_the_context_clamp(tmp_path, tiny_dir, caplog):
     assert (c.lr, c.default_max_tokens, c.max_tokens_cap, c.max_context) == (1e-6, 100, None, 4096)
     assert "clamped to 4096" in caplog.text
     assert with_model_defaults(c) is c  # idempotent
-    s = serve_settings(model_dir=real, sets=["max_tokens_cap=300"], max_context=9999)
+    s = serve_settings(model_dir=real, fields=serve_fields(sets=["max_tokens_cap=300"], max_context=9999))
     assert (s["max_context"], s["default_max_tokens"], s["max_tokens_cap"]) == (4096, None, 300)
     with pytest.raises(ConfigError, match="gyre serve takes only"):
-        serve_settings(model_dir=real, sets=["lr=1"])
+        serve_fields(sets=["lr=1"])
 
 
 async def test_the_proxy_cuts_output_to_the_cap_and_the_context(chat_tokenizer):

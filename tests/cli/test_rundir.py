@@ -98,6 +98,17 @@ def test_a_refused_run_is_one_line_and_leaves_no_run_directory(tmp_path, monkeyp
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("args, says", [
+    (["--set", "lr=1"], "gyre serve takes only"),
+    (["--set", "default_max_tokens=0"], "expected a positive int"),
+    (["--set", "rollout_top_p=2"], "rollout_top_p: expected a number in (0, 1]"),
+])
+def test_a_refused_serve_leaves_no_run_directory(tmp_path, monkeypatch, args, says):
+    monkeypatch.chdir(tmp_path)
+    assert says in one_line_error(runner.invoke(app, ["serve", *args]))
+    assert not (tmp_path / "runs").exists()
+
+
 def test_model_directory_problems_are_one_line_errors(tmp_path, tiny_dir, monkeypatch):
     import shutil
 

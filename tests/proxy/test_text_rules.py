@@ -127,6 +127,9 @@ def feed_all(parser, ids, sizes):
 
 
 text_chars = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",), exclude_characters="<"), max_size=60)
+# Text every test vocabulary can write back (the SentencePiece-style one knows only its corpus' characters).
+known_chars = st.one_of(text_chars, st.text(st.sampled_from(sorted(set("é 42!{}:\"xwordhello,.\n\t") - {"<"})),
+                                            max_size=40))
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -167,8 +170,9 @@ def test_invalid_bytes_cost_bounded_work(chat_tokenizer):
     assert max(lengths) <= 2 * IncrementalDecoder.MAX_PENDING + 2 and text == chat_tokenizer.decode([0x80] * 200)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(before=text_chars, after=text_chars, path=text_chars, sizes=st.lists(st.integers(1, 4), max_size=40))
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.filter_too_much])
+@given(before=known_chars, after=known_chars, path=known_chars, sizes=st.lists(st.integers(1, 4), max_size=40))
 def test_tool_calls_are_found_in_the_text(any_tokenizer, before, after, path, sizes):
     tok = any_tokenizer
     # Only text the vocabulary can write (SmolLM2's has no token for some bytes: they vanish).
@@ -190,11 +194,13 @@ def test_the_tool_tags_are_several_tokens_in_the_gpt2_vocabulary(bpe_dirs):
     assert len(tok.encode("<tool_call>")) > 1  # as in SmolLM2, Llama 3, Mistral
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=80, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.filter_too_much])
 @given(text=st.text(st.sampled_from("ab \nxyz.é"), min_size=1, max_size=40), data=st.data(),
        sizes=st.lists(st.integers(1, 4), max_size=20))
 def test_a_stop_string_ends_the_output_on_a_token_the_record_keeps(any_tokenizer, text, data, sizes):
     tok = any_tokenizer
+    assume(tok.decode(tok.encode(text)) == text)  # SentencePiece-style drops a leading space
     i = data.draw(st.integers(0, len(text) - 1))
     stop = text[i:data.draw(st.integers(i + 1, min(len(text), i + 4)))]
     ids = tok.encode(text) + tok.encode("<|im_end|>")
@@ -206,9 +212,13 @@ def test_a_stop_string_ends_the_output_on_a_token_the_record_keeps(any_tokenizer
     assert parser.stopped and parser.kept is not None
     # What the client got is exactly the decoding of the tokens recorded...
     assert streamed == parser.content == tok.decode(ids[:parser.kept])
-    # ...which ends before the stop string, at most one token short of it.
+    # ...which ends before the stop string, at most one token short of it (tokens that
+    # decode to nothing, SentencePiece's lone "▁", go with the token after them).
     assert text[:first].startswith(streamed)
-    assert len(tok.decode(ids[:parser.kept + 1])) > first
+    j = parser.kept
+    while j < len(ids) and tok.decode(ids[:j + 1]) == streamed:
+        j += 1
+    assert len(tok.decode(ids[:j + 1])) > first
 
 
 def test_an_unclosed_or_malformed_tool_call_is_text(any_tokenizer):
@@ -255,3 +265,82 @@ def test_a_template_that_ignores_tools_is_warned_about_at_load(tiny_dir, tmp_pat
     with caplog.at_level("WARNING", logger="gyre.proxy"):
         assert ChatTokenizer(tiny_dir).supports_tools
     assert "ignores" not in caplog.text
+
+
+TRANSFORMING = {
+    # Llama 3 trims every message's content.
+    "trim": "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    # Qwen3 keeps only the text after a `</think>` of earlier assistant turns, stripped of newlines.
+    "think": "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}"
+             "{{ m.content.split('</think>')[-1].lstrip('\\n') }}{% else %}{{ m.content }}{% endif %}<|im_end|>\n"
+             "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMING))
+def test_templates_that_rewrite_content_still_tokenise_as_the_whole_text(tiny_dir, tmp_path, name):
+    """Markers sit around content's non-blank core (whitespace outside, for trim and strip),
+    and a marker the template separates from its pair is dropped: gyre's prompt is the
+    whole text's, no private character in it, and forged special-token text stays text."""
+    import shutil
+
+    from gyre.proxy.chat import _NONCE, ChatTokenizer
+
+    d = tmp_path / name
+    shutil.copytree(tiny_dir, d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": TRANSFORMING[name]}))
+    tok = ChatTokenizer(d)
+    assert tok.marked
+    # (The thinking text is special-token text, plain for gyre: only the think template drops it.)
+    reply = "<think>\nhmm\n</think>\n\n answer  " if name == "think" else "\n answer  "
+    msgs = [Message("system", "  sys  \n"), Message("user", "\n hi there \n"), Message("assistant", reply),
+            Message("user", "again")]
+    ids = tok.prompt_ids(msgs, [])
+    assert ids == tok.encode(tok.render([plain(m) for m in msgs], None, True))
+    assert _NONCE not in tok.decode(ids)
+    forged = tok.prompt_ids([Message("user", f"  {FORGED}  ")], [])
+    assert forged.count(tok.encode("<|im_start|>")[0]) == 2  # the user turn and the generation prompt
+
+
+def test_a_template_the_markers_cannot_follow_renders_content_unmarked(tiny_dir, tmp_path, caplog):
+    import shutil
+
+    from gyre.proxy.chat import ChatTokenizer
+
+    d = tmp_path / "truncate"
+    shutil.copytree(tiny_dir, d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content[:30] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
+    with caplog.at_level("WARNING", logger="gyre.proxy"):
+        tok = ChatTokenizer(d)
+    assert not tok.marked and "cannot follow" in caplog.text
+    msgs = [Message("user", "hello there, " * 4), Message("assistant", "ok " * 20), Message("user", "more " * 9)]
+    assert tok.prompt_ids(msgs, []) == tok.encode(tok.render([plain(m) for m in msgs], None, True))
+
+
+def test_a_stop_string_in_the_token_that_closes_a_tool_call_keeps_the_call():
+    """SmolLM2 has tokens such as `>.`: a stop "." there must not cut the tool call out of
+    the record (the call was returned)."""
+    vocab = {1: "<tool_call>", 2: '{"name": "f", "arguments": {"x": 1}}', 3: "</tool_call>.", 4: " more"}
+    parser = OutputParser(lambda ids: "".join(vocab[i] for i in ids), stop_token_ids=frozenset(),
+                          new_call_id=lambda: "c", stop_strings=["."])
+    deltas = feed_all(parser, [1, 2, 3, 4], [1, 1, 1])
+    calls = [d.call for d in deltas if isinstance(d, ToolCallDelta)]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"x": 1})]
+    assert parser.stopped and parser.kept == 3 and parser.content == ""
+
+
+async def test_a_stop_string_in_the_last_chunk_finishes_with_stop(live, clients):
+    import openai
+
+    live.engine.script = ["All done. END"]
+    live.engine.tokens_per_step = 100  # the whole output, and its finish, in one chunk
+    live.engine.final_reason = "length"
+    ex = live.execution()
+    client = clients(openai.AsyncOpenAI, base_url=f"{live.url}/v1", api_key=ex.key, max_retries=0)
+    r = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}], stop=["END"])
+    assert r.choices[0].finish_reason == "stop" and ex.calls[0]["finish_reason"] == "stop"

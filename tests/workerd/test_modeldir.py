@@ -171,3 +171,17 @@ def test_unsupported_rope_and_malformed_configs_are_refused_by_name(tiny_dir, tm
 def test_plain_rope_scaling_entries_are_accepted(tiny_dir, tmp_path):
     d = _with(tiny_dir, tmp_path, rope_scaling={"rope_type": "default"}, rope_theta=5e5)
     assert load_config(d).rope_theta == 5e5
+
+
+@pytest.mark.parametrize("defaults, says", [
+    ({"default_max_tokens": 0.5}, "must be a positive int"), ({"lr": 0}, "must be a positive float"),
+    ({"lr": True}, "must be a positive float"), ({"tempo": 1}, "unknown key"),
+])
+def test_bad_gyre_json_is_refused_by_name(tiny_dir, tmp_path, defaults, says):
+    from gyre.workerd.modeldir import check_model_dir
+
+    d = tmp_path / "m"
+    shutil.copytree(tiny_dir, d)
+    (d / "gyre.json").write_text(json.dumps(defaults))
+    with pytest.raises(ModelDirError, match=says):
+        check_model_dir(d)
