@@ -14,8 +14,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from gyre.coordinator.link import WorkerDeadError, WorkerLink
-from gyre.proxy.backend import BackendUnavailable, Chunk, GenParams
+from gyre.coordinator.link import WorkerDeadError, WorkerError, WorkerLink
+from gyre.proxy.backend import BackendUnavailable, Chunk, EngineRefused, GenParams
 from gyre.workerd import wire
 
 log = logging.getLogger("gyre.coordinator")
@@ -106,6 +106,13 @@ class LinkBackend:
             except WorkerDeadError as e:
                 log.warning("request %s lost its node: %s; rerouting", rid, e)
                 handed_back = True
+            except WorkerError as e:
+                if e.kind not in ("RoleError", "EngineReleased"):
+                    if e.kind == "ValueError":  # the engine refused the request itself
+                        raise EngineRefused(str(e).removeprefix("ValueError: ")) from None
+                    raise
+                log.info("request %s refused by %s while it left rollout: %s; rerouting", rid, route.node, e)
+                handed_back = True  # the node stopped accepting between routing and arrival
             finally:
                 route.finished(loop.time())
                 self._where.pop(rid, None)

@@ -45,6 +45,11 @@ def error_body(status: int, message: str) -> dict:
     return {"type": "error", "error": {"type": _ERROR_TYPES.get(status, "api_error"), "message": message}}
 
 
+def overflow_body(prompt_tokens: int, max_context: int) -> dict:
+    """Anthropic's wording, which Claude Code parses to decide to compact."""
+    return error_body(400, f"prompt is too long: {prompt_tokens} tokens > {max_context - 1} maximum")
+
+
 # --- parsing ------------------------------------------------------------------------------
 
 
@@ -330,3 +335,8 @@ class Stream:
 
     def ping(self) -> bytes:
         return b'event: ping\ndata: {"type": "ping"}\n\n'
+
+    def error(self, status: int, message: str) -> list[bytes]:
+        """An error after the stream started: Anthropic's `error` event (overloaded_error for
+        a 503/529, as its API sends mid-stream)."""
+        return [_event("error", error_body(529 if status in (503, 529) else status, message))]

@@ -28,10 +28,19 @@ def new_tool_call_id() -> str:
     return f"call_{secrets.token_hex(12)}"
 
 
-def error_body(status: int, message: str) -> dict:
+def error_body(status: int, message: str, code: str | None = None) -> dict:
     kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
             413: "invalid_request_error", 429: "rate_limit_error"}.get(status, "server_error")
-    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+def overflow_body(prompt_tokens: int, max_context: int) -> dict:
+    """OpenAI's own wording and code for a prompt past the context (both OpenAI shapes)."""
+    body = error_body(400, f"This model's maximum context length is {max_context} tokens. However, your messages "
+                           f"resulted in {prompt_tokens} tokens. Please reduce the length of the messages.",
+                      code="context_length_exceeded")
+    body["error"]["param"] = "messages"
+    return body
 
 
 # --- parsing ------------------------------------------------------------------------------
@@ -232,3 +241,8 @@ class Stream:
 
     def ping(self) -> bytes:
         return b": keep-alive\n\n"
+
+    def error(self, status: int, message: str) -> list[bytes]:
+        """An error after the stream started: a chunk carrying `error` (the openai SDK raises
+        it as an APIError), then the end of the stream."""
+        return [_sse(error_body(status, message)), b"data: [DONE]\n\n"]

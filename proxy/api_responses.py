@@ -16,11 +16,12 @@ from typing import Any, Mapping
 import orjson
 
 # error_body: the Responses API answers errors in the same shape as Chat Completions.
-from gyre.proxy.api_openai import arguments_text, error_body, expect, optional_int, optional_number, text_of
+from gyre.proxy.api_openai import (arguments_text, error_body, expect, optional_int, optional_number, overflow_body,
+                                   text_of)
 from gyre.proxy.types import (ChatRequest, ChatResult, Delta, Message, ParseMemo, RequestError, TextDelta, ToolCall,
                               ToolCallDelta, ToolSpec)
 
-__all__ = ["NAME", "Stream", "error_body", "new_response_id", "new_tool_call_id", "parse_request",
+__all__ = ["NAME", "Stream", "error_body", "new_response_id", "new_tool_call_id", "overflow_body", "parse_request",
            "render_result"]
 
 NAME = "responses"
@@ -312,4 +313,14 @@ class Stream:
         return out + [self._event(kind, response=response)]
 
     def ping(self) -> bytes:
-        return b": keep-alive\n\n"
+        """A real event while the model is silent: Codex resets its stream idle timer on events
+        that carry data, never on SSE comments."""
+        return self._event("response.in_progress", response=_response(self.req, self.id, self.created_at,
+                                                                       list(self._items)))
+
+    def error(self, status: int, message: str) -> list[bytes]:
+        """An error after the stream started: `response.failed`, the response carrying it."""
+        response = _response(self.req, self.id, self.created_at, list(self._items))
+        code = {400: "invalid_prompt", 429: "rate_limit_exceeded"}.get(status, "server_error")
+        response.update(status="failed", error={"code": code, "message": message})
+        return [self._event("response.failed", response=response)]

@@ -39,6 +39,11 @@ class BackendUnavailable(RuntimeError):
     """No engine can take the request now (all dead or draining); answered with 503."""
 
 
+class EngineRefused(ValueError):
+    """The engine refused the request itself (a prompt past its context, ids outside its
+    vocabulary): the request's fault, answered 400 like any bad request, never a 5xx."""
+
+
 class Backend(Protocol):
     def generate(self, rid: str, prompt_ids: list[int], params: GenParams) -> AsyncIterator[Chunk]: ...
 
@@ -119,6 +124,8 @@ class ThreadEngineBackend:
                 params = self._sampling_cls(max_new_tokens=p.max_new_tokens, temperature=p.temperature,
                                             top_p=p.top_p, stop_token_ids=p.stop_token_ids, seed=p.seed)
                 self.engine.add_request(rid, prompt_ids, params)
+            except ValueError as e:  # the request's fault
+                self._deliver(rid, EngineRefused(str(e)))
             except Exception as e:  # noqa: BLE001 - handed to the waiting request
                 self._deliver(rid, e)
         elif cmd[0] == "abort":

@@ -23,7 +23,7 @@ from gyre.proxy.chat import ChatTokenizer, Ref, display_key
 from gyre.proxy.segmenter import Segmenter
 from gyre.proxy.roles import CallInfo, RoleRule, delegation_prompt
 from gyre.proxy.tree import Node, Tree
-from gyre.proxy.types import ChatRequest, ChatResult, ParseMemo, RequestError
+from gyre.proxy.types import ChatRequest, ChatResult, ContextOverflow, ParseMemo, RequestError
 
 
 @dataclass(slots=True)
@@ -103,7 +103,7 @@ class Execution:
         length = (self.tree.nodes[parent].end if parent >= 0 else 0) + sum(
             len(p[2]) if p[0] == "text" else len(p[1].tokens) for p in plan)
         if max_context is not None and length >= max_context:
-            raise RequestError("messages", f"prompt of {length} tokens fills the {max_context}-token context")
+            raise ContextOverflow(length, max_context)
         # 2) Add the planned nodes.
         self._n_calls += 1
         call_id = f"{self.id}-c{self._n_calls:05d}"

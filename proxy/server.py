@@ -22,12 +22,12 @@ import orjson
 from aiohttp import web
 
 from gyre.proxy import api_anthropic, api_openai, api_responses
-from gyre.proxy.backend import Backend, BackendUnavailable, GenParams
+from gyre.proxy.backend import Backend, BackendUnavailable, EngineRefused, GenParams
 from gyre.proxy.chat import ChatTokenizer
 from gyre.proxy.execution import Execution, Prepared, new_key
 from gyre.proxy.parser import OutputParser
 from gyre.proxy.roles import rule
-from gyre.proxy.types import ChatRequest, ChatResult, RequestError, Usage
+from gyre.proxy.types import ChatRequest, ChatResult, ContextOverflow, RequestError, Usage
 
 log = logging.getLogger("gyre.proxy")
 
@@ -197,6 +197,8 @@ class ProxyServer:
             prep = execution.prepare(req, dict(request.headers), max_context=self.config.max_context)
         except HttpError as e:
             return _error(api, e.status, e.message, e.headers)
+        except ContextOverflow as e:  # in the provider's own words: harnesses compact on them
+            return _json_error(400, api.overflow_body(e.prompt_tokens, e.max_context))
         except RequestError as e:
             return _error(api, e.status, str(e))
         except ValueError as e:
@@ -248,10 +250,11 @@ class _Call:
         except (ConnectionResetError, BrokenPipeError):
             self._record("disconnected")
             return web.Response(status=499)
-        except BackendUnavailable as e:
-            # No engine at all: 503 (retryable), the call is kept as an error record.
+        except (BackendUnavailable, EngineRefused) as e:
+            # No engine at all (503, retryable) or the engine refused the request (400): the
+            # call is kept as an error record.
             self._record("error")
-            return _error(self.api, 503, f"no rollout engine available: {e}")
+            return _error(self.api, *_status_of(e))
         except Exception as e:  # noqa: BLE001 - recorded and answered, never a silent drop
             log.exception("call %s failed", self.prep.call_id)
             self._record("error")
@@ -323,23 +326,36 @@ class _Call:
         return web.json_response(self.api.render_result(result, self.req), dumps=_dumps)
 
     async def _stream(self, queue: asyncio.Queue) -> web.StreamResponse:
-        # Errors before the first token are plain HTTP statuses (harnesses retry those);
-        # once the stream has started it is never cut: waits send keep-alives instead.
-        first = await self._next(queue)
+        # Headers and the opening events go out at once: a harness waiting for its first byte
+        # must not time out while the engine queues or prefills (or a cell changes role).
+        # Everything decidable before generation was answered with a plain status already;
+        # a failure from here on is an error event in the API's own shape, and waits are
+        # filled with keep-alives the harness honours.
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(self.request)
         kwargs = {"input_tokens": len(self.prep.prompt_ids)} if self.api is api_anthropic else {}
         stream = self.api.Stream(self.req, self.response_id, **kwargs)
         for event in stream.start():
             await resp.write(event)
-        chunk = first
-        while True:
-            for d in self._absorb(chunk):
-                for event in stream.delta(d):
-                    await resp.write(event)
-            if await self._stop_early() or chunk.finished:  # a stop string decides first
-                break
-            chunk = await self._next(queue, ping=lambda: resp.write(stream.ping()))
+        try:
+            while True:
+                chunk = await self._next(queue, ping=lambda: resp.write(stream.ping()))
+                for d in self._absorb(chunk):
+                    for event in stream.delta(d):
+                        await resp.write(event)
+                if await self._stop_early() or chunk.finished:  # a stop string decides first
+                    break
+        except (asyncio.CancelledError, ConnectionResetError, BrokenPipeError):
+            raise  # the client left: run() records it
+        except Exception as e:  # noqa: BLE001 - the stream has started: answered in it, recorded
+            if not isinstance(e, (BackendUnavailable, EngineRefused)):
+                log.exception("call %s failed mid-stream", self.prep.call_id)
+            self._record("error")
+            status, message = _status_of(e)
+            for event in stream.error(status, message):
+                await resp.write(event)
+            await resp.write_eof()
+            return resp
         result = self._result()
         self._record("ok", result)
         for event in stream.finish(result):
@@ -352,8 +368,11 @@ class _Call:
             return
         self.recorded = True
         n = self.kept  # the recorded output is what the client was given
+        # The record's finish reason is what ended the call: an error or a disconnect, tool
+        # calls, else the engine's stop or length.
+        finish = status if status != "ok" else "tool_calls" if self.parser.tool_calls else self.finish
         record = self.ex.complete(self.prep, output_ids=self.ids[:n], logprobs=self.logprobs[:n],
-                                  versions=self.versions[:n], finish_reason=self.finish, status=status,
+                                  versions=self.versions[:n], finish_reason=finish, status=status,
                                   engine=self.engine, result=result, request=self.req,
                                   invalid_tool_calls=self.parser.invalid_tool_calls,
                                   sampling={"temperature": self.params.temperature, "top_p": self.params.top_p,
@@ -381,5 +400,17 @@ def _dumps(obj: Any) -> str:
 
 
 def _error(api: ModuleType, status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(status=status, body=orjson.dumps(api.error_body(status, message)),
-                        content_type="application/json", headers=headers)
+    return _json_error(status, api.error_body(status, message), headers)
+
+
+def _json_error(status: int, body: dict, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json", headers=headers)
+
+
+def _status_of(e: Exception) -> tuple[int, str]:
+    """The status and message a failure during generation is answered with."""
+    if isinstance(e, BackendUnavailable):
+        return 503, f"no rollout engine available: {e}"
+    if isinstance(e, EngineRefused):
+        return 400, f"the engine refused the request: {e}"
+    return 500, f"internal error: {type(e).__name__}: {e}"

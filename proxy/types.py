@@ -21,6 +21,16 @@ class RequestError(ValueError):
         self.status = status
 
 
+class ContextOverflow(RequestError):
+    """The prompt leaves no room for output in the context: answered 400 in each provider's
+    own wording, the one its harnesses act on (Claude Code compacts on Anthropic's)."""
+
+    def __init__(self, prompt_tokens: int, max_context: int):
+        self.prompt_tokens, self.max_context = prompt_tokens, max_context
+        self.limit = max_context - 1  # the longest prompt that leaves one token for output
+        super().__init__("messages", f"prompt is too long: {prompt_tokens} tokens > {self.limit} maximum")
+
+
 @dataclass(slots=True)
 class ToolCall:
     id: str

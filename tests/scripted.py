@@ -38,6 +38,8 @@ class ScriptedEngine:
     version: int = 0
     hold: bool = False  # keep requests open (never finish) until released
     final_reason: str = "stop"  # the finish reason of a completed output ("length": as if cut at max tokens)
+    gate: threading.Event | None = None  # when given, no token comes out until it is set (a slow engine)
+    refuse: str | None = None  # a prompt containing this text is refused (ValueError), as an engine refuses
     prompts: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self):
@@ -56,12 +58,17 @@ class ScriptedEngine:
         return self.script.pop(0) if self.script else "Done."
 
     def add_request(self, rid, prompt_ids, params) -> None:
+        prompt = self.tokenizer.decode(prompt_ids)
+        if self.refuse is not None and self.refuse in prompt:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens refused")
         self.prompts.append(list(prompt_ids))
-        text = self.next_output(self.tokenizer.decode(prompt_ids))
+        text = self.next_output(prompt)
         ids = self.tokenizer.encode(text) + [self.stop_id]
         self._running[rid] = [ids, 0, len(prompt_ids)]
 
     def step(self) -> list[Out]:
+        if self.gate is not None and not self.gate.wait(0.01):
+            return []
         outs = []
         for rid, st in list(self._running.items()):
             ids, pos, n_prompt = st

@@ -268,12 +268,13 @@ def sse_events(chunks: list[bytes]) -> list[dict]:
     return events
 
 
-def run_stream(deltas, res):
+def run_stream(deltas, res, ping: bool = False):
     stream = api.Stream(request(), "resp_abc")
     chunks = stream.start()
     for d in deltas:
         chunks += stream.delta(d)
-    chunks.append(stream.ping())
+    if ping:
+        chunks.append(stream.ping())
     return sse_events(chunks + stream.finish(res))
 
 
@@ -351,5 +352,12 @@ def test_stream_finish_emits_output_never_streamed():
     check_stream(events)
 
 
-def test_ping_is_an_sse_comment():
-    assert api.Stream(request(), "resp_abc").ping() == b": keep-alive\n\n"
+def test_a_ping_is_a_real_event_codex_counts_as_activity():
+    """Codex resets its stream idle timer only on events with data: a keep-alive is a
+    repeated response.in_progress, with the items so far, in sequence."""
+    events = run_stream([TextDelta("Hi")], result("Hi"), ping=True)
+    kinds = [e["type"] for e in events]
+    assert kinds[:2] == HEAD and kinds.count("response.in_progress") == 2
+    ping = events[kinds.index("response.in_progress", 2)]
+    assert ping["response"]["status"] == "in_progress" and [i["type"] for i in ping["response"]["output"]] == ["message"]
+    check_stream(events)  # sequence numbers stay consecutive across the keep-alive
