@@ -23,7 +23,7 @@ from gyre.proxy.chat import ChatTokenizer, Ref, display_key
 from gyre.proxy.segmenter import Segmenter
 from gyre.proxy.roles import CallInfo, RoleRule, delegation_prompt
 from gyre.proxy.tree import Node, Tree
-from gyre.proxy.types import ChatRequest, ChatResult, ContextOverflow, ParseMemo, RequestError
+from gyre.proxy.types import ChatRequest, ChatResult, ContextOverflow, ParseMemo
 
 
 @dataclass(slots=True)
