@@ -16,8 +16,9 @@ from typing import Any, Mapping
 import orjson
 
 from gyre.proxy.api_openai import expect, optional_int, optional_number, stop_list
-from gyre.proxy.types import (ChatRequest, ChatResult, Delta, Message, ParseMemo, RequestError, TextDelta, ToolCall,
-                              ToolCallDelta, ToolSpec)
+from gyre.proxy.jsonprefix import JsonPrefix
+from gyre.proxy.types import (ChatRequest, ChatResult, Delta, Message, ParseMemo, RequestError, TextDelta, ToolArgsDelta,
+                              ToolCall, ToolCallDelta, ToolCallEnd, ToolCallStart, ToolSpec)
 
 NAME = "anthropic"
 
@@ -237,12 +238,15 @@ def stop_reason(result: ChatResult) -> str:
 
 def input_json(call: ToolCall) -> str:
     """The tool call's arguments as the JSON text of an object. Anthropic clients require an
-    object, so arguments the model got wrong (not JSON, not an object) are sent as `{}`:
-    the client's own validation then tells the model what is missing."""
+    object: arguments the model left malformed are cut at their last safe point and closed
+    (jsonprefix.py), as they are when streamed; not an object at all: `{}`. The client's own
+    validation then tells the model what is missing."""
     try:
         value = orjson.loads(call.arguments)
     except orjson.JSONDecodeError:
-        return "{}"
+        prefix = JsonPrefix()
+        prefix.feed(call.arguments)
+        return prefix.text[:prefix.safe] + prefix.closers() if prefix.safe else "{}"
     return call.arguments if isinstance(value, dict) else "{}"
 
 
@@ -270,7 +274,10 @@ class Stream:
     delta, finish() once, and ping() while it waits; block indexes count up from 0.
 
     Text opens a block lazily on its first non-empty delta; a tool call closes any open text
-    block, then is sent whole as start / one input_json_delta / stop."""
+    block, opens a tool_use block as soon as its name is known, then sends its arguments as
+    input_json_delta fragments up to their last safe point (clients parse the fragments as
+    they come, so they never see malformed JSON): at the end the rest, or, for arguments the
+    model left malformed, the closers that make the safe prefix valid."""
 
     def __init__(self, req: ChatRequest, response_id: str, input_tokens: int = 0):
         self.req = req
@@ -279,6 +286,7 @@ class Stream:
         self._next_index = 0
         self._text_open = False
         self._sent_calls: set[str] = set()
+        self._args: dict[int, tuple[JsonPrefix, list[int]]] = {}  # call index -> (its arguments, [chars sent])
 
     def start(self) -> list[bytes]:
         message = {"id": self.id, "type": "message", "role": "assistant", "model": self.req.model, "content": [],
@@ -299,6 +307,12 @@ class Stream:
         return _event("content_block_delta", {"type": "content_block_delta", "index": self._next_index - 1,
                                               "delta": delta})
 
+    def _partial(self, text: str, sent: list[int], upto: int) -> list[bytes]:
+        if not text:
+            return []
+        sent[0] = upto
+        return [self._block_delta({"type": "input_json_delta", "partial_json": text})]
+
     def _tool_call(self, call: ToolCall) -> list[bytes]:
         self._sent_calls.add(call.id)
         out = [self._close()] if self._text_open else []
@@ -310,6 +324,19 @@ class Stream:
     def delta(self, d: Delta) -> list[bytes]:
         if isinstance(d, ToolCallDelta):
             return self._tool_call(d.call)
+        if isinstance(d, ToolCallStart):
+            self._sent_calls.add(d.id)
+            self._args[d.index] = (JsonPrefix(), [0])
+            out = [self._close()] if self._text_open else []
+            return out + [self._open({"type": "tool_use", "id": d.id, "name": d.name, "input": {}})]
+        if isinstance(d, ToolArgsDelta):
+            prefix, sent = self._args[d.index]
+            prefix.feed(d.text)
+            return self._partial(prefix.text[sent[0]:prefix.safe], sent, prefix.safe)
+        if isinstance(d, ToolCallEnd):
+            prefix, sent = self._args.pop(d.index)
+            tail = prefix.text[sent[0]:] if prefix.complete else prefix.text[sent[0]:prefix.safe] + prefix.closers()
+            return self._partial(tail, sent, len(prefix.text)) + [self._close()]
         assert isinstance(d, TextDelta)
         if not d.text:
             return []

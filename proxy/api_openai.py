@@ -14,8 +14,8 @@ from typing import Any, Mapping
 
 import orjson
 
-from gyre.proxy.types import (ChatRequest, ChatResult, Delta, Message, ParseMemo, RequestError, TextDelta, ToolCall,
-                              ToolCallDelta, ToolSpec)
+from gyre.proxy.types import (ChatRequest, ChatResult, Delta, Message, ParseMemo, RequestError, TextDelta, ToolArgsDelta,
+                              ToolCall, ToolCallDelta, ToolCallEnd, ToolCallStart, ToolSpec)
 
 NAME = "openai"
 
@@ -224,8 +224,17 @@ class Stream:
         return [_sse(self._chunk({"role": "assistant", "content": ""}))]
 
     def delta(self, d: Delta) -> list[bytes]:
+        """Text as it comes; a tool call as OpenAI streams one: id and name first, then the
+        arguments' text in pieces (the model's exact text: malformed arguments stay as written)."""
         if isinstance(d, TextDelta):
             return [_sse(self._chunk({"content": d.text}))]
+        if isinstance(d, ToolCallStart):
+            return [_sse(self._chunk({"tool_calls": [{"index": d.index, "id": d.id, "type": "function",
+                                                      "function": {"name": d.name, "arguments": ""}}]}))]
+        if isinstance(d, ToolArgsDelta):
+            return [_sse(self._chunk({"tool_calls": [{"index": d.index, "function": {"arguments": d.text}}]}))]
+        if isinstance(d, ToolCallEnd):
+            return []
         assert isinstance(d, ToolCallDelta)
         c = d.call
         return [_sse(self._chunk({"tool_calls": [{"index": d.index, "id": c.id, "type": "function",

@@ -18,8 +18,8 @@ import orjson
 # error_body: the Responses API answers errors in the same shape as Chat Completions.
 from gyre.proxy.api_openai import (arguments_text, error_body, expect, optional_int, optional_number, overflow_body,
                                    text_of)
-from gyre.proxy.types import (ChatRequest, ChatResult, Delta, Message, ParseMemo, RequestError, TextDelta, ToolCall,
-                              ToolCallDelta, ToolSpec)
+from gyre.proxy.types import (ChatRequest, ChatResult, Delta, Message, ParseMemo, RequestError, TextDelta, ToolArgsDelta,
+                              ToolCall, ToolCallDelta, ToolCallEnd, ToolCallStart, ToolSpec)
 
 __all__ = ["NAME", "Stream", "error_body", "new_response_id", "new_tool_call_id", "overflow_body", "parse_request",
            "render_result"]
@@ -241,6 +241,7 @@ class Stream:
         self._text: list[str] | None = None  # pieces of the open message item; None when none is open
         self._sent_calls: set[str] = set()
         self._sent_text = False
+        self._open_calls: dict[int, tuple[int, str]] = {}  # call index -> (output index, item id) while streaming
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         data = {"type": kind, "sequence_number": self._seq, **fields}
@@ -255,6 +256,24 @@ class Stream:
     def delta(self, d: Delta) -> list[bytes]:
         if isinstance(d, TextDelta):
             return self._text_delta(d.text)
+        if isinstance(d, ToolCallStart):  # announced once named; its arguments follow as deltas
+            out = self._close_text()
+            item_id, index = _item_id("fc"), len(self._items)
+            self._sent_calls.add(d.id)
+            self._open_calls[d.index] = (index, item_id)
+            item = _call_item(item_id, ToolCall(d.id, d.name, ""), "in_progress")
+            self._items.append(item)
+            return out + [self._event("response.output_item.added", output_index=index, item=item)]
+        if isinstance(d, ToolArgsDelta):
+            index, item_id = self._open_calls[d.index]
+            return [self._event("response.function_call_arguments.delta", item_id=item_id, output_index=index,
+                                delta=d.text)]
+        if isinstance(d, ToolCallEnd):  # the model's exact arguments, malformed ones included
+            index, item_id = self._open_calls.pop(d.index)
+            self._items[index] = _call_item(item_id, d.call)
+            where = {"item_id": item_id, "output_index": index}
+            return [self._event("response.function_call_arguments.done", **where, arguments=d.call.arguments),
+                    self._event("response.output_item.done", output_index=index, item=self._items[index])]
         assert isinstance(d, ToolCallDelta)
         return self._close_text() + self._tool_call(d.call)
 

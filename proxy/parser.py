@@ -2,10 +2,14 @@
 
 Tokens are detokenised incrementally (each new token costs a decode of a few tokens, never
 of the whole output; an incomplete UTF-8 tail waits for the token that completes it). A
-Hermes/Qwen `<tool_call>{json}</tool_call>` block, found in the decoded *text* (the tags
-are single tokens in Qwen's vocabulary and several pieces in most others), becomes one tool
-call when it closes; a block whose body is not a JSON object with a string `name` is
-returned as plain text (never a 500) and counted in `invalid_tool_calls`.
+Hermes/Qwen `<tool_call>{json}</tool_call>` block is found in the decoded *text* (the tags
+are single tokens in Qwen's vocabulary and several pieces in most others) and streams as it
+is generated: `ToolCallStart` once `{"name": "...", "arguments": {` has been read, the
+arguments' exact text in `ToolArgsDelta` pieces (holding back what may be the outer brace
+or the start of `</tool_call>`), `ToolCallEnd` at the close. A started call stays a call
+whatever follows: arguments that end malformed are counted in `invalid_tool_calls` (each
+API then shows them its own way). A block that never names a function that way is judged
+whole at its close, and returned as plain text when it is not a call (never a 500).
 
 Stop strings end the output where the client's text ends: the token in which a stop string
 begins is dropped whole, with everything after it, so the text returned is exactly the
@@ -21,10 +25,11 @@ recorder: the caller records `ids[:kept]`.
 from __future__ import annotations
 
 import json
+import re
 from collections import deque
 from typing import Callable
 
-from gyre.proxy.types import Delta, TextDelta, ToolCall, ToolCallDelta
+from gyre.proxy.types import Delta, TextDelta, ToolArgsDelta, ToolCall, ToolCallDelta, ToolCallEnd, ToolCallStart
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 
@@ -80,11 +85,13 @@ class OutputParser:
         self._base = 0  # offset of _text[0] in the whole decoded output
         self._starts: deque[tuple[int, int]] = deque()  # (offset, token) where each token's text begins
         self._call: str | None = None  # text inside <tool_call> ... </tool_call>, while open
+        self._started: dict | None = None  # the open call, once its start went out (see _stream_call)
         self._index = -1  # the output token being fed
         self._floor = 0  # tokens a stop string may not cut into: through the one closing the last tool call
         self.content = ""
         self.tool_calls: list[ToolCall] = []
         self.invalid_tool_calls = 0
+        self.invalid_call_ids: set[str] = set()  # started calls whose arguments ended malformed
         self.stopped = False  # a stop string matched: the caller aborts generation
         self.kept: int | None = None  # after a stop string: how many output tokens to record
 
@@ -118,6 +125,12 @@ class OutputParser:
             return out
         if self._call is not None:
             body, self._call = self._call, None
+            if self._started is not None:  # it streamed: it ends as a call, malformed
+                st, self._started = self._started, None
+                args = body[st["from"]:]
+                if len(args) > st["sent"]:
+                    out.append(ToolArgsDelta(st["index"], args[st["sent"]:]))
+                return out + [self._end_call(st, args, False)]
             self.invalid_tool_calls += 1
             return out + self._text_delta(self._open + body)
         return out + self._emit(final=True)
@@ -199,15 +212,62 @@ class OutputParser:
         self._call += piece
         end = self._call.find(self._close, scan)
         if end < 0:
-            return []
+            return self._stream_call(self._call, final=False)
         body, rest = self._call[:end], self._call[end + len(self._close):]
         self._call = None
         self._floor = self._index + 1
-        out = self._close_call(body)
+        out = self._stream_call(body, final=True) if self._started is not None else self._close_call(body)
+        self._started = None
         self._base += len(body) + len(self._close)
         return out + (self._take(rest, self._pending_tok) if rest else [])
 
+    def _stream_call(self, text: str, *, final: bool) -> list[Delta]:
+        """A call whose body begins `{"name": "...", "arguments": {` streams as it comes: the
+        start once the name is known, then the arguments' text, holding back what may be
+        the outer object's closing brace or the start of `</tool_call>`."""
+        out: list[Delta] = []
+        st = self._started
+        if st is None:
+            m = _HEADER.match(text)
+            if m is None or not text[m.end():].lstrip():
+                return out
+            if text[m.end():].lstrip()[0] != "{":
+                return out  # arguments as a JSON string, or odd: judged whole at the close
+            st = self._started = {"index": len(self.tool_calls), "id": self._new_id(),
+                                  "name": json.loads(f'"{m.group(1)}"'), "from": m.end(), "sent": 0}
+            out.append(ToolCallStart(st["index"], st["id"], st["name"]))
+        args = text[st["from"]:]
+        if final:
+            stripped = args.rstrip()
+            args = stripped[:-1] if stripped.endswith("}") else args  # the outer object's brace
+        else:
+            for k in range(min(len(self._close) - 1, len(args)), 0, -1):
+                if args.endswith(self._close[:k]):
+                    args = args[:-k]
+                    break
+            args = args.rstrip()
+            args = args[:-1] if args.endswith("}") else args
+        if len(args) > st["sent"]:
+            out.append(ToolArgsDelta(st["index"], args[st["sent"]:]))
+            st["sent"] = len(args)
+        if final:
+            out.append(self._end_call(st, args, _is_call(text)))
+        return out
+
+    def _end_call(self, st: dict, args: str, body_ok: bool) -> ToolCallEnd:
+        try:
+            valid = body_ok and isinstance(json.loads(args), dict)
+        except ValueError:
+            valid = False
+        if not valid:
+            self.invalid_tool_calls += 1
+            self.invalid_call_ids.add(st["id"])
+        call = ToolCall(id=st["id"], name=st["name"], arguments=args)
+        self.tool_calls.append(call)
+        return ToolCallEnd(st["index"], call, valid)
+
     def _close_call(self, body: str) -> list[Delta]:
+        """A call that never streamed: judged whole; a malformed one is returned as text."""
         try:
             obj = json.loads(body)
             if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -223,3 +283,15 @@ class OutputParser:
         call = ToolCall(id=self._new_id(), name=obj["name"], arguments=json.dumps(args, ensure_ascii=False))
         self.tool_calls.append(call)
         return [ToolCallDelta(len(self.tool_calls) - 1, call)]
+
+
+# `{"name": "...", "arguments": ` at the start of a Hermes call's body (JSON escapes allowed in the name)
+_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+
+
+def _is_call(body: str) -> bool:
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(obj.get("arguments"), dict)

@@ -109,13 +109,41 @@ class TextDelta:
 
 @dataclass(slots=True)
 class ToolCallDelta:
-    """A complete tool call, emitted when its `</tool_call>` closes (arguments are whole)."""
+    """A complete tool call at once (arguments whole): a call that could not be streamed
+    (its arguments a JSON string, or keys in another order), or a test's."""
 
     index: int
     call: ToolCall
 
 
-Delta = Union[TextDelta, ToolCallDelta]
+@dataclass(slots=True)
+class ToolCallStart:
+    """A tool call begins: its id and name are known, its arguments follow as ToolArgsDelta."""
+
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(slots=True)
+class ToolArgsDelta:
+    """More of a started call's arguments, the model's exact JSON text."""
+
+    index: int
+    text: str
+
+
+@dataclass(slots=True)
+class ToolCallEnd:
+    """A started call is complete: `call.arguments` is every ToolArgsDelta joined; `valid`
+    says whether they form a JSON object (a malformed call stays a call once started)."""
+
+    index: int
+    call: ToolCall
+    valid: bool
+
+
+Delta = Union[TextDelta, ToolCallDelta, ToolCallStart, ToolArgsDelta, ToolCallEnd]
 
 
 class ParseMemo:

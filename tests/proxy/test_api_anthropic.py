@@ -4,6 +4,8 @@ transport)."""
 
 from __future__ import annotations
 
+import json
+
 import copy
 
 import anthropic
@@ -317,12 +319,17 @@ def test_render_result(res, blocks, stop):
     assert sdk_dump(SdkMessage.model_validate(body)) == without_nulls(body)
 
 
-@pytest.mark.parametrize("arguments", ["", "not json", "[1, 2]", '"text"', "{\"a\": 1"])
-def test_arguments_that_are_not_an_object_become_empty_input(arguments):
+@pytest.mark.parametrize("arguments, sent", [
+    ("", {}), ("not json", {}), ("[1, 2]", {}), ('"text"', {}),
+    # Malformed arguments of an object: cut at the last safe point and closed, as when streamed.
+    ('{"a": 1', {"a": 1}), ('{"a": "hal', {"a": "hal"}), ('{"a": 1, "b": tru', {"a": 1}),
+])
+def test_arguments_that_are_not_an_object_are_sent_as_one(arguments, sent):
     body = api.render_result(result("", (ToolCall("toolu_z", "Bash", arguments),), "tool_calls"), REQ)
-    assert body["content"][0]["input"] == {}
+    assert body["content"][0]["input"] == sent
     events = parse_sse(stream_bytes([ToolCallDelta(0, ToolCall("toolu_z", "Bash", arguments))], "tool_calls"))
-    assert [d["delta"]["partial_json"] for _, d in events if d["type"] == "content_block_delta"] == ["{}"]
+    partial = "".join(d["delta"]["partial_json"] for _, d in events if d["type"] == "content_block_delta")
+    assert json.loads(partial) == sent
 
 
 def test_rendered_message_comes_back_as_the_same_turn():

@@ -39,7 +39,10 @@ async def test_openai_chat_tool_round_trip(live, clients, stream):
             model="anything", messages=messages, tools=TOOLS, stream=True, stream_options={"include_usage": True})]
         calls = [tc for c in parts if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
         assert len(parts) > 3 and parts[-1].usage.completion_tokens > 0
-        call_id, name, args = calls[0].id, calls[0].function.name, calls[0].function.arguments
+        # Streamed as OpenAI streams a call: id and name first, then the arguments in pieces.
+        assert calls[0].id and calls[0].function.name == "write_file" and calls[0].function.arguments == ""
+        assert len(calls) > 2 and {tc.index for tc in calls} == {0} and not any(tc.id for tc in calls[1:])
+        call_id, name, args = calls[0].id, calls[0].function.name, "".join(tc.function.arguments for tc in calls)
         finish = [c.choices[0].finish_reason for c in parts if c.choices and c.choices[0].finish_reason]
         assert finish == ["tool_calls"]
     else:

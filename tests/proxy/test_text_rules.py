@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from gyre.proxy import api_openai
 from gyre.proxy.parser import IncrementalDecoder, OutputParser
-from gyre.proxy.types import Message, TextDelta, ToolCall, ToolCallDelta, ToolSpec
+from gyre.proxy.types import (Message, TextDelta, ToolArgsDelta, ToolCall, ToolCallEnd, ToolCallStart,
+                              ToolSpec)
 
 TOOLS = [ToolSpec("write_file", "Write a file", {"type": "object", "properties": {"path": {"type": "string"}}})]
 # Text that stresses pre-tokenisation boundaries: runs of newlines and spaces, tabs, punctuation.
@@ -181,8 +182,12 @@ def test_tool_calls_are_found_in_the_text(any_tokenizer, before, after, path, si
     ids = tok.encode(f"{before}<tool_call>\n{call}\n</tool_call>{after}")
     parser = OutputParser(tok.decode, stop_token_ids=tok.stop_token_ids, new_call_id=lambda: "call_1")
     deltas = feed_all(parser, ids, sizes)
-    calls = [d.call for d in deltas if isinstance(d, ToolCallDelta)]
-    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("write_file", {"path": path})]
+    # Streamed: the start (id, name), argument pieces that join to the call's arguments, the end.
+    starts = [d for d in deltas if isinstance(d, ToolCallStart)]
+    ends = [d for d in deltas if isinstance(d, ToolCallEnd)]
+    assert [(d.id, d.name) for d in starts] == [("call_1", "write_file")] and [e.valid for e in ends] == [True]
+    assert "".join(d.text for d in deltas if isinstance(d, ToolArgsDelta)) == ends[0].call.arguments
+    assert json.loads(ends[0].call.arguments) == {"path": path} and parser.tool_calls == [ends[0].call]
     assert parser.content == before + after and parser.invalid_tool_calls == 0
     assert "".join(d.text for d in deltas if isinstance(d, TextDelta)) == before + after
 
@@ -222,6 +227,7 @@ def test_a_stop_string_ends_the_output_on_a_token_the_record_keeps(any_tokenizer
 
 
 def test_an_unclosed_or_malformed_tool_call_is_text(any_tokenizer):
+    """A body that never names a function (or stops before its arguments begin) is text."""
     tok = any_tokenizer
     for text in ("<tool_call>\n{not json}\n</tool_call>", "hi <tool_call>\n{\"name\": \"f\""):
         parser = OutputParser(tok.decode, stop_token_ids=tok.stop_token_ids, new_call_id=lambda: "c")
@@ -329,7 +335,7 @@ def test_a_stop_string_in_the_token_that_closes_a_tool_call_keeps_the_call():
     parser = OutputParser(lambda ids: "".join(vocab[i] for i in ids), stop_token_ids=frozenset(),
                           new_call_id=lambda: "c", stop_strings=["."])
     deltas = feed_all(parser, [1, 2, 3, 4], [1, 1, 1])
-    calls = [d.call for d in deltas if isinstance(d, ToolCallDelta)]
+    calls = [d.call for d in deltas if isinstance(d, ToolCallEnd)]
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"x": 1})]
     assert parser.stopped and parser.kept == 3 and parser.content == ""
 
