@@ -9,6 +9,8 @@ Not HTTP (server.py owns the wire), and not the token layer.
 
 from __future__ import annotations
 
+import json
+import re
 import secrets
 import time
 from typing import Any, Mapping
@@ -29,8 +31,8 @@ NAME = "responses"
 # Item types that carry no text the policy should see again: the model's own reasoning comes
 # back opaque (`content: null`, maybe `encrypted_content`), so it is accepted and dropped.
 _DROPPED_ITEMS = frozenset({"reasoning"})
-_CALL_ITEMS = {"function_call": "arguments", "custom_tool_call": "input"}  # type -> arguments key
-_OUTPUT_ITEMS = frozenset({"function_call_output", "custom_tool_call_output"})
+_CALL_ITEMS = frozenset({"function_call", "custom_tool_call", "tool_search_call"})
+_OUTPUT_ITEMS = frozenset({"function_call_output", "custom_tool_call_output", "tool_search_output"})
 _ROLES = {"developer": "system", "system": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -54,9 +56,21 @@ def _required_str(item: dict, key: str, field: str) -> str:
 
 
 def _call(item: dict, kind: str, field: str) -> ToolCall:
-    key = _CALL_ITEMS[kind]
-    return ToolCall(id=_required_str(item, "call_id", field), name=_required_str(item, "name", field),
-                    arguments=arguments_text(item.get(key, "{}"), f"{field}.{key}"))
+    """A call item as the policy wrote it: a custom tool's raw input as {"input": text}, a
+    namespace's tool by its qualified name, tool_search by its name."""
+    call_id = _required_str(item, "call_id", field)
+    if kind == "custom_tool_call":
+        raw = expect(item.get("input", ""), str, f"{field}.input", "a string")
+        return ToolCall(id=call_id, name=_required_str(item, "name", field),
+                        arguments=json.dumps({"input": raw}, ensure_ascii=False))
+    if kind == "tool_search_call":
+        return ToolCall(id=call_id, name=str(item.get("name") or "tool_search"),
+                        arguments=arguments_text(item.get("arguments", {}), f"{field}.arguments"))
+    name = _required_str(item, "name", field)
+    namespace = item.get("namespace")
+    if namespace is not None:
+        name = f"{expect(namespace, str, f'{field}.namespace', 'a string')}.{name}"
+    return ToolCall(id=call_id, name=name, arguments=arguments_text(item.get("arguments", "{}"), f"{field}.arguments"))
 
 
 def _append_item(messages: list[Message], item: Any, field: str) -> None:
@@ -81,6 +95,10 @@ def _append_item(messages: list[Message], item: Any, field: str) -> None:
             messages[-1].tool_calls.append(call)
         else:
             messages.append(Message(role="assistant", tool_calls=[call]))
+    elif kind == "tool_search_output":  # the tools found, as the policy will read them
+        tools = item.get("tools") or []
+        messages.append(Message(role="tool", tool_call_id=_required_str(item, "call_id", field),
+                                content=orjson.dumps(tools).decode()))
     elif kind in _OUTPUT_ITEMS:
         messages.append(Message(role="tool", tool_call_id=_required_str(item, "call_id", field),
                                 content=text_of(item.get("output"), f"{field}.output")))
@@ -102,23 +120,52 @@ def parse_input(raw: Any, field: str = "input") -> list[Message]:
 
 
 def parse_tools(raw: Any, field: str = "tools") -> list[ToolSpec]:
-    """Flat function tools (`{"type":"function","name",...}`); other tool types (custom,
-    web_search, tool_search, namespace, local_shell, ...) are accepted and skipped: the
-    policy can only call functions."""
+    """The tools the policy is shown: functions; Codex's custom (freeform) tools such as
+    apply_patch, as a function of one string `input` whose description carries the tool's
+    format (its Lark grammar); `tool_search`; and each tool of a `namespace` by its qualified
+    name `ns.tool`. Tools the provider executes (web_search, ...) are skipped: nothing here
+    runs them (the codex preset turns web search off)."""
     if raw is None:
         return []
     expect(raw, list, field, "a list")
-    tools = []
+    tools: list[ToolSpec] = []
     for i, t in enumerate(raw):
         f = f"{field}[{i}]"
         expect(t, dict, f, "an object")
-        if expect(t.get("type", "function"), str, f"{f}.type", "a string") != "function":
-            continue
-        params = t.get("parameters") or {}
-        expect(params, dict, f"{f}.parameters", "an object")
-        description = expect(t.get("description") or "", str, f"{f}.description", "a string")
-        tools.append(ToolSpec(name=_required_str(t, "name", f), description=description, parameters=params))
+        kind = expect(t.get("type", "function"), str, f"{f}.type", "a string")
+        if kind == "function":
+            tools.append(_function_tool(t, f))
+        elif kind == "custom":
+            tools.append(_custom_tool(t, f))
+        elif kind == "tool_search":
+            params = expect(t.get("parameters") or {}, dict, f"{f}.parameters", "an object")
+            tools.append(ToolSpec(name=str(t.get("name") or "tool_search"), parameters=params, kind="tool_search",
+                                  description=expect(t.get("description") or "", str, f"{f}.description", "a string")))
+        elif kind == "namespace":
+            namespace = _required_str(t, "name", f)
+            for j, inner in enumerate(expect(t.get("tools") or [], list, f"{f}.tools", "a list")):
+                spec = _function_tool(expect(inner, dict, f"{f}.tools[{j}]", "an object"), f"{f}.tools[{j}]")
+                tools.append(ToolSpec(name=f"{namespace}.{spec.name}", description=spec.description,
+                                      parameters=spec.parameters, kind="namespace", namespace=namespace))
     return tools
+
+
+def _function_tool(t: dict, f: str) -> ToolSpec:
+    params = t.get("parameters") or {}
+    expect(params, dict, f"{f}.parameters", "an object")
+    description = expect(t.get("description") or "", str, f"{f}.description", "a string")
+    return ToolSpec(name=_required_str(t, "name", f), description=description, parameters=params)
+
+
+def _custom_tool(t: dict, f: str) -> ToolSpec:
+    description = expect(t.get("description") or "", str, f"{f}.description", "a string")
+    fmt = t.get("format") or {}
+    if isinstance(fmt, dict) and fmt.get("type") == "grammar" and isinstance(fmt.get("definition"), str):
+        syntax = fmt.get("syntax") or "lark"
+        description += f"\n\nThe input is raw text (not JSON) following this {syntax} grammar:\n{fmt['definition']}"
+    params = {"type": "object", "properties": {"input": {"type": "string", "description": "the tool's raw input"}},
+              "required": ["input"]}
+    return ToolSpec(name=_required_str(t, "name", f), description=description, parameters=params, kind="custom")
 
 
 def _metadata(body: dict) -> dict[str, Any]:
@@ -173,9 +220,40 @@ def _message_item(item_id: str, text: str | None, status: str = "completed") -> 
     return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
 
 
-def _call_item(item_id: str, call: ToolCall, status: str = "completed") -> dict:
-    return {"id": item_id, "type": "function_call", "status": status, "call_id": call.id, "name": call.name,
-            "arguments": call.arguments if status == "completed" else ""}
+def _spec(req: ChatRequest, name: str) -> ToolSpec | None:
+    return next((t for t in req.tools if t.name == name), None)
+
+
+def _call_item(item_id: str, call: ToolCall, status: str = "completed", spec: ToolSpec | None = None) -> dict:
+    """The output item of a call, by the kind of tool it calls (Codex runs each kind from
+    its own item type): function_call, custom_tool_call (raw input), tool_search_call, or a
+    namespace's function_call (bare name plus `namespace`)."""
+    done = status == "completed"
+    base = {"id": item_id, "status": status, "call_id": call.id}
+    kind = spec.kind if spec is not None else "function"
+    if kind == "custom":
+        return {**base, "type": "custom_tool_call", "name": call.name, "input": custom_input(call) if done else ""}
+    if kind == "tool_search":
+        args = _object(call.arguments) if done else {}
+        return {**base, "type": "tool_search_call", "execution": "client", "arguments": args}
+    item = {**base, "type": "function_call", "name": call.name, "arguments": call.arguments if done else ""}
+    if kind == "namespace" and spec.namespace and call.name.startswith(spec.namespace + "."):
+        item.update(name=call.name[len(spec.namespace) + 1:], namespace=spec.namespace)
+    return item
+
+
+def custom_input(call: ToolCall) -> str:
+    """A custom tool's raw input from the policy's {"input": text} (else its text as is)."""
+    value = _object(call.arguments)
+    return value["input"] if isinstance(value.get("input"), str) else call.arguments
+
+
+def _object(text: str) -> dict:
+    try:
+        value = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _usage(result: ChatResult) -> dict:
@@ -206,7 +284,7 @@ def _response(req: ChatRequest, response_id: str, created_at: int, output: list[
         "model": result.model if result is not None else req.model, "output": output,
         "parallel_tool_calls": bool(req.metadata.get("parallel_tool_calls", True)),
         "tool_choice": _tool_choice(req),
-        "tools": [{"type": "function", **_tool_echo(t)} for t in req.tools],
+        "tools": [_tool_echo(t) for t in req.tools],
         "temperature": req.temperature, "top_p": req.top_p, "max_output_tokens": req.max_tokens,
         "previous_response_id": None, "metadata": {},
         "usage": _usage(result) if result is not None else None,
@@ -214,13 +292,71 @@ def _response(req: ChatRequest, response_id: str, created_at: int, output: list[
 
 
 def _tool_echo(t: ToolSpec) -> dict:
-    return {"name": t.name, "description": t.description, "parameters": t.parameters}
+    if t.kind == "custom":
+        return {"type": "custom", "name": t.name, "description": t.description}
+    return {"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters}
 
 
 def render_result(result: ChatResult, req: ChatRequest) -> dict:
     output = [_message_item(_item_id("msg"), result.content)] if result.content else []
-    output += [_call_item(_item_id("fc"), c) for c in result.tool_calls]
+    output += [_call_item(_item_id("fc"), c, spec=_spec(req, c.name)) for c in result.tool_calls]
     return _response(req, result.id, int(time.time()), output, result)
+
+
+class _InputText:
+    """A custom tool's raw input as it streams: the policy writes {"input": "<JSON string>"};
+    `feed` takes more of that JSON and returns the input text decoded so far (escapes
+    resolved; a \\u escape or a surrogate pair waits for its end). Only the common shape,
+    `input` first, streams; anything else comes out whole at the end (input.done)."""
+
+    _HEAD = re.compile(r'\s*\{\s*"input"\s*:\s*"')
+    _ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
+
+    def __init__(self) -> None:
+        self.raw = ""
+        self.at: int | None = None  # next raw char to decode, once the head was read
+        self.done = False
+        self._high: str | None = None  # a high surrogate waiting for its pair
+
+    def feed(self, piece: str) -> str:
+        self.raw += piece
+        if self.at is None:
+            m = self._HEAD.match(self.raw)
+            if m is None:
+                return ""
+            self.at = m.end()
+        out = []
+        raw, i = self.raw, self.at
+        while i < len(raw) and not self.done:
+            ch = raw[i]
+            if ch == '"':
+                self.done = True
+                break
+            if ch != "\\":
+                out.append(ch)
+                i += 1
+                continue
+            if i + 1 >= len(raw):
+                break  # the escape's second character has not arrived
+            esc = raw[i + 1]
+            if esc == "u":
+                if i + 6 > len(raw):
+                    break
+                code = int(raw[i + 2:i + 6], 16)
+                i += 6
+                if 0xD800 <= code < 0xDC00:
+                    self._high = chr(code)
+                    continue
+                if self._high is not None:
+                    out.append((self._high + chr(code)).encode("utf-16", "surrogatepass").decode("utf-16"))
+                    self._high = None
+                    continue
+                out.append(chr(code))
+                continue
+            out.append(self._ESCAPES.get(esc, esc))
+            i += 2
+        self.at = i
+        return "".join(out)
 
 
 class Stream:
@@ -241,7 +377,7 @@ class Stream:
         self._text: list[str] | None = None  # pieces of the open message item; None when none is open
         self._sent_calls: set[str] = set()
         self._sent_text = False
-        self._open_calls: dict[int, tuple[int, str]] = {}  # call index -> (output index, item id) while streaming
+        self._open_calls: dict[int, tuple[int, str, ToolSpec | None, _InputText]] = {}  # while streaming
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         data = {"type": kind, "sequence_number": self._seq, **fields}
@@ -258,24 +394,43 @@ class Stream:
             return self._text_delta(d.text)
         if isinstance(d, ToolCallStart):  # announced once named; its arguments follow as deltas
             out = self._close_text()
-            item_id, index = _item_id("fc"), len(self._items)
+            item_id, index, spec = _item_id("fc"), len(self._items), _spec(self.req, d.name)
             self._sent_calls.add(d.id)
-            self._open_calls[d.index] = (index, item_id)
-            item = _call_item(item_id, ToolCall(d.id, d.name, ""), "in_progress")
+            self._open_calls[d.index] = (index, item_id, spec, _InputText())
+            item = _call_item(item_id, ToolCall(d.id, d.name, ""), "in_progress", spec)
             self._items.append(item)
             return out + [self._event("response.output_item.added", output_index=index, item=item)]
         if isinstance(d, ToolArgsDelta):
-            index, item_id = self._open_calls[d.index]
-            return [self._event("response.function_call_arguments.delta", item_id=item_id, output_index=index,
-                                delta=d.text)]
+            index, item_id, spec, text = self._open_calls[d.index]
+            return self._argument_events(index, item_id, spec, text, d.text)
         if isinstance(d, ToolCallEnd):  # the model's exact arguments, malformed ones included
-            index, item_id = self._open_calls.pop(d.index)
-            self._items[index] = _call_item(item_id, d.call)
-            where = {"item_id": item_id, "output_index": index}
-            return [self._event("response.function_call_arguments.done", **where, arguments=d.call.arguments),
-                    self._event("response.output_item.done", output_index=index, item=self._items[index])]
+            index, item_id, spec, _ = self._open_calls.pop(d.index)
+            return self._end_call(index, item_id, spec, d.call)
         assert isinstance(d, ToolCallDelta)
         return self._close_text() + self._tool_call(d.call)
+
+    def _argument_events(self, index: int, item_id: str, spec: ToolSpec | None, text: "_InputText",
+                         piece: str) -> list[bytes]:
+        where = {"item_id": item_id, "output_index": index}
+        kind = spec.kind if spec is not None else "function"
+        if kind == "custom":  # the raw input, decoded from the policy's {"input": "..."} as it comes
+            new = text.feed(piece)
+            return [self._event("response.custom_tool_call_input.delta", **where, delta=new)] if new else []
+        if kind == "tool_search":
+            return []  # its arguments are an object in the item: sent whole at the end
+        return [self._event("response.function_call_arguments.delta", **where, delta=piece)]
+
+    def _end_call(self, index: int, item_id: str, spec: ToolSpec | None, call: ToolCall) -> list[bytes]:
+        self._items[index] = item = _call_item(item_id, call, spec=spec)
+        where = {"item_id": item_id, "output_index": index}
+        kind = spec.kind if spec is not None else "function"
+        if kind == "custom":
+            out = [self._event("response.custom_tool_call_input.done", **where, input=item["input"])]
+        elif kind == "tool_search":
+            out = []
+        else:
+            out = [self._event("response.function_call_arguments.done", **where, arguments=call.arguments)]
+        return out + [self._event("response.output_item.done", output_index=index, item=item)]
 
     def _text_delta(self, text: str) -> list[bytes]:
         if not text:
@@ -306,16 +461,13 @@ class Stream:
                 self._event("response.output_item.done", output_index=index, item=item)]
 
     def _tool_call(self, call: ToolCall) -> list[bytes]:
-        # The output parser hands over whole calls, so the arguments go out as one delta.
-        item_id, index = _item_id("fc"), len(self._items)
+        """A call handed over whole: added, its arguments in one piece, done."""
+        item_id, index, spec = _item_id("fc"), len(self._items), _spec(self.req, call.name)
         self._sent_calls.add(call.id)
-        self._items.append(_call_item(item_id, call))
-        where = {"item_id": item_id, "output_index": index}
-        return [self._event("response.output_item.added", output_index=index,
-                            item=_call_item(item_id, call, "in_progress")),
-                self._event("response.function_call_arguments.delta", **where, delta=call.arguments),
-                self._event("response.function_call_arguments.done", **where, arguments=call.arguments),
-                self._event("response.output_item.done", output_index=index, item=self._items[index])]
+        self._items.append(_call_item(item_id, call, "in_progress", spec))
+        added = self._event("response.output_item.added", output_index=index, item=self._items[index])
+        args = self._argument_events(index, item_id, spec, _InputText(), call.arguments)
+        return [added, *args, *self._end_call(index, item_id, spec, call)]
 
     def finish(self, result: ChatResult) -> list[bytes]:
         out = self._close_text()

@@ -52,9 +52,13 @@ class Message:
 
 @dataclass(slots=True)
 class ToolSpec:
-    name: str
+    name: str  # as the policy sees and calls it ("ns.tool" for a Responses namespace's tool)
     description: str = ""
     parameters: dict[str, Any] = field(default_factory=dict)
+    # Responses tool kinds beyond functions (Codex): "custom" (freeform input, e.g. apply_patch:
+    # the policy calls it with {"input": text}), "tool_search", "namespace" (a namespace's tool).
+    kind: str = "function"
+    namespace: str | None = None
 
     def as_template_tool(self) -> dict[str, Any]:
         """The OpenAI-style tool dict that HF chat templates (Qwen/Hermes) render."""

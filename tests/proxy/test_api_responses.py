@@ -4,6 +4,7 @@ into shapes the real `openai` SDK types accept."""
 from __future__ import annotations
 
 import copy
+import json
 
 import orjson
 import pytest
@@ -83,8 +84,10 @@ def test_codex_body_parses_with_one_turn_merged():
         Message(role="user", content="Now run the tests."),
     ]
     assert req.messages[2].tool_calls[0].arguments == ARGS_1  # byte-exact, not re-serialised
-    assert req.tools == [ToolSpec(name="shell", description="Run a command",
-                                  parameters=CODEX_BODY["tools"][0]["parameters"])]
+    shell, patch = req.tools  # web_search (run by a provider, not here) is not the policy's
+    assert shell == ToolSpec(name="shell", description="Run a command", parameters=CODEX_BODY["tools"][0]["parameters"])
+    assert (patch.name, patch.kind, patch.parameters["required"]) == ("apply_patch", "custom", ["input"])
+    assert patch.description.startswith("Patch files") and "lark grammar:\nstart: /.+/" in patch.description
     assert req.tool_choice == "auto"
     assert req.max_tokens is None and req.temperature is None and req.top_p is None
     assert req.metadata["prompt_cache_key"] == "0199-session"
@@ -114,19 +117,78 @@ def test_function_calls_without_message_merge_and_new_turns_split():
     assert req.messages[1].content == ""
 
 
-def test_custom_tool_calls_are_function_like():
+def test_codex_tool_items_come_back_as_the_policy_wrote_them():
+    """A custom tool's raw input is the policy's {"input": text}; a namespace's tool is
+    `ns.tool`; tool_search's object arguments are text; its output is the tools found."""
     req = parse({"input": [
         {"type": "message", "role": "user", "content": "patch it"},
         {"type": "custom_tool_call", "call_id": "c9", "name": "apply_patch", "input": "*** Begin Patch\n"},
         {"type": "custom_tool_call_output", "call_id": "c9", "output": "Done"},
+        {"type": "tool_search_call", "call_id": "s1", "execution": "client", "arguments": {"query": "agents"}},
+        {"type": "tool_search_output", "call_id": "s1", "status": "completed", "execution": "client",
+         "tools": [{"type": "namespace", "name": "multi_agent_v1", "tools": []}]},
+        {"type": "function_call", "call_id": "n1", "name": "close_agent", "namespace": "multi_agent_v1",
+         "arguments": "{}"},
     ]})
-    assert req.messages[1] == Message(role="assistant", tool_calls=[ToolCall("c9", "apply_patch", "*** Begin Patch\n")])
+    assert req.messages[1] == Message(role="assistant", tool_calls=[
+        ToolCall("c9", "apply_patch", json.dumps({"input": "*** Begin Patch\n"}))])
     assert req.messages[2] == Message(role="tool", content="Done", tool_call_id="c9")
+    assert req.messages[3].tool_calls == [ToolCall("s1", "tool_search", '{"query":"agents"}')]
+    assert json.loads(req.messages[4].content) == [{"type": "namespace", "name": "multi_agent_v1", "tools": []}]
+    assert req.messages[5].tool_calls == [ToolCall("n1", "multi_agent_v1.close_agent", "{}")]
+
+
+CODEX_TOOLS = [
+    {"type": "custom", "name": "apply_patch", "description": "Edit files.",
+     "format": {"type": "grammar", "syntax": "lark", "definition": "start: begin_patch hunk+ end_patch"}},
+    {"type": "tool_search", "execution": "client", "description": "Find tools.",
+     "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}},
+    {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents.",
+     "tools": [{"type": "function", "name": "close_agent", "parameters": {"type": "object"}}]},
+]
+
+
+def test_codex_tools_reach_the_policy_and_its_calls_come_back_as_codex_runs_them():
+    req = parse(user_body(tools=CODEX_TOOLS))
+    assert [(t.name, t.kind) for t in req.tools] == [("apply_patch", "custom"), ("tool_search", "tool_search"),
+                                                     ("multi_agent_v1.close_agent", "namespace")]
+    patch = ToolCall("call_p", "apply_patch", json.dumps({"input": "*** Begin Patch\n*** End Patch\n"}))
+    search = ToolCall("call_s", "tool_search", '{"query": "agents", "limit": 3}')
+    close = ToolCall("call_c", "multi_agent_v1.close_agent", '{"id": "a1"}')
+    body = api.render_result(result("", [patch, search, close], "tool_calls"), req)
+    items = body["output"]
+    assert items[0] | {"id": None} == {"id": None, "type": "custom_tool_call", "status": "completed",
+                                       "call_id": "call_p", "name": "apply_patch",
+                                       "input": "*** Begin Patch\n*** End Patch\n"}
+    assert (items[1]["type"], items[1]["arguments"], items[1]["execution"]) == (
+        "tool_search_call", {"query": "agents", "limit": 3}, "client")
+    assert (items[2]["type"], items[2]["name"], items[2]["namespace"], items[2]["arguments"]) == (
+        "function_call", "close_agent", "multi_agent_v1", '{"id": "a1"}')
+    Response.model_validate(body)
+
+
+def test_a_custom_tool_streams_its_raw_input():
+    from gyre.proxy.types import ToolArgsDelta, ToolCallEnd, ToolCallStart
+
+    req = parse(user_body(tools=CODEX_TOOLS))
+    text = "*** Begin Patch\n*** Add File: a.txt\n+h\u00e9llo \"q\"\n*** End Patch\n"
+    raw = json.dumps({"input": text})
+    stream = api.Stream(req, "resp_abc")
+    chunks = stream.start() + stream.delta(ToolCallStart(0, "call_p", "apply_patch"))
+    for i in range(0, len(raw), 5):
+        chunks += stream.delta(ToolArgsDelta(0, raw[i:i + 5]))
+    call = ToolCall("call_p", "apply_patch", raw)
+    chunks += stream.delta(ToolCallEnd(0, call, True)) + stream.finish(result("", [call], "tool_calls"))
+    events = sse_events(chunks)
+    deltas = [e["delta"] for e in events if e["type"] == "response.custom_tool_call_input.delta"]
+    assert len(deltas) > 5 and "".join(deltas) == text
+    (done,) = [e for e in events if e["type"] == "response.custom_tool_call_input.done"]
+    assert done["input"] == text and events[-1]["response"]["output"][0]["input"] == text
+    assert events[-1]["response"]["output"][0]["type"] == "custom_tool_call"
 
 
 def test_unused_fields_and_tool_types_are_accepted():
-    tools = [{"type": "custom", "name": "apply_patch"}, {"type": "web_search"}, {"type": "tool_search"},
-             {"type": "namespace", "name": "mcp", "tools": []}, {"type": "local_shell"},
+    tools = [{"type": "web_search"}, {"type": "namespace", "name": "mcp", "tools": []}, {"type": "local_shell"},
              {"type": "function", "name": "f"}]
     req = parse(user_body(tools=tools, include=["reasoning.encrypted_content"], store=False,
                           reasoning={"effort": "high"}, text={"format": {"type": "text"}}, prompt_cache_key="k",
@@ -219,7 +281,7 @@ def test_render_text():
                             "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                             "output_tokens_details": {"reasoning_tokens": 0}}
     assert out["parallel_tool_calls"] is False and out["tool_choice"] == "auto"
-    assert [t["name"] for t in out["tools"]] == ["shell"]
+    assert [(t["type"], t["name"]) for t in out["tools"]] == [("function", "shell"), ("custom", "apply_patch")]
 
 
 def test_render_tool_calls():
