@@ -2,19 +2,25 @@
 
 A preset names the command (argv with `{placeholders}`), extra environment variables, the
 API flavour the harness speaks, the role rule its calls are classified with, and its
-timeouts. Built in: `demo` (gyre's own multi-turn agent), `claude-code` (the real Claude
-Code CLI, non-interactive, all non-essential traffic off) and `openai-compatible` (any CLI
-that takes an OpenAI base URL and key: give it a command). Users add or override presets
-in the run config under `[harnesses.NAME]`; a preset may `extends` another and change only
-some fields. Not the launcher: launcher.py runs what `expand()` returns.
+timeouts, and config files it needs written into its per-execution state folder. Built in:
+`demo` (gyre's own multi-turn agent), `claude-code` (the real Claude Code CLI,
+non-interactive, all non-essential traffic off), `codex` (the real Codex CLI, `codex exec`,
+its own CODEX_HOME with a config.toml naming the proxy as its provider) and
+`openai-compatible` (any CLI that takes an OpenAI base URL and key: give it a command).
+Users add or override presets in the run config under `[harnesses.NAME]`; a preset may
+`extends` another (built-in or user) and change only some fields. Every execution gets its
+own state folder, and the XDG config/data/cache/state homes inside it, so CLIs never share
+the user's. Not the launcher: launcher.py runs what `expand()` returns.
 
-Placeholders, in the command and in env values:
+Placeholders, in the command, env values and files:
 
     {task}             the task prompt            {workspace}   the execution's workspace
     {execution}        the execution id           {state}       a per-execution folder for
     {model}            the model name to send                   the harness's own state
     {base_url}         the proxy (Anthropic base) {openai_base_url}  the proxy's /v1
     {api_key}          the execution's key (prefer the env variables: argv shows in ps)
+    {timeout_ms}       the execution's deadline   {idle_timeout_ms}  the preset's stream idle
+                       in milliseconds                               timeout in milliseconds
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping
 
 APIS = ("openai", "anthropic", "responses", "any")
-PLACEHOLDERS = ("task", "workspace", "execution", "state", "model", "base_url", "openai_base_url", "api_key")
+PLACEHOLDERS = ("task", "workspace", "execution", "state", "model", "base_url", "openai_base_url", "api_key",
+                "timeout_ms", "idle_timeout_ms")
 
 
 class HarnessError(ValueError):
@@ -45,6 +52,8 @@ class HarnessPreset:
     grace_s: float = 5.0  # SIGTERM -> SIGKILL at the deadline
     model: str = "gyre-policy"  # the model name the harness is told to send
     install: str = ""  # how to install the command, shown when it is missing
+    files: Mapping[str, str] = field(default_factory=dict)  # path under {state} -> contents, written at launch
+    idle_timeout_s: float = 300.0  # how long a harness may wait on a silent stream ({idle_timeout_ms})
 
     def check(self) -> None:
         """Raise HarnessError naming what is wrong in the preset itself (whether its
@@ -61,7 +70,10 @@ class HarnessPreset:
             raise HarnessError(f"{where}: role_rule must be one of {', '.join(RULES)}, got {self.role_rule!r}")
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise HarnessError(f"{where}: timeout_s must be > 0, got {self.timeout_s}")
-        for text in (*self.command, *self.env.values()):
+        for path in self.files:
+            if path.startswith("/") or ".." in path.split("/"):
+                raise HarnessError(f"{where}: file {path!r} must be a path inside the state folder")
+        for text in (*self.command, *self.env.values(), *self.files.values()):
             for _, name, _, _ in string.Formatter().parse(text):
                 if name is not None and name not in PLACEHOLDERS:
                     raise HarnessError(f"{where}: unknown placeholder {{{name}}} in {text!r} "
@@ -77,12 +89,13 @@ class HarnessPreset:
             return exe if os.path.isfile(exe) and os.access(exe, os.X_OK) else None
         return shutil.which(exe)
 
-    def expand(self, **values: str) -> tuple[list[str], dict[str, str]]:
-        """argv and extra env with the placeholders filled in."""
-        values = {"model": self.model, **values}
+    def expand(self, **values: str) -> tuple[list[str], dict[str, str], dict[str, str]]:
+        """argv, extra env and the state folder's files with the placeholders filled in."""
+        values = {"model": self.model, "idle_timeout_ms": str(int(self.idle_timeout_s * 1000)), **values}
         argv = [arg.format_map(values) for arg in self.command]
         env = {k: v.format_map(values) for k, v in self.env.items()}
-        return argv, env
+        files = {path: text.format_map(values) for path, text in self.files.items()}
+        return argv, env, files
 
 
 def _demo() -> HarnessPreset:
@@ -103,6 +116,9 @@ CLAUDE_CODE_ENV = {
     "DISABLE_ERROR_REPORTING": "1",
     "ANTHROPIC_MODEL": "{model}",  # else a claude-* name whose context window varies between processes
     "CLAUDE_CONFIG_DIR": "{state}/claude",  # sessions and settings per execution, not in the user's ~/.claude
+    # Its stream watchdog drops a stream after max(this, 300 s) without content, pings or not,
+    # and re-sends the request: no sooner than the execution's own deadline.
+    "CLAUDE_STREAM_IDLE_TIMEOUT_MS": "{timeout_ms}",
 }
 
 
@@ -114,6 +130,46 @@ def _claude_code() -> HarnessPreset:
                 "[\"/path/to/claude\", ...] in the run config)")
 
 
+CODEX_VERSION = "0.171.0"  # the version HARNESS-NOTES.md and the tests describe
+
+# Codex reaches a custom endpoint only through a provider in $CODEX_HOME/config.toml. The model
+# name is a slug Codex knows (its bundled metadata then sends the full tool set: apply_patch,
+# tool_search); the proxy serves any name. Web search (run by a provider, not the client),
+# analytics and plugin fetches (github.com, chatgpt.com) are off: it talks only to the proxy.
+CODEX_CONFIG = """model = "{model}"
+model_provider = "gyre"
+approval_policy = "never"
+sandbox_mode = "danger-full-access"
+web_search = "disabled"
+check_for_update_on_startup = false
+
+[analytics]
+enabled = false
+
+[features]
+plugins = false
+
+[model_providers.gyre]
+name = "gyre"
+base_url = "{openai_base_url}"
+wire_api = "responses"
+env_key = "OPENAI_API_KEY"
+request_max_retries = 2
+stream_max_retries = 2
+stream_idle_timeout_ms = {idle_timeout_ms}
+"""
+
+
+def _codex() -> HarnessPreset:
+    return HarnessPreset(
+        name="codex", api="responses", role_rule="generic", model="gpt-5.5",
+        command=("codex", "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox",
+                 "-C", "{workspace}", "{task}"),
+        env={"CODEX_HOME": "{state}/codex"}, files={"codex/config.toml": CODEX_CONFIG},
+        install=f"npm install -g @openai/codex@{CODEX_VERSION} (or set [harnesses.codex] command = "
+                "[\"/path/to/codex\", ...] in the run config)")
+
+
 def _openai_compatible() -> HarnessPreset:
     return HarnessPreset(
         name="openai-compatible", api="openai", role_rule="generic", command=(),
@@ -122,7 +178,7 @@ def _openai_compatible() -> HarnessPreset:
                 "[harnesses.openai-compatible] command = [\"my-agent\", \"--task\", \"{task}\"]")
 
 
-BUILTIN = {"demo": _demo, "claude-code": _claude_code, "openai-compatible": _openai_compatible}
+BUILTIN = {"demo": _demo, "claude-code": _claude_code, "codex": _codex, "openai-compatible": _openai_compatible}
 
 
 def _from_table(name: str, table: Mapping[str, Any], base: HarnessPreset | None) -> HarnessPreset:
@@ -132,16 +188,19 @@ def _from_table(name: str, table: Mapping[str, Any], base: HarnessPreset | None)
         raise HarnessError(f"harness preset {name!r}: unknown field(s) {', '.join(unknown)} "
                            f"(known: extends, {', '.join(sorted(known))})")
     values: dict[str, Any] = {k: v for k, v in table.items() if k != "extends"}
+    if "idle_timeout_s" in values and not isinstance(values["idle_timeout_s"], (int, float)):
+        raise HarnessError(f"harness preset {name!r}: idle_timeout_s must be a number")
     if "command" in values:
         cmd = values["command"]
         if isinstance(cmd, str) or not all(isinstance(a, str) for a in cmd):
             raise HarnessError(f"harness preset {name!r}: command must be a list of strings, got {cmd!r}")
         values["command"] = tuple(cmd)
-    if "env" in values:
-        env = values["env"]
-        if not isinstance(env, Mapping) or not all(isinstance(v, str) for v in env.values()):
-            raise HarnessError(f"harness preset {name!r}: env must be a table of strings, got {env!r}")
-        values["env"] = {**(base.env if base else {}), **env}
+    for key in ("env", "files"):  # tables merge with the parent's
+        if key in values:
+            table = values[key]
+            if not isinstance(table, Mapping) or not all(isinstance(v, str) for v in table.values()):
+                raise HarnessError(f"harness preset {name!r}: {key} must be a table of strings, got {table!r}")
+            values[key] = {**(getattr(base, key) if base else {}), **table}
     if base is None:
         return HarnessPreset(name=name, command=values.pop("command", ()), **values)
     return replace(base, name=name, **values)
@@ -150,7 +209,12 @@ def _from_table(name: str, table: Mapping[str, Any], base: HarnessPreset | None)
 def resolve(harness: str | tuple[str, ...] | list[str], user: Mapping[str, Mapping[str, Any]] | None = None,
             ) -> HarnessPreset:
     """The preset `harness` names (user presets first), or an ad-hoc preset for an argv."""
-    user = user or {}
+    preset = _resolve(harness, user or {})
+    preset.check()  # the finished preset: a parent may lack what its child gives (a command)
+    return preset
+
+
+def _resolve(harness: str | tuple[str, ...] | list[str], user: Mapping[str, Mapping[str, Any]]) -> HarnessPreset:
     if not isinstance(harness, str):
         preset = HarnessPreset(name="command", command=tuple(harness))
     elif harness in user:
@@ -161,14 +225,13 @@ def resolve(harness: str | tuple[str, ...] | list[str], user: Mapping[str, Mappi
         if parent == harness:
             base = BUILTIN[harness]()
         else:
-            base = resolve(parent, {k: v for k, v in user.items() if k != harness}) if parent else None
+            base = _resolve(parent, {k: v for k, v in user.items() if k != harness}) if parent else None
         preset = _from_table(harness, table, base)
     elif harness in BUILTIN:
         preset = BUILTIN[harness]()
     else:
         known = sorted({*BUILTIN, *user})
         raise HarnessError(f"unknown harness {harness!r} (presets: {', '.join(known)}; or give a command list)")
-    preset.check()
     return preset
 
 

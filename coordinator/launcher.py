@@ -93,13 +93,21 @@ class Launcher:
         base, preset = self.proxy.base_url, self.spec.preset
         state = folder / "harness-state"
         state.mkdir(parents=True, exist_ok=True)
-        argv, extra = preset.expand(task=run.task.prompt, workspace=str(workspace), execution=run.id,
-                                    state=str(state), base_url=base, openai_base_url=f"{base}/v1", api_key=key)
+        timeout = run.task.timeout_s or preset.timeout_s or self.spec.timeout_s
+        argv, extra, files = preset.expand(task=run.task.prompt, workspace=str(workspace), execution=run.id,
+                                           state=str(state), base_url=base, openai_base_url=f"{base}/v1", api_key=key,
+                                           timeout_ms=str(int(timeout * 1000)))
+        for path, text in files.items():  # the harness's own config (Codex's config.toml)
+            target = state / path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(text)
+        # Its own XDG homes: a CLI's config, caches and sessions never mix with the user's or
+        # another execution's (a preset's env may still point them elsewhere).
+        xdg = {f"XDG_{kind.upper()}_HOME": str(state / "xdg" / kind) for kind in ("config", "data", "cache", "state")}
         env = dict(os.environ, OPENAI_BASE_URL=f"{base}/v1", OPENAI_API_KEY=key, ANTHROPIC_BASE_URL=base,
                    ANTHROPIC_API_KEY=key, GYRE_TASK=run.task.prompt, GYRE_WORKSPACE=str(workspace),
-                   GYRE_EXECUTION=run.id, PYTHONUNBUFFERED="1", **extra)
+                   GYRE_EXECUTION=run.id, PYTHONUNBUFFERED="1", **xdg, **extra)
         env.pop("ANTHROPIC_AUTH_TOKEN", None)  # would override the per-execution key
-        timeout = run.task.timeout_s or preset.timeout_s or self.spec.timeout_s
         with open(folder / "harness.log", "ab") as logf:
             try:
                 proc = await asyncio.create_subprocess_exec(
