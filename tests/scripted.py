@@ -40,6 +40,7 @@ class ScriptedEngine:
     final_reason: str = "stop"  # the finish reason of a completed output ("length": as if cut at max tokens)
     gate: threading.Event | None = None  # when given, no token comes out until it is set (a slow engine)
     refuse: str | None = None  # a prompt containing this text is refused (ValueError), as an engine refuses
+    stalls: dict[int, float] = field(default_factory=dict)  # output position -> seconds the engine goes silent there
     prompts: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self):
@@ -74,6 +75,8 @@ class ScriptedEngine:
             ids, pos, n_prompt = st
             if self.hold and pos + self.tokens_per_step >= len(ids):
                 continue
+            for at in [a for a in self.stalls if pos <= a < pos + self.tokens_per_step]:
+                threading.Event().wait(self.stalls.pop(at))  # a slow engine: nothing comes out meanwhile
             chunk = ids[pos:pos + self.tokens_per_step]
             st[1] = pos + len(chunk)
             done = st[1] >= len(ids)

@@ -22,6 +22,7 @@ from tests.scripted import ScriptedEngine
 
 CLAUDE_CODE_VERSION = "2.1.197"  # the version HARNESS-NOTES.md describes
 PACKAGE = f"@anthropic-ai/claude-code@{CLAUDE_CODE_VERSION}"
+CODEX_PACKAGE = "@openai/codex@0.171.0"
 
 
 def _works(path: Path | str) -> bool:
@@ -59,6 +60,41 @@ def claude_bin(tmp_path_factory) -> Path:
         pytest.skip(f"npm is not installed: the Claude Code tests need `npm install {PACKAGE}` "
                     "(or GYRE_CLAUDE_BIN pointing at a claude binary)")
     return _from_npm(tmp_path_factory.mktemp("claude-code"))
+
+
+def _codex_works(path: Path | str) -> bool:
+    try:
+        r = subprocess.run([str(path), "--version"], capture_output=True, text=True, timeout=60)
+    except OSError:
+        return False
+    return r.returncode == 0 and r.stdout.strip() == "codex-cli 0.171.0"
+
+
+@pytest.fixture(scope="session")
+def codex_bin(tmp_path_factory) -> Path:
+    """The real Codex CLI, pinned: $GYRE_CODEX_BIN, `codex` on PATH at that version, else
+    `npm install @openai/codex@0.171.0` into a temporary prefix (its native binary comes in
+    the platform package, an optional dependency)."""
+    if os.environ.get("GYRE_SKIP_CODEX") == "1":
+        pytest.skip("GYRE_SKIP_CODEX=1")
+    given = os.environ.get("GYRE_CODEX_BIN") or shutil.which("codex")
+    if given and _codex_works(given):
+        return Path(given)
+    if shutil.which("npm") is None:
+        pytest.skip(f"npm is not installed: the Codex tests need `npm install {CODEX_PACKAGE}` "
+                    "(or GYRE_CODEX_BIN pointing at a codex binary)")
+    prefix = tmp_path_factory.mktemp("codex")
+    r = subprocess.run(["npm", "install", "--prefix", str(prefix), "--no-fund", "--no-audit", "--loglevel=error",
+                        CODEX_PACKAGE], capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        pytest.fail(f"npm install {CODEX_PACKAGE} failed (set GYRE_SKIP_CODEX=1 to skip):\n{r.stderr[-2000:]}")
+    arch = {"x86_64": "x64", "aarch64": "arm64", "arm64": "arm64"}.get(platform.machine(), platform.machine())
+    candidates = sorted((prefix / "node_modules" / "@openai").glob(f"codex-linux-{arch}/vendor/*/bin/codex"))
+    candidates.append(prefix / "node_modules" / ".bin" / "codex")
+    for c in candidates:
+        if _codex_works(c):
+            return c
+    pytest.fail(f"installed {CODEX_PACKAGE} but found no working codex binary among {[str(c) for c in candidates]}")
 
 
 @pytest.fixture
