@@ -19,7 +19,7 @@ from gyre.cli.options import (CellOpt, CoordinatorOpt, DebugOpt, DevicesOpt, Hea
                               MaxContextOpt, ServeConfigOpt, TopTargetArg, IntervalOpt, OnceOpt, SetOpt, RunSeedOpt,
                               ResumeOpt,
                               KeysOpt, KeyNameOpt, KeysDirArg, WorkerNamesOpt, KeyNameArg, EngineBackendOpt,
-                              TrainerBackendOpt, ServeSetOpt, WheelOpt, DtypeOpt)
+                              TrainerBackendOpt, ServeSetOpt, WheelOpt, DtypeOpt, ExecutionsOpt)
 
 # No rich markup in help texts: they name extras and tables in brackets ('gyre[gpu]', [harnesses.NAME], E[d]).
 app = typer.Typer(name="gyre", no_args_is_help=True, add_completion=False, rich_markup_mode=None,
@@ -227,7 +227,8 @@ def _check_model(model_dir: Path) -> None:
 @app.command()
 def serve(model: ModelOpt = None, run_dir: RunDirOpt = None, host: HostOpt = "127.0.0.1", port: PortOpt = 0,
           harness: HarnessOpt = None, task: TaskOpt = None, timeout: TimeoutOpt = 600.0,
-          max_context: MaxContextOpt = None, config: ServeConfigOpt = None, set_: ServeSetOpt = None) -> None:
+          max_context: MaxContextOpt = None, config: ServeConfigOpt = None, set_: ServeSetOpt = None,
+          executions: ExecutionsOpt = 1) -> None:
     """Run the proxy and a local engine: print one JSON line with base_url and api_key and
     serve until stopped; or, with --harness and --task, run that harness once and exit."""
     from gyre.coordinator.rundir import absolute, claim
@@ -240,6 +241,8 @@ def serve(model: ModelOpt = None, run_dir: RunDirOpt = None, host: HostOpt = "12
         preset = _preset(harness, config)
     elif task is not None:
         _fail(ValueError("--task is for --harness (without it, serve waits for your own client)"))
+    if executions < 1 or (executions > 1 and harness is not None):
+        _fail(ValueError("--executions must be >= 1, and is for serving your own clients (not with --harness)"))
     if model is not None:
         _guard(_check_model, model_dir=model)
     fields = _guard(serve_fields, config=config, sets=set_ or [], max_context=max_context)
@@ -255,7 +258,7 @@ def serve(model: ModelOpt = None, run_dir: RunDirOpt = None, host: HostOpt = "12
                 shutil.rmtree(run_dir, ignore_errors=True)
             raise
         code = _guard(run_serve, model_dir=model_dir, run_dir=run_dir, host=host, port=port, preset=preset,
-                      task=task, timeout_s=timeout, settings=settings)
+                      task=task, timeout_s=timeout, settings=settings, executions=executions)
     finally:
         lock.release()
     raise typer.Exit(code)

@@ -37,6 +37,7 @@ HarnessOpt = Annotated[Optional[str], typer.Option("--harness", help="Run this h
 TaskOpt = Annotated[Optional[str], typer.Option("--task", help="The task prompt for --harness.")]
 TimeoutOpt = Annotated[float, typer.Option("--timeout", help="Seconds the harness may run (--harness).")]
 MaxContextOpt = Annotated[Optional[int], typer.Option("--max-context", help="Prompt + output token limit per call (default, and at most: the model's max_position_embeddings).")]
+ExecutionsOpt = Annotated[int, typer.Option("--executions", help="Keys to print (api_keys): one per execution, each client's calls recorded as its own execution.")]
 ServeSetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="A serving field of the run config: --set FIELD=VALUE for default_max_tokens, max_tokens_cap, max_context, rollout_temperature, rollout_top_p (repeatable).")]
 ServeConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="A run config (TOML/JSON): its [harnesses.NAME] tables add or override presets; its serving fields (default_max_tokens, max_tokens_cap, max_context, rollout_temperature, rollout_top_p) apply.")]
 TopTargetArg = Annotated[Optional[str], typer.Argument(help="Run directory of a running coordinator, or its proxy URL (default: the newest under ./runs).")]

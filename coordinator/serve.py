@@ -1,6 +1,7 @@
 """serve.py: `gyre serve`: the proxy plus one local workerd, recording one execution.
 
-Without `--harness` it prints one JSON line (`base_url`, `api_key`, `run_dir`) so any
+Without `--harness` it prints one JSON line (`base_url`, `api_key`, `api_keys` with
+`--executions N`: one key per execution, each recorded as its own, `run_dir`) so any
 harness can be pointed at it, then serves until SIGINT/SIGTERM. With `--harness NAME
 --task TEXT` it runs that preset's harness once in a fresh workspace under the run
 directory (the launcher's path: key, environment, deadline), prints one JSON summary line
@@ -98,7 +99,7 @@ def serve_settings(*, model_dir: Path, fields: dict | None = None) -> dict:
 
 async def serve(*, model_dir: Path, run_dir: Path, host: str, port: int, execution: str = "serve",
                 ready_file: Path | None = None, preset: HarnessPreset | None = None, task: str | None = None,
-                timeout_s: float = 600.0, settings: dict | None = None) -> int:
+                timeout_s: float = 600.0, settings: dict | None = None, executions: int = 1) -> int:
     loop = asyncio.get_running_loop()
     settings = settings if settings is not None else serve_settings(model_dir=model_dir)
     async with LocalCluster(model_dir, cells=1, roles=("rollout",), log_dir=run_dir / "logs") as cluster:
@@ -124,24 +125,31 @@ async def serve(*, model_dir: Path, run_dir: Path, host: str, port: int, executi
             stop = asyncio.Event()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, stop.set)
-            ex = proxy.register(execution)
-            info = {"base_url": base_url, "openai_base_url": f"{base_url}/v1", "api_key": ex.key,
-                    "execution": execution, "run_dir": str(run_dir)}
+            # One key per execution: each client's calls form their own tree (one key shared by
+            # concurrent harnesses would label their conversations sub-agents of each other).
+            names = [execution] if executions == 1 else [f"{execution}-{i + 1}" for i in range(executions)]
+            recorders = [proxy.register(name) for name in names]
+            info = {"base_url": base_url, "openai_base_url": f"{base_url}/v1", "api_key": recorders[0].key,
+                    "api_keys": [ex.key for ex in recorders], "execution": names[0], "executions": names,
+                    "run_dir": str(run_dir)}
             print(json.dumps(info), flush=True)
             if ready_file is not None:
                 ready_file.write_text(json.dumps(info))
             try:
                 await stop.wait()
             finally:
-                proxy.revoke(execution)
-            print(json.dumps({"event": "stopped", "calls": len(ex.calls), "tree": ex.tree.stats()}), file=sys.stderr)
+                for name in names:
+                    proxy.revoke(name)
+            print(json.dumps({"event": "stopped", "calls": {ex.id: len(ex.calls) for ex in recorders},
+                              "trees": {ex.id: ex.tree.stats() for ex in recorders}}), file=sys.stderr)
             return 0
         finally:
             await proxy.stop()
 
 
 def run_serve(*, model_dir: Path, run_dir: Path, host: str, port: int, preset: HarnessPreset | None = None,
-              task: str | None = None, timeout_s: float = 600.0, settings: dict | None = None) -> int:
+              task: str | None = None, timeout_s: float = 600.0, settings: dict | None = None,
+              executions: int = 1) -> int:
     import uvloop
 
     settings = settings if settings is not None else serve_settings(model_dir=model_dir)
@@ -150,4 +158,4 @@ def run_serve(*, model_dir: Path, run_dir: Path, host: str, port: int, preset: H
         "harness": None if preset is None else preset.name, "task": task, "timeout_s": timeout_s,
         **settings}, indent=2))
     return uvloop.run(serve(model_dir=model_dir, run_dir=run_dir, host=host, port=port, preset=preset, task=task,
-                            timeout_s=timeout_s, settings=settings))
+                            timeout_s=timeout_s, settings=settings, executions=executions))

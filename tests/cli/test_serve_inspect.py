@@ -51,3 +51,30 @@ def test_serve_demo_harness_inspect(tmp_path):
 def test_inspect_of_a_non_run_is_a_one_line_error(tmp_path):
     r = CliRunner().invoke(app, ["inspect", str(tmp_path)])
     assert r.exit_code == 1 and "[error]" in r.output and "executions/" in r.output
+
+
+@pytest.mark.timeout(240)
+def test_serve_executions_gives_each_client_its_own_key_and_execution(tmp_path):
+    run = tmp_path / "run"
+    serve = subprocess.Popen([sys.executable, "-m", "gyre.cli", "serve", "--run-dir", str(run), "--executions", "2"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        info = json.loads(serve.stdout.readline())
+        assert info["executions"] == ["serve-1", "serve-2"] and len(set(info["api_keys"])) == 2
+        assert info["api_key"] == info["api_keys"][0]
+        for i, key in enumerate(info["api_keys"]):  # two harnesses, concurrently as far as the proxy knows
+            env = dict(os.environ, OPENAI_BASE_URL=info["openai_base_url"], OPENAI_API_KEY=key)
+            h = subprocess.run([sys.executable, "-m", "gyre.proxy.demo_harness", "--workspace", str(tmp_path / f"w{i}"),
+                                "--task", f"Write {i} to a.txt", "--max-turns", "1"], env=env, capture_output=True,
+                               text=True, timeout=180)
+            assert h.returncode == 0, h.stderr
+    finally:
+        serve.send_signal(signal.SIGINT)
+        _, err = serve.communicate(timeout=60)
+    assert serve.returncode == 0, err[-2000:]
+    r = CliRunner().invoke(app, ["inspect", str(run), "--json"])
+    listed = json.loads(r.output)
+    assert [e["execution"] for e in listed] == ["serve-1", "serve-2"]
+    assert all(e["roots"] == 1 and set(e["leaf_roles"]) == {"main"} for e in listed)  # nobody's sub-agent
+    bad = CliRunner().invoke(app, ["serve", "--executions", "0"])
+    assert bad.exit_code == 1 and "--executions must be >= 1" in bad.output
