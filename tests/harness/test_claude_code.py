@@ -184,3 +184,52 @@ async def test_compaction_branches_off_main_and_continues_as_main(cc_proxy, clau
     out = CliRunner().invoke(app, ["inspect", str(server.run_dir)])
     assert out.exit_code == 0, out.output
     assert re.search(r"main-summary leaf", out.output) and out.output.count("main leaf") == 2
+
+
+async def test_an_overflow_in_anthropics_words_is_recognised_as_one(cc_proxy, claude_bin):
+    """Claude Code acts on context overflow only in Anthropic's wording ("prompt is too long:
+    N tokens > M maximum"). In `-p` mode it cannot compact, so it ends with its own overflow
+    message; a 400 in other words it reports as a plain API error instead."""
+    import dataclasses
+
+    server, engine = cc_proxy
+
+    def script(prompt: str) -> str:
+        if tool_results(prompt) == 0:  # the first call fits; the context ends right after it
+            server.config = dataclasses.replace(server.config, max_context=len(engine.prompts[-1]) + 20)
+            return tool_call("Bash", command="echo hi", description="say hi")
+        return "Done."
+
+    engine.script = script
+    summary = await run_harness_once(server, preset(claude_bin), "Say hi.", run_dir=server.run_dir, execution="cc")
+    result = json.loads(Path(summary["harness_log"]).read_text().strip().splitlines()[-1])
+    assert result["is_error"] and result["api_error_status"] == 400 and result["result"] == "Prompt is too long", (
+        result, [(c["status"], c["prompt_tokens"]) for c in server.executions["cc"].calls], server.config.max_context)
+    ex = server.executions["cc"]
+    assert [c["status"] for c in ex.calls] == ["ok"]  # the refused prompt touched no record
+    server.config = dataclasses.replace(server.config, max_context=1 << 21)
+    engine.script = lambda prompt: "Done."
+    server.inject_errors.append((400, {}))  # a 400 in other words
+    other = await run_harness_once(server, preset(claude_bin), "Say hi.", run_dir=server.run_dir, execution="other")
+    result = json.loads(Path(other["harness_log"]).read_text().strip().splitlines()[-1])
+    assert result["is_error"] and result["result"] != "Prompt is too long"
+
+
+@pytest.mark.harness_stall
+@pytest.mark.timeout(600)
+async def test_a_pause_past_the_300s_watchdog_inside_a_streamed_answer(cc_proxy, claude_bin):
+    """Claude Code drops a stream after max(CLAUDE_STREAM_IDLE_TIMEOUT_MS, 300 s) without
+    content, pings or not, and re-sends; the preset sets the variable to the execution's
+    deadline, so a 310 s pause of the engine mid-answer passes: one call, no re-send."""
+    server, engine = cc_proxy
+    engine.script = lambda prompt: "Hello after a long think."
+    engine.tokens_per_step = 2
+    engine.stalls = {4: 310.0}
+    p = resolve("claude-code", {"claude-code": {"command": preset(claude_bin).command, "timeout_s": 500}})
+    summary = await run_harness_once(server, p, "Say hello.", run_dir=server.run_dir, execution="cc")
+    log = Path(summary["harness_log"]).read_text()
+    assert summary["status"] == "completed", log[-3000:]
+    assert json.loads(log.strip().splitlines()[-1])["result"] == "Hello after a long think."
+    ex = server.executions["cc"]
+    assert [(c["stream"], c["status"]) for c in ex.calls] == [(True, "ok")]
+    assert len(requests(server.run_dir, "cc")) == 1
