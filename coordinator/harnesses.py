@@ -162,7 +162,7 @@ stream_idle_timeout_ms = {idle_timeout_ms}
 
 def _codex() -> HarnessPreset:
     return HarnessPreset(
-        name="codex", api="responses", role_rule="generic", model="gpt-5.5",
+        name="codex", api="responses", role_rule="codex", model="gpt-5.5",
         command=("codex", "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox",
                  "-C", "{workspace}", "{task}"),
         env={"CODEX_HOME": "{state}/codex"}, files={"codex/config.toml": CODEX_CONFIG},

@@ -99,7 +99,25 @@ class ClaudeCodeRule:
         return "sub-agent" if sub else "main"
 
 
-RULES: dict[str, type] = {"generic": GenericRule, "claude-code": ClaudeCodeRule}
+class CodexRule(GenericRule):
+    """Codex CLI: as generic, and a compaction is what Codex says it is (its turn-metadata
+    header carries `"request_kind": "compaction"`; the request has no tools and ends with its
+    context-checkpoint instruction), for the main agent or a sub-agent's own root."""
+
+    name = "codex"
+
+    def classify(self, call: CallInfo) -> str:
+        meta = next((v for k, v in call.headers.items() if k.lower() == "x-codex-turn-metadata"), "")
+        try:
+            kind = json.loads(meta).get("request_kind") if meta else None
+        except (ValueError, AttributeError):
+            kind = None
+        if kind == "compaction" or "CONTEXT CHECKPOINT COMPACTION" in call.last_user[-4000:]:
+            return "main-summary" if call.root == 0 else "sub-agent-summary"
+        return super().classify(call)
+
+
+RULES: dict[str, type] = {"generic": GenericRule, "claude-code": ClaudeCodeRule, "codex": CodexRule}
 
 
 def delegation_prompt(rule: RoleRule, name: str, arguments: str) -> str | None:

@@ -34,7 +34,7 @@ def test_the_codex_preset_writes_its_own_codex_home():
     import tomllib
 
     cx = resolve("codex")
-    assert (cx.api, cx.model, cx.command[:2]) == ("responses", "gpt-5.5", ("codex", "exec"))
+    assert (cx.api, cx.model, cx.command[:2], cx.role_rule) == ("responses", "gpt-5.5", ("codex", "exec"), "codex")
     argv, env, files = cx.expand(task="fix it", workspace="/w", execution="e", state="/s", base_url="http://h",
                                  openai_base_url="http://h/v1", api_key="k", timeout_ms="60000")
     assert argv == ["codex", "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox", "-C", "/w",
@@ -164,3 +164,19 @@ def test_a_preset_gets_its_files_and_its_own_state_folders(tmp_path):
         str(state / "xdg" / k) for k in ("config", "data", "cache", "state")}
     url, deadline = probe["file"].split()
     assert url.startswith("url=http://127.0.0.1:") and url.endswith("/v1") and deadline == "deadline=120000"
+
+
+def test_the_codex_rule_knows_its_compactions():
+    from gyre.proxy.roles import CallInfo, rule
+
+    codex = rule("codex")
+
+    def role(headers, last_user="go on", root=0):
+        return codex.classify(CallInfo(root=root, model="gpt-5.5", has_tools=True, last_user=last_user,
+                                       first_model="gpt-5.5", first_root_has_tools=True, headers=headers))
+
+    meta = {"X-Codex-Turn-Metadata": json.dumps({"request_kind": "compaction", "turn_id": "t1"})}
+    assert role(meta) == "main-summary" and role(meta, root=1) == "sub-agent-summary"
+    assert role({}, "You are performing a CONTEXT CHECKPOINT COMPACTION. Summarize.") == "main-summary"
+    assert role({"x-codex-turn-metadata": json.dumps({"request_kind": "turn"})}) == "main"
+    assert role({"x-codex-turn-metadata": "not json"}) == "main"
