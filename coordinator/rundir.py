@@ -151,3 +151,20 @@ def _refusal(run_dir: Path, s: RunState) -> str:
     how = "stopped" if s.kind == "stopped" else "crashed (no closing summary)"
     return (f"run directory {run_dir} holds a run that {how} at step {of}: continue it with "
             f"`gyre up --resume {run_dir}`, or choose a new --run-dir")
+
+
+def held(run_dir: Path) -> bool:
+    """Whether some process holds RUN_DIR's lock (a live `gyre up` or `gyre serve` there).
+    Asked about another process's directory: from the holder's own process the answer is
+    also True (flock locks belong to open files, not processes)."""
+    try:
+        f = open(run_dir / LOCK)
+    except OSError:
+        return False
+    with f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+        return False

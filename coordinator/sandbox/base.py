@@ -1,0 +1,151 @@
+"""base.py: the sandbox interface every backend implements: six verbs, limits, labels.
+
+A `SandboxBackend` makes `Sandbox`es from a `SandboxSpec` (an image or a host folder, resource
+limits, read-only mounts, the labels naming the run and execution). A sandbox has the verbs
+the systems gyre is compared with converge on: `exec` (with its deadline enforced inside the
+sandbox), `upload`, `download`, `stop` (remove it), `cancel` (kill what runs in it, keep its
+files), plus `netns_pid` for the proxy-only network (netns.py binds the proxy's listener in
+that process's network namespace). `reap` removes the sandboxes of runs that are no longer
+alive. One file per backend: process.py, docker_api.py (podman, docker), bubblewrap.py.
+Not the launcher: it decides what runs in a sandbox and when.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO, Mapping
+
+from gyre.workerd.wire import GyreError
+
+LABEL_RUN = "gyre.run"  # the run's id (rundir.run_id): which run a sandbox belongs to
+LABEL_RUN_DIR = "gyre.run_dir"  # the run directory: the reaper asks whether its run is alive
+LABEL_OWNER = "gyre.owner"  # a token per coordinator process: sandboxes of an earlier process are orphans
+LABEL_EXECUTION = "gyre.execution"
+LABEL_TASK = "gyre.task"
+IN_SANDBOX_ROOT = "/opt/gyre"  # where read-only harness mounts land inside container sandboxes
+
+
+class SandboxError(GyreError):
+    """The sandbox layer failed (engine unreachable, image missing, start refused): an
+    infrastructure failure, never the agent's fault; the execution ends aborted_infra."""
+
+
+class ImageBuildError(SandboxError):
+    """A task's image could not be built or pulled."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Limits:
+    """Resource limits; None: the backend's default (no limit). Where a backend cannot
+    enforce one it says so in `Backend.enforces`."""
+
+    cpus: float | None = None
+    memory_mb: int | None = None
+    pids: int | None = None
+    storage_mb: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SandboxSpec:
+    execution: str
+    labels: Mapping[str, str]  # LABEL_* -> value, put on everything the backend creates
+    image: str | None = None  # container backends: the image to start
+    workdir: str | None = None  # process/bubblewrap: the host folder; containers: None -> the image's WORKDIR
+    limits: Limits = field(default_factory=Limits)
+    mounts: Mapping[str, str] = field(default_factory=dict)  # host path -> path inside, read-only
+    internet: bool = False  # False: no network but the proxy listener
+
+
+@dataclass(frozen=True, slots=True)
+class ExecResult:
+    code: int | None  # None: no exit status could be read (the engine lost the process)
+    timed_out: bool
+    output: bytes = b""  # stdout + stderr, the tail, when not streamed to a log
+
+    @property
+    def killed(self) -> bool:
+        """Exit 137: SIGKILL, which is how an OOM kill shows in a container."""
+        return self.code == 137
+
+
+class Sandbox(abc.ABC):
+    """One live sandbox. Paths given to its verbs are paths inside it."""
+
+    spec: SandboxSpec
+    workdir: str  # where the agent starts (inside)
+
+    @abc.abstractmethod
+    async def exec(self, argv: list[str], *, env: Mapping[str, str] | None = None, cwd: str | None = None,
+                   timeout_s: float | None = None, grace_s: float = 5.0, log: BinaryIO | None = None,
+                   user: str | None = None) -> ExecResult:
+        """Run `argv` to its end or its deadline, enforced inside the sandbox: at
+        `timeout_s` it gets SIGTERM, `grace_s` later SIGKILL, with its whole process group.
+        Output goes to `log` as it comes, else the tail is returned. Cancelling the call
+        kills the command inside (the host-side client alone would leave it running)."""
+
+    @abc.abstractmethod
+    async def upload(self, src: Path, dest: str) -> None:
+        """Copy a host file or folder to `dest` inside (a folder's contents land in `dest`)."""
+
+    @abc.abstractmethod
+    async def download(self, src: str, dest: Path) -> None:
+        """Copy the file or folder `src` inside to the host path `dest` (a folder's contents
+        land in `dest`). A missing `src` raises FileNotFoundError."""
+
+    async def read_file(self, path: str, limit: int = 1 << 20) -> bytes | None:
+        """The bytes of a file inside (at most `limit`), None when it is not there."""
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="gyre-read-") as tmp:
+            try:
+                await self.download(path, Path(tmp) / "f")
+            except FileNotFoundError:
+                return None
+            target = Path(tmp) / "f"
+            if not target.is_file():
+                return None
+            with target.open("rb") as f:
+                return f.read(limit)
+
+    @abc.abstractmethod
+    async def cancel(self) -> None:
+        """Kill every process started in the sandbox by `exec`; its files stay."""
+
+    @abc.abstractmethod
+    async def stop(self) -> None:
+        """Remove the sandbox and what it holds (idempotent)."""
+
+    def netns_pid(self) -> int | None:
+        """A host pid in the sandbox's network namespace (for the proxy listener), or None
+        when the sandbox shares the host's network or runs on another host."""
+        return None
+
+
+class SandboxBackend(abc.ABC):
+    name: str
+    isolated_network: bool = False  # sandboxes have their own network namespace
+    needs_image: bool = False  # a task must name an image (or a Dockerfile)
+    enforces: frozenset[str] = frozenset()  # the Limits fields it enforces
+
+    async def open(self) -> None:
+        """Connect (or start the engine service); raise SandboxError when it cannot."""
+
+    async def close(self) -> None:
+        """Release what `open` took (a podman service it started)."""
+
+    async def prepare(self, build_dir: str | None, *, image: str | None, dockerfile: str | None = None,
+                      timeout_s: float = 600.0, name: str = "task") -> str | None:
+        """The image a task's sandbox starts from: `image` as given (present or pulled), or
+        built from `build_dir` under a content-hashed tag (cached). ImageBuildError if not."""
+        return None
+
+    @abc.abstractmethod
+    async def create(self, spec: SandboxSpec) -> Sandbox:
+        """Start a sandbox; SandboxError when it cannot."""
+
+    async def reap(self, alive) -> int:
+        """Remove sandboxes gyre made whose run is not alive (`alive(labels) -> bool`);
+        the number removed."""
+        return 0

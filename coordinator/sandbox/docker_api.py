@@ -1,0 +1,329 @@
+"""docker_api.py: the `podman` and `docker` backends, through the Docker-compatible HTTP API.
+
+One implementation for both engines, with the `docker` Python SDK (it drives dockerd and
+`podman system service` alike); podman.py starts that service against gyre's own
+containers.conf. A sandbox is a container started `--init --network none ... sleep
+infinity` from the task's image, with the image's working directory and files as the agent's
+workspace; `exec` runs a command in it under `timeout -k GRACE T` (the deadline is enforced
+inside: killing the host-side client would leave the process running) and records the
+wrapper's pid, so a cancelled call kills its process group inside. Files move as tar
+streams (put_archive / get_archive). Images are built from a task's environment folder under
+a content-hashed tag, once per content (images.py). The SDK blocks: every call runs in a
+worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import secrets
+import shutil
+import tarfile
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, BinaryIO, Mapping
+
+from gyre.coordinator.sandbox import images
+from gyre.coordinator.sandbox.base import (LABEL_EXECUTION, LABEL_OWNER, ExecResult, ImageBuildError, Sandbox,
+                                           SandboxBackend, SandboxError, SandboxSpec)
+
+log = logging.getLogger("gyre.coordinator")
+OUTPUT_TAIL = 64 * 1024
+PID_DIR = "/tmp/.gyre-exec"  # inside: one file per running exec, holding its wrapper's pid
+KILL_WAIT_S = 10.0  # a cancelled exec's group gets this long after SIGTERM before SIGKILL
+HOST_SLACK_S = 60.0  # the host-side wait past an exec's deadline + grace before it gives up on the engine
+
+
+def _api_error() -> tuple[type[BaseException], ...]:
+    import docker.errors
+    import requests.exceptions
+
+    return (docker.errors.DockerException, requests.exceptions.RequestException, OSError)
+
+
+def _released(e: BaseException) -> BaseException:
+    """`e` with the frames of its traceback chain cleared: a refused connect leaves its socket
+    in a frame's locals (docker-py's unix transport), which would otherwise live on with the
+    exception and close only at garbage collection."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        e = e.__cause__ or e.__context__
+    return e
+
+
+def _tar_of(src: Path, arcname: str) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        if src.is_dir():
+            for child in sorted(src.iterdir()):
+                tar.add(child, arcname=child.name)
+        else:
+            tar.add(src, arcname=arcname)
+    return buf.getvalue()
+
+
+def _untar(chunks, dest: Path, is_dir: bool) -> None:
+    """Extract a get_archive stream (one top-level entry) as `dest`: a folder's contents into
+    it, a file as it. The "data" filter refuses links and paths that leave the target."""
+    with tempfile.TemporaryDirectory(prefix="gyre-dl-") as tmp:
+        with tempfile.TemporaryFile() as f:
+            for chunk in chunks:
+                f.write(chunk)
+            f.seek(0)
+            with tarfile.open(fileobj=f, mode="r") as tar:
+                tops = {Path(m.name).parts[0] for m in tar.getmembers() if Path(m.name).parts}
+                tar.extractall(tmp, filter="data")
+        if len(tops) != 1:
+            raise SandboxError(f"an archive with {len(tops)} top-level entries")
+        top = Path(tmp, tops.pop())
+        if is_dir:
+            shutil.copytree(top, dest, dirs_exist_ok=True, symlinks=True)
+        else:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(top), dest)
+
+
+class ContainerSandbox(Sandbox):
+    def __init__(self, backend: "DockerAPIBackend", container: Any, spec: SandboxSpec, workdir: str, pid: int | None):
+        self.backend = backend
+        self.container = container
+        self.spec = spec
+        self.workdir = workdir or "/"
+        self._pid = pid
+        self._execs: set[str] = set()  # tokens of execs whose wrapper may still run
+        self._removed = False
+
+    @property
+    def id(self) -> str:
+        return self.container.id
+
+    def netns_pid(self) -> int | None:
+        return self._pid if self.backend.local else None
+
+    async def exec(self, argv, *, env=None, cwd=None, timeout_s=None, grace_s=5.0, log=None, user=None):
+        token = secrets.token_hex(6)
+        # `timeout` leads its own process group and forwards a signal it gets to all of it; 0: no deadline.
+        limit = "0" if timeout_s is None else f"{max(timeout_s, 0.001):.3f}"
+        wrapped = ["sh", "-c", f'mkdir -p {PID_DIR} && echo $$ > {PID_DIR}/{token} && exec "$@"', "sh",
+                   "timeout", "-k", f"{grace_s:g}", limit, *argv]
+        self._execs.add(token)
+        start = time.monotonic()
+        host_wait = None if timeout_s is None else timeout_s + grace_s + HOST_SLACK_S
+        job = asyncio.ensure_future(asyncio.to_thread(
+            self._run, wrapped, dict(env or {}), cwd or self.workdir, user, log))
+        try:
+            code, output = await asyncio.wait_for(asyncio.shield(job), host_wait)
+        except asyncio.TimeoutError:
+            await self._kill(token)
+            code, output = None, b"gyre: the engine did not end the exec after its deadline\n"
+        except asyncio.CancelledError:
+            await asyncio.shield(self._kill(token))
+            raise
+        finally:
+            self._execs.discard(token)
+        elapsed = time.monotonic() - start
+        timed_out = timeout_s is not None and code in (124, 137) and elapsed >= timeout_s * 0.99
+        return ExecResult(code, timed_out or code is None, output)
+
+    def _run(self, argv, env, cwd, user, log: BinaryIO | None) -> tuple[int | None, bytes]:
+        api = self.backend.client.api
+        try:
+            ex = api.exec_create(self.container.id, argv, environment=env, workdir=cwd, user=user or "")
+            tail = bytearray()
+            stream = api.exec_start(ex["Id"], stream=True)
+            try:
+                for chunk in stream:
+                    if log is not None:
+                        log.write(chunk)
+                        log.flush()
+                    else:
+                        tail += chunk
+                        del tail[:-OUTPUT_TAIL]
+            finally:
+                # The upgraded connection never returns to the pool: shut its socket and close
+                # the response's file on it too, or the socket outlives both (ResourceWarning).
+                stream.close()
+                stream._response.close()
+            code = api.exec_inspect(ex["Id"]).get("ExitCode")
+        except _api_error() as e:
+            _released(e)
+            raise SandboxError(f"exec in {self.container.short_id}: {e}") from None
+        return code, bytes(tail)
+
+    async def _kill(self, token: str) -> None:
+        """SIGTERM the exec's group inside (timeout forwards it, then SIGKILLs after the grace)."""
+        # `timeout` passes the TERM to its group and SIGKILLs it after the grace; should the
+        # group outlive that (timeout itself killed), the whole group is SIGKILLed here.
+        script = (f'p=$(cat {PID_DIR}/{token} 2>/dev/null); [ -n "$p" ] || exit 0; kill -TERM "$p" 2>/dev/null; '
+                  f'i=0; while kill -0 -"$p" 2>/dev/null && [ $i -lt {int(KILL_WAIT_S * 10)} ]; do sleep 0.1; '
+                  f'i=$((i+1)); done; kill -KILL -"$p" 2>/dev/null; rm -f {PID_DIR}/{token}; true')
+        try:
+            await asyncio.to_thread(self.container.exec_run, ["sh", "-c", script])
+        except _api_error() as e:
+            _released(e)
+            log.warning("sandbox %s: could not kill exec %s inside: %s", self.container.short_id, token, e)
+
+    async def upload(self, src: Path, dest: str) -> None:
+        src = Path(src)
+        parent, name = (dest, "") if src.is_dir() else (str(Path(dest).parent), Path(dest).name)
+        data = await asyncio.to_thread(_tar_of, src, name)
+        await self.exec(["mkdir", "-p", parent], timeout_s=60)
+        try:
+            ok = await asyncio.to_thread(self.container.put_archive, parent, data)
+        except _api_error() as e:
+            _released(e)
+            raise SandboxError(f"upload to {dest} in {self.container.short_id}: {e}") from None
+        if not ok:
+            raise SandboxError(f"upload to {dest} in {self.container.short_id} refused")
+
+    async def download(self, src: str, dest: Path) -> None:
+        import docker.errors
+
+        def pull() -> None:
+            try:
+                stream, stat = self.container.get_archive(src)
+            except docker.errors.NotFound:
+                raise FileNotFoundError(src) from None
+            is_dir = (stat.get("mode", 0) & (1 << 31)) != 0  # Go's os.ModeDir
+            _untar(stream, Path(dest), is_dir)
+
+        try:
+            await asyncio.to_thread(pull)
+        except FileNotFoundError:
+            raise
+        except _api_error() as e:
+            _released(e)
+            raise SandboxError(f"download of {src} from {self.container.short_id}: {e}") from None
+
+    async def cancel(self) -> None:
+        await asyncio.gather(*(self._kill(t) for t in list(self._execs)))
+
+    async def stop(self) -> None:
+        if self._removed:
+            return
+        self._removed = True
+        try:
+            await asyncio.to_thread(self.container.remove, force=True)
+        except _api_error() as e:
+            _released(e)
+            import docker.errors
+
+            if not isinstance(e, docker.errors.NotFound):
+                log.warning("sandbox %s: remove failed: %s", self.container.short_id, e)
+
+
+class DockerAPIBackend(SandboxBackend):
+    """A Docker-compatible engine at `base_url` (unix:///run/podman/podman.sock, tcp://host:2375)."""
+
+    isolated_network = True
+    needs_image = True
+    enforces = frozenset({"cpus", "memory_mb", "pids"})
+
+    def __init__(self, name: str, base_url: str, *, local: bool = True, cache_dir: Path | None = None):
+        self.name = name
+        self.base_url = base_url
+        self.local = local  # the engine runs on this host: its container pids are ours to setns into
+        self.cache_dir = cache_dir
+        self.client: Any = None
+        self._build_locks: dict[str, asyncio.Lock] = {}
+        self._lock = threading.Lock()
+
+    async def open(self) -> None:
+        import docker
+
+        def connect():
+            client = docker.DockerClient(base_url=self.base_url, timeout=600)
+            client.ping()
+            return client
+
+        try:
+            self.client = await asyncio.to_thread(connect)
+        except _api_error() as e:
+            _released(e)
+            raise SandboxError(f"{self.name}: no engine answers at {self.base_url}: {e}") from None
+
+    async def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+    async def prepare(self, build_dir, *, image, dockerfile=None, timeout_s=600.0, name="task"):
+        if build_dir is None:
+            if image is None:
+                raise ImageBuildError("the task names neither an image nor a Dockerfile")
+            await images.ensure_present(self, image, timeout_s=timeout_s)
+            return image
+        tag = images.task_tag(name, Path(build_dir), dockerfile)
+        lock = self._build_locks.setdefault(tag, asyncio.Lock())
+        async with lock:  # concurrent executions of one task build it once
+            await images.build(self, Path(build_dir), tag, dockerfile=dockerfile, timeout_s=timeout_s)
+        return tag
+
+    async def create(self, spec: SandboxSpec) -> Sandbox:
+        if spec.image is None:
+            raise SandboxError(f"{self.name}: a container sandbox needs an image")
+        kwargs: dict[str, Any] = dict(
+            detach=True, init=True, labels=dict(spec.labels), network_mode=None if spec.internet else "none",
+            volumes={host: {"bind": inside, "mode": "ro"} for host, inside in spec.mounts.items()},
+            name=f"gyre-{spec.execution}-{secrets.token_hex(3)}")
+        lim = spec.limits
+        if lim.memory_mb is not None:
+            kwargs["mem_limit"] = kwargs["memswap_limit"] = f"{lim.memory_mb}m"
+        if lim.cpus is not None:
+            kwargs["nano_cpus"] = int(lim.cpus * 1e9)
+        if lim.pids is not None:
+            kwargs["pids_limit"] = lim.pids
+        if spec.workdir:
+            kwargs["working_dir"] = spec.workdir
+
+        def start():
+            container = self.client.containers.run(spec.image, ["sleep", "infinity"], **kwargs)
+            container.reload()
+            return container
+
+        try:
+            container = await asyncio.to_thread(start)
+        except _api_error() as e:
+            _released(e)
+            raise SandboxError(f"{self.name}: cannot start a container from {spec.image}: {e}") from None
+        state = container.attrs.get("State", {})
+        workdir = container.attrs.get("Config", {}).get("WorkingDir") or "/"
+        return ContainerSandbox(self, container, spec, workdir, state.get("Pid") or None)
+
+    async def reap(self, alive) -> int:
+        def sweep() -> int:
+            removed = 0
+            for c in self.client.containers.list(all=True, filters={"label": LABEL_OWNER}):
+                labels = c.labels or {}
+                if alive(labels):
+                    continue
+                log.info("%s: removing orphan sandbox %s (execution %s)", self.name, c.short_id,
+                         labels.get(LABEL_EXECUTION))
+                try:
+                    c.remove(force=True)
+                    removed += 1
+                except _api_error() as e:
+                    _released(e)
+                    log.warning("%s: could not remove orphan %s: %s", self.name, c.short_id, e)
+            return removed
+
+        try:
+            return await asyncio.to_thread(sweep)
+        except _api_error() as e:
+            _released(e)
+            raise SandboxError(f"{self.name}: listing sandboxes failed: {e}") from None
+
+    def image_exists(self, image: str) -> bool:
+        import docker.errors
+
+        try:
+            self.client.images.get(image)
+            return True
+        except docker.errors.ImageNotFound:
+            return False
