@@ -27,6 +27,22 @@ class TaskError(GyreError):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Environment:
+    """What a task's sandbox starts from (Harbor's [environment], a SWE row's image): a ready
+    image or a folder to build, and the limits it asks for. None: no limit asked."""
+
+    image: str | None = None  # an image name (present, pulled when missing)
+    build_dir: str | None = None  # absolute: a folder with a Dockerfile, the build context
+    dockerfile: str | None = None  # the Dockerfile's name in build_dir; None: "Dockerfile"
+    build_timeout_s: float = 600.0
+    cpus: float | None = None
+    memory_mb: int | None = None
+    storage_mb: int | None = None
+    allow_internet: bool = False  # refused unless the run config allows sandboxes the internet
+    workdir: str | None = None  # where the agent starts; None: the image's WORKDIR
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Task:
     """One task: the prompt, a fresh workspace's contents and how to score it."""
 
@@ -38,6 +54,11 @@ class Task:
     target: str | None = None  # the expected answer, for the similarity evaluator
     timeout_s: float | None = None  # the execution's budget; None -> the run's default
     meta: dict = field(default_factory=dict)  # anything else the task file carried
+    # Sandboxed tasks (Harbor folders, SWE-style rows): see taskformats.py and verifier.py.
+    environment: Environment | None = None  # None: no image; any backend runs it
+    tests_dir: str | None = None  # absolute: copied to /tests only after the agent stops
+    solution_dir: str | None = None  # absolute: copied to /solution for `--solution` (solve.sh)
+    verifier: dict = field(default_factory=dict)  # run inside the sandbox (harbor | swe); {}: `evaluator`
 
 
 def check_relpath(path: Any) -> PurePosixPath:

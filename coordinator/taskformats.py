@@ -1,0 +1,405 @@
+"""taskformats.py: reads task sources other than gyre's JSONL: Harbor task folders and SWE-bench rows.
+
+`load_task_source` takes a path and decides: a directory is Harbor's format (the one
+Terminal-Bench 2.0 uses: one task folder, or a folder of them), a JSONL file whose first row
+has `instance_id` is SWE-bench-style, and any other file is gyre's own JSONL
+(`tasks.load_tasks`). Every error names the file (and line) and the field. `describe` turns a
+task into one row of a listing. Not the sandbox (it builds and starts nothing) and not the
+verifier (it runs no test.sh or test_cmd): it only reads files and checks them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from gyre.coordinator.tasks import Environment, Task, TaskError, load_tasks
+
+HARBOR_NEEDS = ("a Harbor task needs instruction.md, task.toml, environment/Dockerfile or [environment].docker_image, "
+                "tests/test.sh")
+# Harbor ignores keys it does not know; we list them (meta["unknown_keys"]) for `gyre tasks check`.
+HARBOR_TOP_KEYS = frozenset({"version", "source"})
+HARBOR_SECTIONS: dict[str, frozenset[str] | None] = {  # None: any key (free-form)
+    "metadata": None,
+    "verifier": frozenset({"timeout_sec", "env"}),
+    "agent": frozenset({"timeout_sec", "user"}),
+    "environment": frozenset({"docker_image", "build_timeout_sec", "cpus", "memory_mb", "memory",
+                              "storage_mb", "storage", "allow_internet", "gpus"}),
+    "solution": frozenset({"env"}),
+}
+SWE_FIELDS = frozenset({"instance_id", "problem_statement", "image", "dockerfile", "test_cmd", "FAIL_TO_PASS",
+                        "PASS_TO_PASS", "test_patch", "workdir", "timeout_s", "test_timeout_s", "cpus",
+                        "memory_mb", "allow_internet"})
+DEFAULT_BUILD_TIMEOUT_S = 600.0
+DEFAULT_HARBOR_VERIFIER_TIMEOUT_S = 600.0
+DEFAULT_SWE_TEST_TIMEOUT_S = 1800.0
+FORMATS = ("harbor", "swe")
+
+
+# ---------------------------------------------------------------------------------------------
+# Value checks: each returns the value to keep or raises _Bad with why; _Fields adds where.
+
+
+class _Bad(Exception):
+    """A value of the wrong kind; the message says what it must be."""
+
+
+def _positive_number(value: Any) -> float:
+    # bool is an int subclass: `true` is not a number of CPUs.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise _Bad(f"must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _positive_int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise _Bad(f"must be a positive integer, got {value!r}")
+    return value
+
+
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt])i?b?\s*", re.IGNORECASE)
+_MIB_PER_UNIT = {"k": 1 / 1024, "m": 1, "g": 1024, "t": 1024 * 1024}
+
+
+def _size_mb(value: Any) -> int:
+    """MiB from an int (already MiB) or a string like "4G", "512M", "1.5G" (Harbor's older spelling)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return _positive_int(value)
+    match = _SIZE.fullmatch(value) if isinstance(value, str) else None
+    if match is None:
+        raise _Bad(f"must be a size like '4G' or '512M' (or an integer of MiB), got {value!r}")
+    mib = math.ceil(float(match[1]) * _MIB_PER_UNIT[match[2].lower()])
+    if mib <= 0:
+        raise _Bad(f"must be a positive size, got {value!r}")
+    return mib
+
+
+def _bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _Bad(f"must be true or false, got {value!r}")
+    return value
+
+
+def _string(value: Any) -> str:
+    if not isinstance(value, str):
+        raise _Bad(f"must be a string, got {type(value).__name__}")
+    return value
+
+
+def _nonempty_string(value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise _Bad(f"must be a non-empty string, got {value!r}")
+    return value
+
+
+def _container_path(value: Any) -> str:
+    if not isinstance(value, str) or not value.startswith("/") or "\x00" in value:
+        raise _Bad(f"must be an absolute path in the container, got {value!r}")
+    return value
+
+
+def _table(value: Any) -> dict:
+    if not isinstance(value, dict):
+        raise _Bad(f"must be a table, got {type(value).__name__}")
+    return value
+
+
+def _string_table(value: Any) -> dict[str, str]:
+    table = _table(value)
+    if bad := sorted(k for k, v in table.items() if not isinstance(v, str)):
+        raise _Bad(f"values must be strings; {bad[0]!r} is {type(table[bad[0]]).__name__}")
+    return dict(table)
+
+
+def _test_ids(value: Any) -> list[str]:
+    """A list of test ids, or SWE-bench's spelling: a string holding that list as JSON."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise _Bad(f"must be a list of test ids or a JSON string of one, got {value!r}") from None
+    if not isinstance(value, list) or not all(isinstance(t, str) and t for t in value):
+        raise _Bad(f"must be a list of non-empty test id strings, got {value!r}")
+    return value
+
+
+def _nonempty_test_ids(value: Any) -> list[str]:
+    ids = _test_ids(value)
+    if not ids:
+        raise _Bad("must name at least one test")
+    return ids
+
+
+class _Fields:
+    """One table's values, checked on the way out; errors read `{where}: field {label}: {why}`.
+
+    A value of None (JSON null) counts as missing, so a dataset's empty columns read as absent."""
+
+    def __init__(self, table: dict, where: str, label: str):
+        self.table, self.where, self.label = table, where, label  # label: "{!r}" or "[agent].{}"
+
+    def error(self, name: str, why: str) -> TaskError:
+        return TaskError(f"{self.where}: field {self.label.format(name)}: {why}")
+
+    def has(self, name: str) -> bool:
+        return self.table.get(name) is not None
+
+    def get(self, name: str, check: Callable[[Any], Any], default: Any = None, *, required: bool = False) -> Any:
+        value = self.table.get(name)
+        if value is None:
+            if required:
+                raise self.error(name, "missing")
+            return default
+        try:
+            return check(value)
+        except _Bad as e:
+            raise self.error(name, str(e)) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# The entry point
+
+
+def load_task_source(path: str | Path) -> list[Task]:
+    """Every task at `path`: a Harbor task folder or folder of them, a SWE-bench-style JSONL
+    file, or gyre's own JSONL. Blocking file IO: call at startup or via asyncio.to_thread."""
+    path = Path(path)
+    if path.is_dir():
+        return load_harbor_dir(path)
+    if not path.exists():
+        raise TaskError(f"{path}: no such task file or folder")
+    if _first_row_has(path, "instance_id"):
+        return load_swe_tasks(path)
+    return load_tasks(path)
+
+
+def _first_row_has(path: Path, key: str) -> bool:
+    """Whether the first non-empty line of `path` is a JSON object with `key`."""
+    try:
+        with path.open(encoding="utf-8") as f:
+            line = next((line for line in f if line.strip()), "")
+    except (OSError, UnicodeDecodeError) as e:
+        raise TaskError(f"cannot read task file {path}: {e}") from None
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return False  # not ours to report: load_tasks names the line
+    return isinstance(obj, dict) and key in obj
+
+
+# ---------------------------------------------------------------------------------------------
+# Harbor task folders
+
+
+def load_harbor_dir(path: str | Path) -> list[Task]:
+    """The task `path` is (it has task.toml), else one per immediate subfolder with task.toml,
+    by name; hidden folders and folders without task.toml are skipped."""
+    path = Path(path)
+    if (path / "task.toml").is_file():
+        return [load_harbor_task(path)]
+    try:
+        folders = sorted(p for p in path.iterdir()
+                         if p.is_dir() and not p.name.startswith(".") and (p / "task.toml").is_file())
+    except OSError as e:
+        raise TaskError(f"cannot list task folder {path}: {e}") from None
+    if not folders:
+        raise TaskError(f"{path}: no Harbor task folders in it (a task folder holds task.toml, instruction.md, "
+                        "environment/Dockerfile or [environment].docker_image, and tests/test.sh)")
+    # The ids are the folder names of one directory, so they are unique already.
+    return [load_harbor_task(folder) for folder in folders]
+
+
+def load_harbor_task(folder: str | Path) -> Task:
+    """One Harbor task folder: instruction.md is the prompt, task.toml the settings, environment/
+    the image to build, tests/ the verifier (copied in after the agent stops), solution/ optional."""
+    folder = Path(folder).resolve()
+    prompt = _read_text(_required(folder, "instruction.md")).rstrip()
+    if not prompt:
+        raise TaskError(f"{folder}: instruction.md is empty")
+    toml = _read_toml(_required(folder, "task.toml"))
+    where = str(folder / "task.toml")
+    sections = _harbor_sections(toml, where)
+    environment = _harbor_environment(folder, _Fields(sections["environment"], where, "[environment].{}"))
+    tests = _required(folder, "tests/test.sh").parent
+    agent = _Fields(sections["agent"], where, "[agent].{}")
+    return Task(id=folder.name, prompt=prompt, timeout_s=agent.get("timeout_sec", _positive_number),
+                environment=environment, tests_dir=str(tests),
+                solution_dir=str(folder / "solution") if (folder / "solution" / "solve.sh").is_file() else None,
+                verifier=_harbor_verifier(_Fields(sections["verifier"], where, "[verifier].{}")),
+                meta=_harbor_meta(folder, toml, sections, where))
+
+
+def _required(folder: Path, rel: str) -> Path:
+    path = folder / rel
+    if not path.is_file():
+        raise TaskError(f"{folder}: missing {rel} ({HARBOR_NEEDS})")
+    return path
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise TaskError(f"cannot read {path}: {e}") from None
+
+
+def _read_toml(path: Path) -> dict:
+    text = _read_text(path)
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise TaskError(f"{path}: not valid TOML: {e}") from None
+
+
+def _harbor_sections(toml: dict, where: str) -> dict[str, dict]:
+    """Each known section's table ({} when absent), or TaskError when one is not a table."""
+    top = _Fields(toml, where, "[{}]")
+    return {name: top.get(name, _table, {}) for name in HARBOR_SECTIONS}
+
+
+def _harbor_environment(folder: Path, env: _Fields) -> Environment:
+    image = env.get("docker_image", _nonempty_string)
+    build_dir = folder / "environment"
+    has_dockerfile = (build_dir / "Dockerfile").is_file()
+    if image is None and not has_dockerfile:
+        _required(folder, "environment/Dockerfile")
+    # Both given: the Dockerfile is the task's own recipe, so it wins; the image name stays known.
+    return Environment(image=image, build_dir=str(build_dir) if has_dockerfile else None,
+                       build_timeout_s=env.get("build_timeout_sec", _positive_number, DEFAULT_BUILD_TIMEOUT_S),
+                       cpus=env.get("cpus", _positive_number),
+                       memory_mb=_harbor_size(env, "memory_mb", "memory"),
+                       storage_mb=_harbor_size(env, "storage_mb", "storage"),
+                       allow_internet=env.get("allow_internet", _bool, False))
+
+
+def _harbor_size(env: _Fields, name: str, older: str) -> int | None:
+    """MiB from `name` (an integer) or its older spelling `older` ("4G"); None when neither."""
+    if env.has(name) and env.has(older):
+        raise env.error(older, f"given both {name} and {older}; keep {name}")
+    if env.has(name):
+        return env.get(name, _positive_int)
+    return env.get(older, _size_mb)
+
+
+def _harbor_verifier(verifier: _Fields) -> dict:
+    return {"type": "harbor",
+            "timeout_s": verifier.get("timeout_sec", _positive_number, DEFAULT_HARBOR_VERIFIER_TIMEOUT_S),
+            "env": verifier.get("env", _string_table, {})}
+
+
+def _harbor_meta(folder: Path, toml: dict, sections: dict[str, dict], where: str) -> dict:
+    agent = _Fields(sections["agent"], where, "[agent].{}")
+    env = _Fields(sections["environment"], where, "[environment].{}")
+    meta: dict[str, Any] = {"format": "harbor", "path": str(folder), "metadata": sections["metadata"]}
+    if agent.has("user"):
+        meta["agent_user"] = agent.get("user", _nonempty_string)
+    if env.has("gpus"):  # no Environment field yet: kept so a sandbox can refuse what it lacks
+        meta["gpus"] = env.get("gpus", _positive_int)
+    solution = _Fields(sections["solution"], where, "[solution].{}")
+    if solution.has("env"):
+        meta["solution_env"] = solution.get("env", _string_table)
+    meta["unknown_keys"] = _unknown_keys(toml)
+    return meta
+
+
+def _unknown_keys(toml: dict) -> list[str]:
+    """ "section.key" for each key task.toml holds that Harbor's known sections do not name."""
+    unknown: list[str] = []
+    for key, value in toml.items():
+        if key in HARBOR_TOP_KEYS:
+            continue
+        if key not in HARBOR_SECTIONS:
+            unknown += [f"{key}.{k}" for k in value] if isinstance(value, dict) and value else [key]
+        elif (known := HARBOR_SECTIONS[key]) is not None:
+            unknown += [f"{key}.{k}" for k in value if k not in known]
+    return sorted(unknown)
+
+
+# ---------------------------------------------------------------------------------------------
+# SWE-bench-style JSONL
+
+
+def load_swe_tasks(path: str | Path) -> list[Task]:
+    """Every row of a SWE-bench-style JSONL file (blank lines ignored), instance ids unique."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise TaskError(f"cannot read task file {path}: {e}") from None
+    tasks: list[Task] = []
+    first_line: dict[str, int] = {}
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            raise TaskError(f"{where}: not valid JSON: {e}") from None
+        task = parse_swe_row(row, where, path.parent)
+        if task.id in first_line:
+            raise TaskError(f"{where}: field 'instance_id': duplicate id {task.id!r} "
+                            f"(first on line {first_line[task.id]})")
+        first_line[task.id] = lineno
+        tasks.append(task)
+    if not tasks:
+        raise TaskError(f"{path}: no tasks")
+    return tasks
+
+
+def parse_swe_row(row: Any, where: str, base: Path) -> Task:
+    """One SWE-bench-style row; `where` prefixes errors, `base` anchors a relative `dockerfile`."""
+    if not isinstance(row, dict):
+        raise TaskError(f"{where}: a task must be a JSON object, got {type(row).__name__}")
+    fields = _Fields(row, where, "{!r}")
+    return Task(id=fields.get("instance_id", _nonempty_string, required=True),
+                prompt=fields.get("problem_statement", _nonempty_string, required=True),
+                timeout_s=fields.get("timeout_s", _positive_number),
+                environment=_swe_environment(fields, base), verifier=_swe_verifier(fields),
+                meta={**{k: v for k, v in row.items() if k not in SWE_FIELDS}, "format": "swe"})
+
+
+def _swe_environment(fields: _Fields, base: Path) -> Environment:
+    if fields.has("image") == fields.has("dockerfile"):
+        why = "give image or dockerfile, not both" if fields.has("image") else "missing (give image or dockerfile)"
+        raise fields.error("image", why)
+    build_dir = dockerfile = None
+    if fields.has("dockerfile"):
+        # Relative to the JSONL file, so a task set and its Dockerfiles move together.
+        path = (base / fields.get("dockerfile", _nonempty_string)).resolve()
+        if not path.is_file():
+            raise fields.error("dockerfile", f"{path} is not a file")
+        build_dir, dockerfile = str(path.parent), path.name
+    return Environment(image=fields.get("image", _nonempty_string), build_dir=build_dir, dockerfile=dockerfile,
+                       workdir=fields.get("workdir", _container_path), cpus=fields.get("cpus", _positive_number),
+                       memory_mb=fields.get("memory_mb", _positive_int),
+                       allow_internet=fields.get("allow_internet", _bool, False))
+
+
+def _swe_verifier(fields: _Fields) -> dict:
+    return {"type": "swe", "test_cmd": fields.get("test_cmd", _nonempty_string, required=True),
+            "fail_to_pass": fields.get("FAIL_TO_PASS", _nonempty_test_ids, required=True),
+            "pass_to_pass": fields.get("PASS_TO_PASS", _test_ids, []),
+            "test_patch": fields.get("test_patch", _string),
+            "timeout_s": fields.get("test_timeout_s", _positive_number, DEFAULT_SWE_TEST_TIMEOUT_S)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Listing
+
+
+def describe(task: Task) -> dict:
+    """One row for `gyre tasks list/check`: where the task runs and how it is scored."""
+    env = task.environment or Environment()
+    fmt = task.meta.get("format")
+    return {"task": task.id, "format": fmt if fmt in FORMATS else "jsonl", "image": env.image,
+            "build": env.build_dir, "agent_timeout_s": task.timeout_s,
+            "verifier": task.verifier.get("type") or task.evaluator.get("type") or "similarity",
+            "cpus": env.cpus, "memory_mb": env.memory_mb, "storage_mb": env.storage_mb,
+            "allow_internet": env.allow_internet, "solution": task.solution_dir is not None,
+            "unknown_keys": list(task.meta.get("unknown_keys", []))}
