@@ -17,7 +17,7 @@ from gyre.cli.options import (CellOpt, CoordinatorOpt, DebugOpt, DevicesOpt, Hea
                               WelcomeTimeoutOpt, HostOpt, PortOpt, RunDirArg, ExecutionOpt, JsonOpt, JMaxOpt,
                               ConfigArg, PolicyOpt, NoLiveOpt, ParentPidOpt, HarnessOpt, TaskOpt, TimeoutOpt,
                               MaxContextOpt, ServeConfigOpt, TopTargetArg, IntervalOpt, OnceOpt, SetOpt, RunSeedOpt,
-                              ResumeOpt,
+                              ResumeOpt, TaskDirOpt, ServeSandboxOpt, ServeSandboxUrlOpt,
                               KeysOpt, KeyNameOpt, KeysDirArg, WorkerNamesOpt, KeyNameArg, EngineBackendOpt,
                               TrainerBackendOpt, ServeSetOpt, WheelOpt, DtypeOpt, ExecutionsOpt)
 
@@ -32,6 +32,9 @@ def _add_subapps() -> None:
     app.add_typer(sim_app, name="sim")
     app.add_typer(config_app, name="config")
     app.add_typer(keys_app, name="keys")
+    from gyre.cli.tasks import tasks_app
+
+    app.add_typer(tasks_app, name="tasks")
 
 
 keys_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="CURVE keys for the coordinator <-> workerd link.")
@@ -228,19 +231,35 @@ def _check_model(model_dir: Path) -> None:
 def serve(model: ModelOpt = None, run_dir: RunDirOpt = None, host: HostOpt = "127.0.0.1", port: PortOpt = 0,
           harness: HarnessOpt = None, task: TaskOpt = None, timeout: TimeoutOpt = 600.0,
           max_context: MaxContextOpt = None, config: ServeConfigOpt = None, set_: ServeSetOpt = None,
-          executions: ExecutionsOpt = 1) -> None:
+          executions: ExecutionsOpt = 1, task_dir: TaskDirOpt = None, sandbox: ServeSandboxOpt = "process",
+          sandbox_url: ServeSandboxUrlOpt = None) -> None:
     """Run the proxy and a local engine: print one JSON line with base_url and api_key and
-    serve until stopped; or, with --harness and --task, run that harness once and exit."""
+    serve until stopped; or, with --harness and --task (or --task-dir), run that harness once
+    and exit."""
     from gyre.coordinator.rundir import absolute, claim
     from gyre.coordinator.serve import run_serve, serve_fields, serve_settings
 
-    preset = None
+    from gyre.coordinator.sandbox import BACKENDS
+
+    preset = task_obj = None
+    if sandbox not in BACKENDS:
+        _fail(ValueError(f"--sandbox must be one of {', '.join(BACKENDS)}, got {sandbox!r}"))
     if harness is not None:
-        if not task:
-            _fail(ValueError("--harness needs --task (the prompt the harness is given)"))
+        if bool(task) == (task_dir is not None):
+            _fail(ValueError("--harness needs --task (the prompt the harness is given) or --task-dir (a Harbor "
+                             "task folder), one of them"))
         preset = _preset(harness, config)
-    elif task is not None:
-        _fail(ValueError("--task is for --harness (without it, serve waits for your own client)"))
+        if task_dir is not None:
+            from gyre.coordinator.taskformats import load_task_source
+
+            found = _guard(load_task_source, path=task_dir)
+            if len(found) != 1:
+                _fail(ValueError(f"--task-dir {task_dir} holds {len(found)} tasks; give one task's folder"))
+            task_obj = found[0]
+    elif task is not None or task_dir is not None:
+        _fail(ValueError("--task and --task-dir are for --harness (without it, serve waits for your own client)"))
+    elif sandbox != "process":
+        _fail(ValueError("--sandbox is for --harness (without it, serve waits for your own client)"))
     if executions < 1 or (executions > 1 and harness is not None):
         _fail(ValueError("--executions must be >= 1, and is for serving your own clients (not with --harness)"))
     if model is not None:
@@ -258,7 +277,8 @@ def serve(model: ModelOpt = None, run_dir: RunDirOpt = None, host: HostOpt = "12
                 shutil.rmtree(run_dir, ignore_errors=True)
             raise
         code = _guard(run_serve, model_dir=model_dir, run_dir=run_dir, host=host, port=port, preset=preset,
-                      task=task, timeout_s=timeout, settings=settings, executions=executions)
+                      task=task, timeout_s=timeout, settings=settings, executions=executions, task_obj=task_obj,
+                      sandbox=sandbox, sandbox_url=sandbox_url)
     finally:
         lock.release()
     raise typer.Exit(code)

@@ -49,7 +49,19 @@ class CoordinatorConfig:
     engine_max_running: int = 64  # concurrent inference requests one cell's engine batches
     harness: str | tuple[str, ...] = "demo"  # a preset name (harnesses.py) or a command argv
     harnesses: dict = field(default_factory=dict)  # user presets: name -> fields (may `extends`)
-    tasks_path: Path | None = None  # JSONL; None: the embedded default task set
+    tasks_path: Path | None = None  # Harbor task folder(s), SWE-style or gyre JSONL; None: the embedded set
+    # Where executions run (coordinator/sandbox/): process (a host folder, no isolation) |
+    # podman | docker (a container per execution from the task's image, proxy-only network) |
+    # bubblewrap (a light local sandbox, no image).
+    sandbox: str = "process"
+    sandbox_url: str | None = None  # podman/docker: the engine's Docker-compatible endpoint; None: podman's own service, docker's socket
+    infra_failure: str = "aborted_infra"  # a sandbox that fails: aborted_infra (invalid) | placeholder (a valid zero)
+    keep_sandbox: str = "never"  # after an execution: never | on_failure | always (debugging)
+    sandbox_internet: bool = False  # may tasks with allow_internet = true have it (podman/docker's default network)
+    sandbox_cpus: float | None = None  # limits where the task sets none; None: no limit
+    sandbox_memory_mb: int | None = None
+    sandbox_pids: int | None = 4096  # processes per sandbox (a fork bomb stops here)
+    swe_score: str = "all"  # SWE-style rows: all (1 when every test passes, else 0) | fraction (of FAIL_TO_PASS)
     execution_timeout_s: float = 120.0
     eval_attempts: int = 3
     eval_budget_s: float = 60.0
@@ -102,6 +114,18 @@ class CoordinatorConfig:
         if not 1 <= self.min_valid <= self.group_size:
             raise ValueError(f"min_valid must be in [1, group_size={self.group_size}], got {self.min_valid}")
         self.preset()  # an unknown or unusable harness fails here, named
+        from gyre.coordinator.launcher import INFRA_FAILURE, KEEP
+        from gyre.coordinator.sandbox import BACKENDS
+        from gyre.coordinator.verifier import SCORE_MODES
+
+        for name, allowed in (("sandbox", BACKENDS), ("infra_failure", INFRA_FAILURE), ("keep_sandbox", KEEP),
+                              ("swe_score", SCORE_MODES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        for name in ("sandbox_cpus", "sandbox_memory_mb", "sandbox_pids"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
         if self.weight_transfer not in ("zmq", "mooncake", "broadcast"):
             raise ValueError(f"weight_transfer must be one of zmq, mooncake, broadcast, got {self.weight_transfer!r}")
         if self.workers not in ("local", "external"):

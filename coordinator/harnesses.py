@@ -30,6 +30,7 @@ import shutil
 import string
 import sys
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any, Mapping
 
 APIS = ("openai", "anthropic", "responses", "any")
@@ -54,6 +55,10 @@ class HarnessPreset:
     install: str = ""  # how to install the command, shown when it is missing
     files: Mapping[str, str] = field(default_factory=dict)  # path under {state} -> contents, written at launch
     idle_timeout_s: float = 300.0  # how long a harness may wait on a silent stream ({idle_timeout_ms})
+    # In a container sandbox: the argv there (empty: `command`, its executable mounted read-only
+    # at /opt/gyre/bin/NAME) and host paths mounted read-only (host path -> path inside).
+    sandbox_command: tuple[str, ...] = ()
+    mounts: Mapping[str, str] = field(default_factory=dict)
 
     def check(self) -> None:
         """Raise HarnessError naming what is wrong in the preset itself (whether its
@@ -89,6 +94,20 @@ class HarnessPreset:
             return exe if os.path.isfile(exe) and os.access(exe, os.X_OK) else None
         return shutil.which(exe)
 
+    def in_sandbox(self) -> tuple["HarnessPreset", dict[str, str]]:
+        """This preset as it runs inside a container, and the read-only mounts it needs
+        there. HarnessError when its executable is not on this host to mount."""
+        mounts = dict(self.mounts)
+        if self.sandbox_command:
+            return replace(self, command=self.sandbox_command), mounts
+        exe = self.executable()
+        if exe is None or "{" in exe:
+            raise HarnessError(f"harness preset {self.name!r}: {self.command[0]!r} is not on this host to mount "
+                               "into the sandbox; install it in the task image and set sandbox_command")
+        inside = f"/opt/gyre/bin/{os.path.basename(exe)}"
+        mounts[os.path.realpath(exe)] = inside
+        return replace(self, command=(inside, *self.command[1:])), mounts
+
     def expand(self, **values: str) -> tuple[list[str], dict[str, str], dict[str, str]]:
         """argv, extra env and the state folder's files with the placeholders filled in."""
         values = {"model": self.model, "idle_timeout_ms": str(int(self.idle_timeout_s * 1000)), **values}
@@ -103,8 +122,14 @@ def _demo() -> HarnessPreset:
         name="demo", api="openai", role_rule="generic",
         # No --max-tokens: the run's default_max_tokens applies (the tiny model's gyre.json says 16;
         # a real model may write a whole tool call).
-        command=(sys.executable, "-m", "gyre.proxy.demo_harness", "--max-turns", "1",
-                 "--compact-at", "100000", "--max-retries", "2", "--timeout", "120"))
+        command=(sys.executable, "-m", "gyre.proxy.demo_harness", *DEMO_ARGS),
+        # In a container: the image's python3 with the openai package (gyre's base image has
+        # both) runs the harness file, mounted read-only (it imports nothing from gyre).
+        sandbox_command=("python3", "/opt/gyre/demo_harness.py", *DEMO_ARGS),
+        mounts={str(Path(__file__).resolve().parent.parent / "proxy" / "demo_harness.py"): "/opt/gyre/demo_harness.py"})
+
+
+DEMO_ARGS = ("--max-turns", "1", "--compact-at", "100000", "--max-retries", "2", "--timeout", "120")
 
 
 # Seen to keep Claude Code off every outside host (HARNESS-NOTES.md).
@@ -190,12 +215,13 @@ def _from_table(name: str, table: Mapping[str, Any], base: HarnessPreset | None)
     values: dict[str, Any] = {k: v for k, v in table.items() if k != "extends"}
     if "idle_timeout_s" in values and not isinstance(values["idle_timeout_s"], (int, float)):
         raise HarnessError(f"harness preset {name!r}: idle_timeout_s must be a number")
-    if "command" in values:
-        cmd = values["command"]
-        if isinstance(cmd, str) or not all(isinstance(a, str) for a in cmd):
-            raise HarnessError(f"harness preset {name!r}: command must be a list of strings, got {cmd!r}")
-        values["command"] = tuple(cmd)
-    for key in ("env", "files"):  # tables merge with the parent's
+    for key in ("command", "sandbox_command"):
+        if key in values:
+            cmd = values[key]
+            if isinstance(cmd, str) or not all(isinstance(a, str) for a in cmd):
+                raise HarnessError(f"harness preset {name!r}: {key} must be a list of strings, got {cmd!r}")
+            values[key] = tuple(cmd)
+    for key in ("env", "files", "mounts"):  # tables merge with the parent's
         if key in values:
             table = values[key]
             if not isinstance(table, Mapping) or not all(isinstance(v, str) for v in table.values()):

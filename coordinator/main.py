@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from gyre.coordinator import health, resume
 from gyre.coordinator.buffer import Group, Run, TrajectoryBuffer
 from gyre.coordinator.config import CoordinatorConfig
-from gyre.coordinator.launcher import LaunchSpec, Launcher
+from gyre.coordinator.launcher import Launcher, launch_spec, open_sandboxes
 from gyre.coordinator.link import WorkerDeadError, WorkerError
 from gyre.coordinator.local import LocalCluster
 from gyre.coordinator.metrics import Metrics
@@ -32,7 +32,8 @@ from gyre.coordinator.training import Batch, init_broadcast, memcpy_seconds, pus
 from gyre.coordinator.policies import POLICIES, Snapshot
 from gyre.coordinator.routing import LinkBackend, RoutingTable
 from gyre.coordinator.status import Rates, snapshot
-from gyre.coordinator.tasks import TaskSource, default_tasks, load_tasks
+from gyre.coordinator.taskformats import load_task_source
+from gyre.coordinator.tasks import TaskSource, default_tasks
 from gyre.coordinator.waterlevel import Waterlevel
 from gyre.proxy.chat import ChatTokenizer
 from gyre.proxy.server import ProxyConfig, ProxyServer
@@ -64,7 +65,7 @@ class Coordinator:
 
         self.c = config = with_model_defaults(config)  # lr, output limits, context: per model
         self.resume = resume  # continue RUN_DIR from its latest checkpoint (resume.py)
-        tasks = load_tasks(config.tasks_path) if config.tasks_path else default_tasks()
+        tasks = load_task_source(config.tasks_path) if config.tasks_path else default_tasks()
         self.tasks = TaskSource(tasks, seed=config.seed)
         self.policy = POLICIES[config.policy]
         self.wl = Waterlevel()
@@ -186,9 +187,11 @@ class Coordinator:
         self.proxy.status_provider = self.status
         (c.run_dir / "coordinator.json").write_text(json.dumps({
             "status_url": f"{self.proxy.base_url}/gyre/status", "pid": os.getpid(), "started": time.time()}))
-        self.launcher = Launcher(self.proxy, c.run_dir, LaunchSpec(
-            preset=c.preset(), timeout_s=c.execution_timeout_s, eval_attempts=c.eval_attempts,
-            eval_budget_s=c.eval_budget_s), default_evaluator={"type": "similarity"})
+        self.sandboxes = await open_sandboxes(c)  # orphans of dead runs reaped here
+        self.launcher = Launcher(self.proxy, c.run_dir, launch_spec(c), default_evaluator={"type": "similarity"},
+                                 backend=self.sandboxes.backend, owner=self.sandboxes.owner)
+        for task in self.tasks.tasks:  # a task this sandbox cannot run fails the start, named
+            self.launcher.check_task(task)
         # Gradient reduction: every cell joins one gloo world with prebuilt prefix groups.
         init = c.reducer_init or self.cluster.reducer_init(c.run_dir)
         if c.weight_transfer == "mooncake":  # fail at start-up, named, where Mooncake cannot run
@@ -213,6 +216,8 @@ class Coordinator:
         for run_id, task in list(self.runs.items()):
             task.cancel()
         await asyncio.gather(*self.runs.values(), return_exceptions=True)
+        if getattr(self, "sandboxes", None) is not None:
+            await self.sandboxes.close()
         await self.proxy.stop()
         # Each live worker's peak memory, for the summary (a dead one has no answer: None).
         stats = await asyncio.gather(*(self._call(n, "stats", _timeout=10) for n in self.nodes),
@@ -347,10 +352,15 @@ class Coordinator:
     def _launch(self) -> None:
         capacity = self.c.exec_slots_per_cell * sum(
             r == "rollout" and i not in self.dead for i, r in enumerate(self.roles))
+        waiting: list[Run] = []  # their task's image is still building: no slot is taken for that
         while self.queue and self.wl.c.running < capacity and self.steps_done < self.c.steps:
             run = self.queue.popleft()
+            if self.launcher.image_state(run.task) == "building":
+                waiting.append(run)
+                continue
             self.wl.launch(run.tracked)
             self.runs[run.id] = asyncio.create_task(self._execute(run), name=f"gyre-exec-{run.id}")
+        self.queue.extendleft(reversed(waiting))
 
     async def _execute(self, run: Run) -> None:
         try:

@@ -21,9 +21,10 @@ from pathlib import Path
 
 from gyre.coordinator.buffer import Run
 from gyre.coordinator.harnesses import HarnessPreset
-from gyre.coordinator.launcher import LaunchSpec, Launcher
+from gyre.coordinator.launcher import LaunchSpec, Launcher, open_sandboxes
 from gyre.coordinator.local import LocalCluster
 from gyre.coordinator.routing import LinkBackend, RoutingTable
+from gyre.coordinator.sandbox import Limits
 from gyre.coordinator.tasks import Task
 from gyre.coordinator.waterlevel import Tracked
 from gyre.proxy.chat import ChatTokenizer
@@ -31,25 +32,41 @@ from gyre.proxy.server import ProxyConfig, ProxyServer
 
 
 async def run_harness_once(proxy: ProxyServer, preset: HarnessPreset, prompt: str, *, run_dir: Path,
-                           execution: str = "serve", timeout_s: float = 600.0) -> dict:
-    """Run `preset` once against a started proxy; the summary is also written to
+                           execution: str = "serve", timeout_s: float = 600.0, task: Task | None = None,
+                           sandbox: str = "process", sandbox_url: str | None = None) -> dict:
+    """Run `preset` once against a started proxy, in a sandbox of `sandbox`; with `task` (a
+    Harbor task, say) on that task, scored by its tests. The summary is also written to
     RUN_DIR/executions/<execution>/summary.json."""
-    launcher = Launcher(proxy, run_dir, LaunchSpec(preset=preset, timeout_s=timeout_s, eval_attempts=1,
-                                                   eval_budget_s=0.0))
-    run = Run(id=execution, group=0, index=0, task=Task(id=execution, prompt=prompt), tracked=Tracked(),
+    sandboxes = await open_sandboxes(sandbox=sandbox, url=sandbox_url, run_dir=run_dir)
+    spec = LaunchSpec(preset=preset, timeout_s=timeout_s, eval_attempts=1, eval_budget_s=600.0 if task else 0.0,
+                      limits=Limits(pids=4096))
+    launcher = Launcher(proxy, run_dir, spec, default_evaluator={"type": "similarity"}, backend=sandboxes.backend,
+                        owner=sandboxes.owner)
+    run = Run(id=execution, group=0, index=0, task=task or Task(id=execution, prompt=prompt), tracked=Tracked(),
               version_dispatched=0)
+    folder = run_dir / "executions" / execution
+    scored: dict = {}
     try:
-        code, timed_out, workspace = await launcher.execute(run)
+        if task is not None:
+            launcher.check_task(task)
+            await launcher.run(run)  # the whole lifecycle: image, harness, deadline, tests, score
+            status, code, workspace = run.status, None, folder / "workspace"
+            scored = {"task": task.id, "score": run.reward, "valid": run.valid, "ref": run.ref}
+        else:
+            code, timed_out, workspace = await launcher.execute(run)
+            status = ("not_started" if code is None else "timed_out" if timed_out
+                      else "completed" if code == 0 else "harness_error")
     finally:
         await launcher.stop_all()
+        await sandboxes.close()
     ex = run.recorder
-    status = ("not_started" if code is None else "timed_out" if timed_out
-              else "completed" if code == 0 else "harness_error")
-    folder = run_dir / "executions" / execution
-    summary = {"execution": execution, "harness": preset.name, "status": status, "exit_code": code,
-               "calls": len(ex.calls), "roles": dict(Counter(c["role"] for c in ex.calls)),
-               "call_status": dict(Counter(c["status"] for c in ex.calls)), "tree": ex.tree.stats(),
-               "workspace": str(workspace), "harness_log": str(folder / "harness.log")}
+    summary = {"execution": execution, "harness": preset.name, "sandbox": sandbox, "status": status,
+               "exit_code": code, **scored, "calls": len(ex.calls) if ex else 0,
+               "roles": dict(Counter(c["role"] for c in ex.calls)) if ex else {},
+               "call_status": dict(Counter(c["status"] for c in ex.calls)) if ex else {},
+               "tree": ex.tree.stats() if ex else {}, "workspace": str(workspace),
+               "harness_log": str(folder / "harness.log")}
+    folder.mkdir(parents=True, exist_ok=True)
     (folder / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -99,7 +116,8 @@ def serve_settings(*, model_dir: Path, fields: dict | None = None) -> dict:
 
 async def serve(*, model_dir: Path, run_dir: Path, host: str, port: int, execution: str = "serve",
                 ready_file: Path | None = None, preset: HarnessPreset | None = None, task: str | None = None,
-                timeout_s: float = 600.0, settings: dict | None = None, executions: int = 1) -> int:
+                timeout_s: float = 600.0, settings: dict | None = None, executions: int = 1,
+                task_obj: Task | None = None, sandbox: str = "process", sandbox_url: str | None = None) -> int:
     loop = asyncio.get_running_loop()
     settings = settings if settings is not None else serve_settings(model_dir=model_dir)
     async with LocalCluster(model_dir, cells=1, roles=("rollout",), log_dir=run_dir / "logs") as cluster:
@@ -111,8 +129,9 @@ async def serve(*, model_dir: Path, run_dir: Path, host: str, port: int, executi
         base_url = await proxy.start()
         try:
             if preset is not None:
-                job = asyncio.ensure_future(run_harness_once(proxy, preset, task or "", run_dir=run_dir,
-                                                             execution=execution, timeout_s=timeout_s))
+                job = asyncio.ensure_future(run_harness_once(
+                    proxy, preset, task or "", run_dir=run_dir, execution=execution, timeout_s=timeout_s,
+                    task=task_obj, sandbox=sandbox, sandbox_url=sandbox_url))
                 for sig in (signal.SIGINT, signal.SIGTERM):
                     loop.add_signal_handler(sig, job.cancel)
                 try:
@@ -149,13 +168,16 @@ async def serve(*, model_dir: Path, run_dir: Path, host: str, port: int, executi
 
 def run_serve(*, model_dir: Path, run_dir: Path, host: str, port: int, preset: HarnessPreset | None = None,
               task: str | None = None, timeout_s: float = 600.0, settings: dict | None = None,
-              executions: int = 1) -> int:
+              executions: int = 1, task_obj: Task | None = None, sandbox: str = "process",
+              sandbox_url: str | None = None) -> int:
     import uvloop
 
     settings = settings if settings is not None else serve_settings(model_dir=model_dir)
     (run_dir / "config.json").write_text(json.dumps({
         "command": "serve", "model": str(model_dir), "host": host, "port": port,
         "harness": None if preset is None else preset.name, "task": task, "timeout_s": timeout_s,
+        "task_dir": None if task_obj is None else task_obj.id, "sandbox": sandbox,
         **settings}, indent=2))
     return uvloop.run(serve(model_dir=model_dir, run_dir=run_dir, host=host, port=port, preset=preset, task=task,
-                            timeout_s=timeout_s, settings=settings, executions=executions))
+                            timeout_s=timeout_s, settings=settings, executions=executions, task_obj=task_obj,
+                            sandbox=sandbox, sandbox_url=sandbox_url))
