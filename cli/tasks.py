@@ -1,0 +1,128 @@
+"""tasks.py: `gyre tasks check` and `gyre tasks run`: a task source validated, or run once."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from gyre.cli.options import JsonOpt, ModelOpt, RunDirOpt, ServeConfigOpt
+
+tasks_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
+                        help="Task sources (Harbor folders, SWE-style or gyre JSONL): check them, run them once.")
+
+TaskPathArg = Annotated[Path, typer.Argument(help="A Harbor task folder, a folder of them, or a JSONL file (SWE-style rows or gyre tasks).")]
+TaskHarnessOpt = Annotated[str, typer.Option("--harness", help="The harness preset that works on each task (demo, claude-code, codex, or one from --config).")]
+SandboxOpt = Annotated[str, typer.Option("--sandbox", help="Where each task runs: podman, docker, bubblewrap or process.")]
+SandboxUrlOpt = Annotated[Optional[str], typer.Option("--sandbox-url", help="The engine's Docker-compatible endpoint (default: gyre's own podman service; docker's socket).")]
+SolutionOpt = Annotated[bool, typer.Option("--solution", help="Run each task's own solution/solve.sh instead of a harness: checks that the task is solvable and its tests score it.")]
+ConcurrencyOpt = Annotated[int, typer.Option("--concurrency", help="Tasks running at once.")]
+TaskTimeoutOpt = Annotated[Optional[float], typer.Option("--timeout", help="Seconds each agent may run (default: the task's [agent].timeout_sec, else 600).")]
+KeepOpt = Annotated[str, typer.Option("--keep-sandbox", help="Keep sandboxes afterwards: never, on_failure or always.")]
+
+
+@tasks_app.command("check")
+def check(path: TaskPathArg, as_json: JsonOpt = False) -> None:
+    """Validate a task source and list what it holds (errors name the file and field)."""
+    from gyre.cli.main import _guard
+    from gyre.coordinator.taskformats import describe, load_task_source
+
+    tasks = _guard(load_task_source, path=path)
+    rows = [describe(t) for t in tasks]
+    if as_json:
+        typer.echo(json.dumps({"path": str(path), "tasks": rows}, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{path}: {len(rows)} task(s)")
+    table.add_column("task", no_wrap=True)
+    for col in ("format", "image", "agent s", "verifier", "limits", "solution"):
+        table.add_column(col)
+    for r in rows:
+        limits = " ".join(f"{r[k]:g}{unit}" for k, unit in (("cpus", "cpu"), ("memory_mb", "M"),
+                                                             ("storage_mb", "M disk")) if r.get(k))
+        timeout = r.get("agent_timeout_s")
+        table.add_row(r["task"], r["format"], "Dockerfile" if r.get("build") else r.get("image") or "-",
+                      f"{timeout:g}" if timeout else "-", r["verifier"], limits or "-", "yes" if r["solution"] else "no")
+    Console().print(table)
+    for r in rows:
+        if r.get("unknown_keys"):
+            typer.echo(f"{r['task']}: ignored unknown key(s) {', '.join(r['unknown_keys'])}")
+        if r.get("allow_internet"):
+            typer.echo(f"{r['task']}: asks for the internet (allow_internet = true): runs only with "
+                       "sandbox_internet = true")
+
+
+@tasks_app.command("run")
+def run(path: TaskPathArg, harness: TaskHarnessOpt = "demo", sandbox: SandboxOpt = "podman",
+        solution: SolutionOpt = False, as_json: JsonOpt = False, model: ModelOpt = None, run_dir: RunDirOpt = None,
+        config: ServeConfigOpt = None, concurrency: ConcurrencyOpt = 2, timeout: TaskTimeoutOpt = None,
+        sandbox_url: SandboxUrlOpt = None, keep_sandbox: KeepOpt = "never") -> None:
+    """Run every task once (no training) and print each one's status and score."""
+    import uvloop
+
+    from gyre.cli.main import _check_model, _default_run_dir, _fail, _guard, _model_dir, _preset
+    from gyre.coordinator.launcher import KEEP
+    from gyre.coordinator.rundir import absolute, claim
+    from gyre.coordinator.sandbox import BACKENDS
+    from gyre.coordinator.serve import serve_fields, serve_settings
+    from gyre.coordinator.taskformats import load_task_source
+    from gyre.coordinator.taskrun import run_tasks
+
+    if sandbox not in BACKENDS:
+        _fail(ValueError(f"--sandbox must be one of {', '.join(BACKENDS)}, got {sandbox!r}"))
+    if keep_sandbox not in KEEP:
+        _fail(ValueError(f"--keep-sandbox must be one of {', '.join(KEEP)}, got {keep_sandbox!r}"))
+    if concurrency < 1:
+        _fail(ValueError("--concurrency must be >= 1"))
+    tasks = _guard(load_task_source, path=path)
+    preset = _preset(harness, config)
+    if model is not None:
+        _guard(_check_model, model_dir=model)
+    fields = _guard(serve_fields, config=config)
+    run_dir = absolute(run_dir or _default_run_dir("tasks"))
+    lock = _guard(claim, run_dir=run_dir, command="serve")
+    try:
+        model_dir = _model_dir(absolute(model) if model else None, run_dir, 0)
+        settings = _guard(serve_settings, model_dir=model_dir, fields=fields)
+        (run_dir / "config.json").write_text(json.dumps({
+            "command": "tasks run", "path": str(absolute(path)), "harness": preset.name, "sandbox": sandbox,
+            "solution": solution, "model": str(model_dir)}, indent=2))
+
+        def progress(r: dict) -> None:
+            if not as_json:
+                score = "-" if r["score"] is None else f"{r['score']:.3f}"
+                typer.echo(f"  {r['task']}: {r['status']} {score}", err=True)
+
+        results = _guard(uvloop.run, main=run_tasks(
+            tasks, preset=preset, model_dir=model_dir, run_dir=run_dir, sandbox=sandbox, sandbox_url=sandbox_url,
+            solution=solution, concurrency=concurrency, timeout_s=timeout or 600.0, settings=settings,
+            keep_sandbox=keep_sandbox, on_result=progress))
+    finally:
+        lock.release()
+    if as_json:
+        typer.echo(json.dumps({"tasks": [{k: r[k] for k in ("task", "status", "score", "ref", "execution")}
+                                         for r in results]}))
+    else:
+        _table(results, run_dir)
+    ok = all(r["status"] in ("completed", "timed_out", "harness_error") for r in results)
+    raise typer.Exit(0 if ok else 1)
+
+
+def _table(results: list[dict], run_dir: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{len(results)} task(s); records in {run_dir}")
+    for col in ("task", "status", "score", "calls", "ref"):
+        table.add_column(col)
+    for r in results:
+        table.add_row(r["task"], r["status"], "-" if r["score"] is None else f"{r['score']:.3f}", str(r["calls"]),
+                      (r["ref"] or "")[:60])
+    Console().print(table)
+    scored = [r["score"] for r in results if r["score"] is not None]
+    if scored:
+        typer.echo(f"mean score {sum(scored) / len(scored):.3f} over {len(scored)} scored of {len(results)}")

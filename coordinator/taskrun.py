@@ -1,0 +1,74 @@
+"""taskrun.py: `gyre tasks run`: each task of a source once, through the launcher, scored.
+
+The proxy and one local workerd serve the harness's calls (as `gyre serve` does); each task
+runs in its own sandbox under the launcher's full lifecycle (image, harness or, with
+`solution`, the task's own solution/solve.sh, deadline, tests, verifier, removal), a few at
+a time. Results (task, status, score, ref, calls) are returned and written to
+RUN_DIR/tasks.json; each execution's records and logs are under RUN_DIR/executions/. Not
+training: nothing is learned from these runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from pathlib import Path
+
+from gyre.coordinator.buffer import Run
+from gyre.coordinator.harnesses import HarnessPreset
+from gyre.coordinator.launcher import LaunchSpec, Launcher, open_sandboxes
+from gyre.coordinator.local import LocalCluster
+from gyre.coordinator.routing import LinkBackend, RoutingTable
+from gyre.coordinator.sandbox import Limits
+from gyre.coordinator.tasks import Task
+from gyre.coordinator.waterlevel import Tracked
+from gyre.proxy.chat import ChatTokenizer
+from gyre.proxy.server import ProxyConfig, ProxyServer
+
+
+def execution_id(index: int, task: Task) -> str:
+    return f"t{index:03d}-" + (re.sub(r"[^a-zA-Z0-9_.-]+", "-", task.id).strip("-.")[:60] or "task")
+
+
+async def run_tasks(tasks: list[Task], *, preset: HarnessPreset, model_dir: Path, run_dir: Path,
+                    sandbox: str = "podman", sandbox_url: str | None = None, solution: bool = False,
+                    concurrency: int = 2, timeout_s: float = 600.0, settings: dict | None = None,
+                    infra_failure: str = "aborted_infra", keep_sandbox: str = "never", allow_internet: bool = False,
+                    swe_score: str = "all", eval_attempts: int = 1, on_result=None) -> list[dict]:
+    spec = LaunchSpec(preset=preset, timeout_s=timeout_s, eval_attempts=eval_attempts, eval_budget_s=60.0,
+                      infra_failure=infra_failure, keep_sandbox=keep_sandbox, allow_internet=allow_internet,
+                      swe_score=swe_score, solution=solution, limits=Limits(pids=4096))
+    async with LocalCluster(model_dir, cells=1, roles=("rollout",), log_dir=run_dir / "logs") as cluster:
+        table = RoutingTable()
+        table.set_nodes([cluster.node_of_cell(0)])
+        proxy = ProxyServer(ChatTokenizer(model_dir), LinkBackend(cluster.link, table),
+                            ProxyConfig(host="127.0.0.1", port=0, **(settings or {})), run_dir=run_dir)
+        await proxy.start()
+        sandboxes = None
+        try:
+            sandboxes = await open_sandboxes(sandbox=sandbox, url=sandbox_url, run_dir=run_dir)
+            launcher = Launcher(proxy, run_dir, spec, default_evaluator={"type": "similarity"},
+                                backend=sandboxes.backend, owner=sandboxes.owner)
+            for task in tasks:  # refused before anything runs, named
+                launcher.check_task(task)
+            gate = asyncio.Semaphore(max(1, concurrency))
+
+            async def one(index: int, task: Task) -> dict:
+                async with gate:
+                    run = Run(id=execution_id(index, task), group=0, index=index, task=task, tracked=Tracked(),
+                              version_dispatched=0)
+                    await launcher.run(run)
+                    result = {"task": task.id, "status": run.status, "score": run.reward, "ref": run.ref,
+                              "execution": run.id, "calls": len(run.recorder.calls) if run.recorder else 0}
+                    if on_result is not None:
+                        on_result(result)
+                    return result
+
+            results = await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks)))
+        finally:
+            if sandboxes is not None:
+                await sandboxes.close()
+            await proxy.stop()
+    (run_dir / "tasks.json").write_text(json.dumps({"tasks": results}, indent=2))
+    return list(results)
