@@ -1,0 +1,44 @@
+"""The real Claude Code binary inside a podman container: mounted read-only, reaching the
+proxy through the container's own listener (no other network), working in the task image's
+/app, and scored by the task's tests afterwards."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gyre.coordinator.serve import run_harness_once
+from gyre.coordinator.taskformats import load_harbor_task
+from tests.harness.test_claude_code import preset, tool_results
+from tests.sandbox.conftest import harbor_task, podman_ready  # noqa: F401  (the fixture)
+from tests.scripted import tool_call
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.timeout(300)]
+
+SCORE = ('[ "$(cat /app/counter.txt)" = 2 ] && echo 1 > /logs/verifier/reward.txt '
+         '|| echo 0 > /logs/verifier/reward.txt\n')
+
+
+async def test_claude_code_works_a_task_inside_a_container(cc_proxy, claude_bin, podman_ready, tmp_path):
+    server, engine = cc_proxy
+    folder = harbor_task(tmp_path, "counter", harness_files={"counter.txt": "1\n"}, test_sh=SCORE)
+    task = load_harbor_task(folder)
+
+    def script(prompt: str) -> str:
+        return [tool_call("Bash", command="pwd; cat counter.txt; echo 2 > counter.txt", description="bump"),
+                "Done: counter.txt holds 2."][min(tool_results(prompt), 1)]
+
+    engine.script = script
+    summary = await run_harness_once(server, preset(claude_bin), "", run_dir=server.run_dir, execution="cc",
+                                     task=task, sandbox="podman")
+    log = Path(summary["harness_log"]).read_text()
+    assert summary["status"] == "completed" and summary["score"] == 1.0, (summary, log[-3000:])
+    assert json.loads(log.strip().splitlines()[-1])["result"] == "Done: counter.txt holds 2."
+    ex = server.executions["cc"]
+    assert len(ex.calls) >= 2 and {c["status"] for c in ex.calls} == {"ok"}
+    # The Bash tool ran in the image's /app, on the image's file; the work was copied out.
+    second = server.tokenizer.decode(engine.prompts[-1])
+    assert "/app" in second and "1" in second
+    assert (server.run_dir / "executions" / "cc" / "workspace" / "counter.txt").read_text() == "2\n"
