@@ -19,7 +19,7 @@ SandboxOpt = Annotated[str, typer.Option("--sandbox", help="Where each task runs
 SandboxUrlOpt = Annotated[Optional[str], typer.Option("--sandbox-url", help="The engine's Docker-compatible endpoint (default: gyre's own podman service; docker's socket).")]
 SolutionOpt = Annotated[bool, typer.Option("--solution", help="Run each task's own solution/solve.sh instead of a harness: checks that the task is solvable and its tests score it.")]
 ConcurrencyOpt = Annotated[int, typer.Option("--concurrency", help="Tasks running at once.")]
-TaskTimeoutOpt = Annotated[Optional[float], typer.Option("--timeout", help="Seconds each agent may run (default: the task's [agent].timeout_sec, else 600).")]
+TaskTimeoutOpt = Annotated[Optional[float], typer.Option("--timeout", help="Seconds each agent may run where its task sets none ([agent].timeout_sec wins); default 600.")]
 KeepOpt = Annotated[str, typer.Option("--keep-sandbox", help="Keep sandboxes afterwards: never, on_failure or always.")]
 
 

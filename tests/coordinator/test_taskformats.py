@@ -12,7 +12,7 @@ from gyre.coordinator.taskformats import describe, load_harbor_task, load_task_s
 from gyre.coordinator.tasks import Environment, Task, TaskError
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "tasks"
-EXAMPLE_IDS = ["fix-off-by-one", "make-test-pass", "sort-csv"]
+EXAMPLE_IDS = ["find-the-error", "fix-off-by-one", "make-test-pass", "sort-csv"]
 
 TOML = """\
 version = "1.0"
