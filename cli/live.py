@@ -89,10 +89,21 @@ def render(status: dict, width: int = 80) -> Group:
             cell["role"], ("", ""))[1])
         cells.add_row(str(cell["cell"]), role, str(cell["running"]), str(cell["claimed"]),
                       f"{cell['in_role_s']:.0f}s", strip(cell["timeline"], s["t"], strip_width))
+    hosts = None
+    if s.get("sandbox_hosts"):
+        hosts = Table(box=None, pad_edge=False, expand=False, header_style="dim")
+        for name, justify in (("sandbox host", "left"), ("state", "left"), ("running", "right"),
+                              ("building", "right"), ("failed", "right"), ("cap", "right")):
+            hosts.add_column(name, justify=justify, no_wrap=True)
+        for h in s["sandbox_hosts"]:
+            state = Text(h["state"], style="bold red" if h["state"] == "down" else "green")
+            hosts.add_row(h["host"], state, str(h["running"]), str(h["building"]), str(h["failed"]),
+                          "-" if h["max_concurrent"] is None else str(h["max_concurrent"]))
     switches = Text("switches ", style="dim")
     recent = s["role_switches"][-3:]
     switches.append("  ".join(f"{x['t']:.0f}s c{x['cell']}->{x['to']}" for x in recent) if recent else "none yet")
-    return Group(head, progress, water, quality, speed, cells, switches)
+    parts = [head, progress, water, quality, speed, cells] + ([hosts] if hosts is not None else []) + [switches]
+    return Group(*parts)
 
 
 def plain_line(status: dict) -> str:

@@ -21,7 +21,7 @@ _RANGES = [
     ("eval_attempts", 1, False), ("eval_budget_s", 0, False), ("j_max", 1, False), ("micro_step_tokens", 1, False),
     ("lr", 0, True), ("topology_timeout_s", 0, True), ("checkpoint_every", 0, False), ("worker_timeout_s", 0, True),
     ("worker_call_timeout_s", 0, True), ("checkpoint_timeout_s", 0, True), ("default_max_tokens", 1, False), ("max_tokens_cap", 1, False),
-    ("max_context", 2, False), ("rollout_temperature", 0, True), ("transfer_port", 0, False), ("proxy_port", 0, False),
+    ("max_context", 2, False), ("infra_failures_in_row", 0, False), ("rollout_temperature", 0, True), ("transfer_port", 0, False), ("proxy_port", 0, False),
 ]
 
 
@@ -56,11 +56,17 @@ class CoordinatorConfig:
     sandbox: str = "process"
     sandbox_url: str | None = None  # podman/docker: the engine's Docker-compatible endpoint; None: podman's own service, docker's socket
     infra_failure: str = "aborted_infra"  # a sandbox that fails: aborted_infra (invalid) | placeholder (a valid zero)
+    # Stop the run when this many executions in a row ended aborted_infra (a broken sandbox, engine
+    # or image would otherwise replace group after group forever); 0: never.
+    infra_failures_in_row: int = 16
     keep_sandbox: str = "never"  # after an execution: never | on_failure | always (debugging)
     sandbox_internet: bool = False  # may tasks with allow_internet = true have it (podman/docker's default network)
     sandbox_cpus: float | None = None  # limits where the task sets none; None: no limit
     sandbox_memory_mb: int | None = None
     sandbox_pids: int | None = 4096  # processes per sandbox (a fork bomb stops here)
+    # Several sandbox hosts ([[sandbox_hosts]]: name, url, max_concurrent, node): executions spread
+    # over them; `node` names the workerd making the proxy-only network on a host not this one.
+    sandbox_hosts: tuple = ()
     swe_score: str = "all"  # SWE-style rows: all (1 when every test passes, else 0) | fraction (of FAIL_TO_PASS)
     execution_timeout_s: float = 120.0
     eval_attempts: int = 3
@@ -122,6 +128,12 @@ class CoordinatorConfig:
                               ("swe_score", SCORE_MODES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        from gyre.coordinator.sandbox.hosts import host_specs
+
+        host_specs(self.sandbox_hosts)
+        if self.sandbox_hosts and self.sandbox not in ("podman", "docker"):
+            raise ValueError(f"sandbox_hosts are Docker-compatible engines: set sandbox = \"podman\" or \"docker\" "
+                             f"(sandbox is {self.sandbox!r})")
         for name in ("sandbox_cpus", "sandbox_memory_mb", "sandbox_pids"):
             value = getattr(self, name)
             if value is not None and value <= 0:

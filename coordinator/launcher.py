@@ -25,6 +25,7 @@ Not the scheduler: the coordinator decides when to launch (and builds images fir
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 import time
@@ -35,8 +36,10 @@ from urllib.parse import urlsplit
 from gyre.coordinator.buffer import Run
 from gyre.coordinator.evaluator import Outcome, build_evaluator, evaluate_with_retries
 from gyre.coordinator.harnesses import HarnessError, HarnessPreset
-from gyre.coordinator.sandbox import Limits, Sandbox, SandboxBackend, SandboxError, SandboxSpec, make_backend
+from gyre.coordinator.sandbox import (ImageBuildError, Limits, Sandbox, SandboxBackend, SandboxError, SandboxSpec,
+                                     make_backend)
 from gyre.coordinator.sandbox import reaper
+from gyre.coordinator.sandbox.hosts import PING_INTERVAL_S, PING_TIMEOUT_S, HostPool, SandboxHost, host_specs
 from gyre.coordinator.sandbox.base import LABEL_EXECUTION, LABEL_OWNER, LABEL_RUN_DIR, LABEL_TASK
 from gyre.coordinator.sandbox.netns import ProxyRelay
 from gyre.coordinator.sandbox.process import ProcessBackend
@@ -47,6 +50,7 @@ from gyre.proxy.server import ProxyServer
 log = logging.getLogger("gyre.coordinator")
 STATE_INSIDE = "/tmp/gyre-state"  # the harness's own state folder inside a container sandbox
 INFRA_FAILURE = ("aborted_infra", "placeholder")
+CANCEL_CLEANUP_S = 30.0  # a stopped execution's sandbox cleanup may take this long before the stop moves on
 KEEP = ("never", "on_failure", "always")
 
 
@@ -74,71 +78,175 @@ def launch_spec(c, *, solution: bool = False) -> LaunchSpec:
 
 @dataclass
 class Sandboxes:
-    """An opened backend and this process's owner label; `close` reaps what it left."""
+    """The run's opened sandbox hosts and this process's owner label; `close` reaps what it left."""
 
-    backend: SandboxBackend
+    pool: HostPool
     owner: str
 
+    @property
+    def backend(self) -> SandboxBackend:
+        return self.pool.hosts[0].backend  # every host is of the run's one kind
+
     async def close(self) -> None:
-        try:
-            await reaper.reap(self.backend, reaper.at_shutdown(self.owner), "at shutdown")
-        except SandboxError as e:
-            log.warning("%s: orphans not reaped at shutdown: %s", self.backend.name, e)
-        await self.backend.close()
+        await self.pool.stop_watching()
+        for host in self.pool.hosts:
+            if host.state == "up":
+                try:
+                    await reaper.reap(host.backend, reaper.at_shutdown(self.owner), f"at shutdown ({host.name})")
+                except SandboxError as e:
+                    log.warning("%s: orphans not reaped at shutdown: %s", host.name, e)
+            await host.backend.close()
 
 
 async def open_sandboxes(c=None, *, sandbox: str | None = None, url: str | None = None,
-                         run_dir: Path | None = None) -> Sandboxes:
-    """Open the run's sandbox backend (config `c`, or the names given) and reap the orphans
-    of dead runs (and of an earlier process on this run directory). SandboxError if it cannot."""
+                         run_dir: Path | None = None, hosts: list[dict] | None = None,
+                         ping_interval_s: float = PING_INTERVAL_S, ping_timeout_s: float = PING_TIMEOUT_S) -> Sandboxes:
+    """Open the run's sandbox hosts (config `c`, or the names given: one host, or `hosts` as
+    [[sandbox_hosts]] tables) and reap the orphans of dead runs (and of an earlier process on
+    this run directory) on each. A host that cannot be opened starts down; SandboxError when
+    none can."""
     name = sandbox or (c.sandbox if c is not None else "process")
-    backend = make_backend(name, url if url is not None else (c.sandbox_url if c is not None else None))
-    await backend.open()
+    specs = host_specs(hosts if hosts is not None else (c.sandbox_hosts if c is not None else ()))
+    if not specs:
+        specs = [{"name": "local", "url": url if url is not None else (c.sandbox_url if c is not None else None),
+                  "max_concurrent": None, "node": None}]
     owner = secrets.token_hex(8)
-    try:
-        await reaper.reap(backend, reaper.at_startup(owner, run_dir or c.run_dir), "at start-up")
-    except BaseException:
-        await backend.close()
-        raise
-    return Sandboxes(backend, owner)
+    run_dir = run_dir or c.run_dir
+    pool_hosts, errors = [], []
+    for spec in specs:
+        backend = make_backend(name, spec["url"])
+        if spec["node"] is not None:
+            backend.local = False  # its containers' namespaces are that node's to enter
+        host = SandboxHost(spec["name"], backend, spec["max_concurrent"], spec["node"])
+        pool_hosts.append(host)
+        try:
+            await backend.open()
+            await reaper.reap(backend, reaper.at_startup(owner, run_dir), f"at start-up ({host.name})")
+        except SandboxError as e:
+            if len(specs) == 1:
+                await backend.close()
+                raise
+            errors.append(f"{host.name}: {e}")
+            host.state, host.why = "down", str(e)[:300]
+            host.down.set()
+            log.warning("sandbox host %s is down at start-up: %s", host.name, e)
+        except BaseException:
+            for h in pool_hosts:
+                await h.backend.close()
+            raise
+    if len(errors) == len(specs):
+        for h in pool_hosts:
+            await h.backend.close()
+        raise SandboxError("no sandbox host answers: " + "; ".join(errors))
+    pool = HostPool(pool_hosts, ping_interval_s=ping_interval_s if pool_hosts[0].backend.needs_image else 0.0,
+                    ping_timeout_s=ping_timeout_s)
+    pool.start_watching()
+    return Sandboxes(pool, owner)
+
+
+class _Closer:
+    """A remote relay's `close` as the local relay's interface."""
+
+    def __init__(self, close):
+        self._close = close
+
+    async def close(self) -> None:
+        try:
+            await self._close()
+        except Exception as e:  # noqa: BLE001 - the node may be gone with its relay
+            log.warning("sandbox relay not closed: %s", e)
 
 
 class Launcher:
     def __init__(self, proxy: ProxyServer, run_dir: Path, spec: LaunchSpec, default_evaluator: dict | None = None,
-                 backend: SandboxBackend | None = None, owner: str | None = None):
+                 backend: SandboxBackend | None = None, owner: str | None = None, pool: HostPool | None = None,
+                 remote_relay=None):
         self.proxy = proxy
         self.run_dir = run_dir
         self.spec = spec
         self.default_evaluator = default_evaluator or {}
-        self.backend = backend or ProcessBackend()
+        self.pool = pool or HostPool([SandboxHost("local", backend or ProcessBackend())], ping_interval_s=0.0)
+        self.backend = self.pool.hosts[0].backend  # the run's one kind (needs_image, isolated_network, name)
         self.owner = owner or secrets.token_hex(8)  # labels this process's sandboxes (the reaper's test)
+        # async (node, pid, proxy_port) -> (port, close): a listener made by that node's workerd.
+        self.remote_relay = remote_relay
         self._live: dict[str, Sandbox] = {}
         self._presets: dict[str, HarnessPreset] = {}
-        self._images: dict[str, asyncio.Future] = {}  # task id -> its image (or the build's error)
+        self._images: dict[tuple[str, str], asyncio.Future] = {}  # (task id, host) -> its image (or the error)
+        self._image_errors: dict[str, BaseException] = {}  # task id -> the build's error (the task's own fault)
+        self._warned_down = -1e9
 
     # --- images, before the slot --------------------------------------------------------
 
     def image_state(self, task: Task) -> str:
-        """"ready", "building" or "failed"; the first ask starts the build."""
-        fut = self._images.get(task.id)
-        if fut is None:
-            fut = self._images[task.id] = asyncio.ensure_future(self._prepare(task))
-        if not fut.done():
+        """"ready" (an up host under its cap holds the task's image), "building" (wait: a build
+        runs, every host is at its cap, or none is up) or "failed" (the image cannot be made:
+        the execution ends aborted_infra). The first ask starts a build."""
+        if task.id in self._image_errors:
+            return "failed"
+        try:
+            self.check_task(task)
+        except SandboxError as e:  # this run cannot run it anywhere
+            self._image_errors[task.id] = e
+            return "failed"
+        up = self.pool.up
+        if not up:  # wait for one to answer again (each failing at once would churn through groups)
+            now = time.monotonic()
+            if now - self._warned_down > 30:
+                self._warned_down = now
+                log.warning("no sandbox host is up (%s): executions wait",
+                            "; ".join(f"{h.name}: {h.why}" for h in self.pool.hosts))
             return "building"
-        return "failed" if fut.exception() is not None else "ready"
+        ready = self._ready_hosts(task)
+        if any(not h.full for h in up if h.name in ready):
+            return "ready"
+        if any(not self._images[(task.id, h.name)].done() for h in up if (task.id, h.name) in self._images):
+            return "building"
+        host = self.pool.choose()
+        if host is None:
+            return "building"  # every up host is at its cap: wait for a slot there
+        self._build(task, host)
+        return "failed" if task.id in self._image_errors else "building" if not self._images[
+            (task.id, host.name)].done() else "ready"
 
-    async def prepare(self, task: Task) -> str | None:
-        """The task's image, built (or pulled) once per task; SandboxError if it cannot be."""
-        self.image_state(task)
-        return await asyncio.shield(self._images[task.id])
+    def _ready_hosts(self, task: Task) -> set[str]:
+        return {name for (tid, name), fut in self._images.items()
+                if tid == task.id and fut.done() and fut.exception() is None}
 
-    async def _prepare(self, task: Task) -> str | None:
+    def _build(self, task: Task, host: SandboxHost) -> asyncio.Future:
+        key = (task.id, host.name)
+        fut = self._images.get(key)
+        if fut is None or (fut.done() and fut.exception() is not None and task.id not in self._image_errors):
+            fut = self._images[key] = asyncio.ensure_future(self._prepare(task, host))
+            fut.add_done_callback(lambda f: self._built(task, host, f))
+        return fut
+
+    def _built(self, task: Task, host: SandboxHost, fut: asyncio.Future) -> None:
+        err = None if fut.cancelled() else fut.exception()
+        if (isinstance(err, ImageBuildError) and host.state == "up") or (
+                err is not None and not isinstance(err, SandboxError)):
+            self._image_errors.setdefault(task.id, err)  # the recipe's fault: no host will do better
+
+    async def prepare(self, task: Task, host: SandboxHost | None = None) -> str | None:
+        """The task's image on `host` (default: the first up host), built (or pulled) once per
+        task and host; SandboxError if it cannot be."""
+        host = host or (self.pool.up or self.pool.hosts)[0]
+        if task.id in self._image_errors:
+            raise self._image_errors[task.id]
+        self.check_task(task)
+        return await asyncio.shield(self._build(task, host))
+
+    async def _prepare(self, task: Task, host: SandboxHost) -> str | None:
         env = task.environment
         self.check_task(task)
         if env is None or not self.backend.needs_image:
             return None
-        return await self.backend.prepare(env.build_dir, image=env.image, dockerfile=env.dockerfile,
-                                          timeout_s=env.build_timeout_s, name=task.id)
+        host.building += 1
+        try:
+            return await host.backend.prepare(env.build_dir, image=env.image, dockerfile=env.dockerfile,
+                                              timeout_s=env.build_timeout_s, name=task.id)
+        finally:
+            host.building -= 1
 
     def check_task(self, task: Task) -> None:
         env = task.environment
@@ -157,14 +265,48 @@ class Launcher:
     async def run(self, run: Run) -> None:
         """Run `run` to its end; sets status, reward, valid, ref, times and the recorder."""
         run.t_start = time.time()
+        host = self.pool.choose(prefer=self._ready_hosts(run.task))
+        if host is None:
+            why = ("no sandbox host is up: " + "; ".join(f"{h.name}: {h.why}" for h in self.pool.hosts)
+                   if not self.pool.up else "every sandbox host is at its max_concurrent")
+            self._infra(run, why)
+            run.t_end = time.time()
+            return
+        host.running += 1
+        job = asyncio.ensure_future(self._run_on(run, host))
+        down = asyncio.ensure_future(host.down.wait())
+        try:
+            await asyncio.wait({job, down}, return_when=asyncio.FIRST_COMPLETED)
+            if not job.done():  # the host stopped answering: nothing there can be waited for
+                job.cancel()  # left to finish on its own: calls to a dead engine return late
+                if run.recorder is not None:
+                    self.proxy.revoke(run.id)
+                self._live.pop(run.id, None)
+                self._infra(run, f"sandbox host {host.name} stopped answering ({host.why})")
+            else:
+                job.result()
+        except asyncio.CancelledError:  # the run is being stopped: let its cleanup finish, boundedly
+            job.cancel()
+            await asyncio.wait({job}, timeout=CANCEL_CLEANUP_S)
+            raise
+        finally:
+            down.cancel()
+            if not job.done():
+                job.cancel()
+            host.running -= 1
+            if run.status == "aborted_infra":
+                host.failed += 1
+            run.t_end = run.t_end or time.time()
+
+    async def _run_on(self, run: Run, host: SandboxHost) -> None:
         folder = self.run_dir / "executions" / run.id
         sandbox = None
         failed = True
         try:
             try:
-                image = await self.prepare(run.task)
-                sandbox = await self._open(run, folder, image)
-                code, timed_out = await self._harness(run, sandbox, folder)
+                image = await self.prepare(run.task, host)
+                sandbox = await self._open(run, folder, image, host)
+                code, timed_out = await self._harness(run, sandbox, folder, host)
             except SandboxError as e:
                 self._infra(run, str(e))
                 return
@@ -207,15 +349,18 @@ class Launcher:
         not start, timed_out, the workspace on the host)."""
         folder = self.run_dir / "executions" / run.id
         run.t_start = time.time()
-        image = await self.prepare(run.task)
-        sandbox = await self._open(run, folder, image)
+        host = self.pool.choose()
+        if host is None:
+            raise SandboxError("no sandbox host is up, or every one is at its max_concurrent")
+        image = await self.prepare(run.task, host)
+        sandbox = await self._open(run, folder, image, host)
         try:
-            code, timed_out = await self._harness(run, sandbox, folder)
+            code, timed_out = await self._harness(run, sandbox, folder, host)
         finally:
             await asyncio.shield(self._close(run, sandbox, folder, False))
         return code, timed_out, folder / "workspace"
 
-    async def _open(self, run: Run, folder: Path, image: str | None) -> Sandbox:
+    async def _open(self, run: Run, folder: Path, image: str | None, host: SandboxHost) -> Sandbox:
         task, env = run.task, run.task.environment
         folder.mkdir(parents=True, exist_ok=True)
         labels = {LABEL_OWNER: self.owner, LABEL_RUN_DIR: str(self.run_dir), LABEL_EXECUTION: run.id,
@@ -236,7 +381,9 @@ class Launcher:
         else:
             workspace = await asyncio.to_thread(make_workspace, task, folder / "workspace")
             spec = SandboxSpec(execution=run.id, labels=labels, workdir=str(workspace), limits=limits, mounts=mounts)
-        sandbox = await self.backend.create(spec)
+        sandbox = await host.backend.create(spec)
+        (folder / "sandbox.json").write_text(json.dumps({  # where it ran, for the user and the reaper's logs
+            "host": host.name, "backend": self.backend.name, "id": getattr(sandbox, "id", None), "image": image}))
         self._live[run.id] = sandbox
         self._presets[run.id] = preset  # the preset as it runs there
         if self.backend.needs_image and task.workspace:  # a JSONL task's files, into the image's workdir
@@ -245,7 +392,7 @@ class Launcher:
             await sandbox.upload(folder / "task-files", sandbox.workdir)
         return sandbox
 
-    async def _harness(self, run: Run, sandbox: Sandbox, folder: Path) -> tuple[int | None, bool]:
+    async def _harness(self, run: Run, sandbox: Sandbox, folder: Path, host: SandboxHost) -> tuple[int | None, bool]:
         """The harness (or the task's solve.sh) to its end or deadline; the key is revoked at
         the end. Returns (exit code or None if it could not start, timed_out)."""
         recorder = self.proxy.register(run.id, role_rule=self.spec.preset.role_rule)
@@ -254,20 +401,29 @@ class Launcher:
         try:
             base = self.proxy.base_url
             if self.backend.isolated_network:
-                relay, base = await self._relay(sandbox)
+                relay, base = await self._relay(sandbox, host)
             return await self._run_harness(run, sandbox, folder, recorder.key, base)
         finally:
             self.proxy.revoke(run.id)  # the key stops working; the records stay
             if relay is not None:
                 await relay.close()
 
-    async def _relay(self, sandbox: Sandbox) -> tuple[ProxyRelay, str]:
+    async def _relay(self, sandbox: Sandbox, host: SandboxHost):
+        """The proxy's listener inside the sandbox's network namespace: made here when the
+        sandbox runs on this host, else by the host's workerd. Returns (a closer, base URL)."""
+        url = urlsplit(self.proxy.base_url)
+        if host.node is not None:
+            pid = sandbox.engine_pid()
+            if pid is None or self.remote_relay is None:
+                raise SandboxError(f"sandbox host {host.name}: no way to reach the proxy from its sandboxes "
+                                   f"(node {host.node}'s relay is not available here)")
+            port, close = await self.remote_relay(host.node, pid, url.port)
+            return _Closer(close), f"http://127.0.0.1:{port}"
         pid = sandbox.netns_pid()
         if pid is None:
             raise SandboxError(f"{self.backend.name}: no local network namespace to reach the proxy from")
-        url = urlsplit(self.proxy.base_url)
-        host = "127.0.0.1" if url.hostname in (None, "", "0.0.0.0", "::") else url.hostname
-        relay = ProxyRelay(host, url.port)
+        target = "127.0.0.1" if url.hostname in (None, "", "0.0.0.0", "::") else url.hostname
+        relay = ProxyRelay(target, url.port)
         port = await relay.start(pid)
         return relay, f"http://127.0.0.1:{port}"
 

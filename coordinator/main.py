@@ -25,7 +25,8 @@ from gyre.coordinator import health, resume
 from gyre.coordinator.buffer import Group, Run, TrajectoryBuffer
 from gyre.coordinator.config import CoordinatorConfig
 from gyre.coordinator.launcher import Launcher, launch_spec, open_sandboxes
-from gyre.coordinator.link import WorkerDeadError, WorkerError
+from gyre.coordinator.link import WorkerCallTimeout, WorkerDeadError, WorkerError
+from gyre.coordinator.sandbox import SandboxError
 from gyre.coordinator.local import LocalCluster
 from gyre.coordinator.metrics import Metrics
 from gyre.coordinator.training import Batch, init_broadcast, memcpy_seconds, push_core_weights
@@ -59,6 +60,10 @@ class StepReport:
     seconds: float
 
 
+
+class InfraFailures(GyreError):
+    """Executions keep failing before the agent's work could be assessed: the run stops."""
+
 class Coordinator:
     def __init__(self, config: CoordinatorConfig, *, on_step=None, resume: bool = False):
         from gyre.coordinator.runconfig import with_model_defaults
@@ -88,6 +93,8 @@ class Coordinator:
         self.last_transfer: str | None = None  # the path the last push of weights took (zmq | mooncake | broadcast)
         self.side_task: asyncio.Task | None = None  # a transition or a publication
         self.changed = asyncio.Event()  # a run closed (the streaming packer waits on it)
+        self.infra_streak = 0  # executions in a row that ended aborted_infra
+        self.fatal: Exception | None = None  # raised by the next tick: the run cannot go on
         self.status_counts: dict[str, int] = {}
         self.train_busy_s: dict[int, float] = {}  # per cell: seconds in micro-steps and updates
         self.reports: list[StepReport] = []
@@ -189,7 +196,8 @@ class Coordinator:
             "status_url": f"{self.proxy.base_url}/gyre/status", "pid": os.getpid(), "started": time.time()}))
         self.sandboxes = await open_sandboxes(c)  # orphans of dead runs reaped here
         self.launcher = Launcher(self.proxy, c.run_dir, launch_spec(c), default_evaluator={"type": "similarity"},
-                                 backend=self.sandboxes.backend, owner=self.sandboxes.owner)
+                                 pool=self.sandboxes.pool, owner=self.sandboxes.owner,
+                                 remote_relay=self._remote_relay)
         for task in self.tasks.tasks:  # a task this sandbox cannot run fails the start, named
             self.launcher.check_task(task)
         # Gradient reduction: every cell joins one gloo world with prebuilt prefix groups.
@@ -244,6 +252,21 @@ class Coordinator:
                           rollout_tokens=sum(c["rollout_tokens"] for c in cells),
                           tokens_trained=self.tokens_trained, cells=cells)
 
+    async def _remote_relay(self, node: str, pid: int, proxy_port: int):
+        """A proxy listener in a sandbox on `node`'s host, made by its workerd (relays.py):
+        (the port inside, an async close)."""
+        if node not in self.link.nodes:
+            raise SandboxError(f"sandbox host's node {node!r} is not a connected workerd")
+        try:
+            got = await self._call(node, "open_relay", _timeout=30, pid=pid, proxy_port=proxy_port)
+        except (WorkerError, WorkerDeadError, WorkerCallTimeout) as e:
+            raise SandboxError(f"node {node} could not make the sandbox's proxy listener: {e}") from None
+
+        async def close() -> None:
+            await self._call(node, "close_relay", _timeout=30, relay=got["relay"])
+
+        return got["port"], close
+
     async def _call(self, node: str, method: str, _timeout: float | None = -1.0, **args):
         """A generic call; a worker-side failure raises (never a silent None); `_timeout`
         defaults to worker_call_timeout_s."""
@@ -273,6 +296,8 @@ class Coordinator:
 
     async def tick(self) -> bool:
         """One reconciliation pass; returns True when the run is finished."""
+        if self.fatal is not None:
+            raise self.fatal
         if self.should_exit:
             return True
         for task in (self.step_task, self.side_task, *self.runs.values()):
@@ -382,6 +407,15 @@ class Coordinator:
         self.wl.terminate(run.tracked)
         self.runs.pop(run.id, None)
         self.status_counts[run.status] = self.status_counts.get(run.status, 0) + 1
+        if run.status == "aborted_infra":
+            self.infra_streak += 1
+            limit = self.c.infra_failures_in_row
+            if limit and self.infra_streak >= limit and self.fatal is None:
+                self.fatal = InfraFailures(
+                    f"{self.infra_streak} executions in a row ended aborted_infra (infra_failures_in_row = {limit}); "
+                    f"the last: {run.ref[:300]}")
+        elif run.status != "cancelled":
+            self.infra_streak = 0
         self.metrics.emit("execution", id=run.id, group=run.group, status=run.status, reward=run.reward,
                           valid=run.valid, version_dispatched=run.version_dispatched,
                           t_start=self.metrics.since_start(run.t_start), t_end=self.metrics.since_start(run.t_end),

@@ -40,7 +40,7 @@ async def run_harness_once(proxy: ProxyServer, preset: HarnessPreset, prompt: st
     sandboxes = await open_sandboxes(sandbox=sandbox, url=sandbox_url, run_dir=run_dir)
     spec = LaunchSpec(preset=preset, timeout_s=timeout_s, eval_attempts=1, eval_budget_s=600.0 if task else 0.0,
                       limits=Limits(pids=4096))
-    launcher = Launcher(proxy, run_dir, spec, default_evaluator={"type": "similarity"}, backend=sandboxes.backend,
+    launcher = Launcher(proxy, run_dir, spec, default_evaluator={"type": "similarity"}, pool=sandboxes.pool,
                         owner=sandboxes.owner)
     run = Run(id=execution, group=0, index=0, task=task or Task(id=execution, prompt=prompt), tracked=Tracked(),
               version_dispatched=0)

@@ -80,4 +80,7 @@ def snapshot(coord) -> dict:
         "role_switches": coord.role_switches[-8:],
         "statuses": dict(coord.status_counts),
         "cells": cells,
+        # Sandbox hosts where executions run in containers: state, running, building, failed.
+        "sandbox_hosts": coord.launcher.pool.rows() if getattr(coord, "launcher", None) is not None
+        and coord.launcher.backend.needs_image else [],
     }

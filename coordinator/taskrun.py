@@ -49,7 +49,7 @@ async def run_tasks(tasks: list[Task], *, preset: HarnessPreset, model_dir: Path
         try:
             sandboxes = await open_sandboxes(sandbox=sandbox, url=sandbox_url, run_dir=run_dir)
             launcher = Launcher(proxy, run_dir, spec, default_evaluator={"type": "similarity"},
-                                backend=sandboxes.backend, owner=sandboxes.owner)
+                                pool=sandboxes.pool, owner=sandboxes.owner)
             for task in tasks:  # refused before anything runs, named
                 launcher.check_task(task)
             gate = asyncio.Semaphore(max(1, concurrency))

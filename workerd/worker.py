@@ -103,7 +103,10 @@ class Worker:
             "prepare_broadcast": self._prepare_broadcast,
             "broadcast_weights": self._broadcast_weights,
             "receive_weights": self._receive_weights,
+            "open_relay": lambda **kw: self._relays().open(**kw),
+            "close_relay": lambda **kw: self._relays().close(**kw),
         }
+        self.relays = None  # sandboxes' proxy-only network on this node (relays.py), made on first use
         self.broadcast = None  # the weight-broadcast group (transfer.BroadcastGroup), when configured
         self._bcast_ready: tuple[int, dict] | None = None  # (version, tensors) the core will send
         self.transfer = None  # the weight-transfer backend (transfer.py), when not the ZeroMQ default
@@ -287,6 +290,13 @@ class Worker:
         except Exception as e:  # noqa: BLE001 - the caller gets the error text
             return [(wire.CallResult(req_id=msg.req_id, error=f"{type(e).__name__}: {e}"), None)]
         return [(wire.CallResult(req_id=msg.req_id, result=result), None)]
+
+    def _relays(self):
+        if self.relays is None:
+            from gyre.workerd.relays import RelayService
+
+            self.relays = RelayService(self.config.coordinator)
+        return self.relays
 
     def stats(self) -> dict:
         import resource

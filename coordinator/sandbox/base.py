@@ -122,6 +122,11 @@ class Sandbox(abc.ABC):
         when the sandbox shares the host's network or runs on another host."""
         return None
 
+    def engine_pid(self) -> int | None:
+        """A pid in the sandbox's network namespace as its own host numbers it (for a relay
+        made there by that host's workerd), or None."""
+        return self.netns_pid()
+
 
 class SandboxBackend(abc.ABC):
     name: str
@@ -134,6 +139,9 @@ class SandboxBackend(abc.ABC):
 
     async def close(self) -> None:
         """Release what `open` took (a podman service it started)."""
+
+    async def ping(self, timeout_s: float = 5.0) -> None:
+        """SandboxError unless the engine answers (backends without one always do)."""
 
     async def prepare(self, build_dir: str | None, *, image: str | None, dockerfile: str | None = None,
                       timeout_s: float = 600.0, name: str = "task") -> str | None:

@@ -15,6 +15,8 @@ worker thread.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import io
 import logging
 import secrets
@@ -36,6 +38,7 @@ OUTPUT_TAIL = 64 * 1024
 PID_DIR = "/tmp/.gyre-exec"  # inside: one file per running exec, holding its wrapper's pid
 KILL_WAIT_S = 10.0  # a cancelled exec's group gets this long after SIGTERM before SIGKILL
 HOST_SLACK_S = 60.0  # the host-side wait past an exec's deadline + grace before it gives up on the engine
+OPEN_PING_S = 10.0  # an engine that does not answer a ping this fast at open is refused
 
 
 def _api_error() -> tuple[type[BaseException], ...]:
@@ -55,6 +58,31 @@ def _released(e: BaseException) -> BaseException:
         traceback.clear_frames(e.__traceback__)
         e = e.__cause__ or e.__context__
     return e
+
+
+def _own_thread(fn, *args) -> asyncio.Future:
+    """`fn(*args)` on a thread of its own: an exec streams for as long as the harness runs,
+    and a few of them would fill the loop's default executor (cpus + 4 threads) and hold
+    every other `to_thread` call behind them."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(result=None, error: BaseException | None = None) -> None:
+        if not fut.done():
+            fut.set_exception(error) if error is not None else fut.set_result(result)
+
+    def work() -> None:
+        try:
+            outcome = (fn(*args), None)
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            outcome = (None, e)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    threading.Thread(target=work, name="gyre-sandbox-exec", daemon=True).start()
+    return fut
 
 
 def _tar_of(src: Path, arcname: str) -> bytes:
@@ -106,6 +134,9 @@ class ContainerSandbox(Sandbox):
     def netns_pid(self) -> int | None:
         return self._pid if self.backend.local else None
 
+    def engine_pid(self) -> int | None:
+        return self._pid
+
     async def exec(self, argv, *, env=None, cwd=None, timeout_s=None, grace_s=5.0, log=None, user=None):
         token = secrets.token_hex(6)
         # `timeout` leads its own process group and forwards a signal it gets to all of it; 0: no deadline.
@@ -115,8 +146,7 @@ class ContainerSandbox(Sandbox):
         self._execs.add(token)
         start = time.monotonic()
         host_wait = None if timeout_s is None else timeout_s + grace_s + HOST_SLACK_S
-        job = asyncio.ensure_future(asyncio.to_thread(
-            self._run, wrapped, dict(env or {}), cwd or self.workdir, user, log))
+        job = _own_thread(self._run, wrapped, dict(env or {}), cwd or self.workdir, user, log)
         try:
             code, output = await asyncio.wait_for(asyncio.shield(job), host_wait)
         except asyncio.TimeoutError:
@@ -164,7 +194,7 @@ class ContainerSandbox(Sandbox):
                   f'i=0; while kill -0 -"$p" 2>/dev/null && [ $i -lt {int(KILL_WAIT_S * 10)} ]; do sleep 0.1; '
                   f'i=$((i+1)); done; kill -KILL -"$p" 2>/dev/null; rm -f {PID_DIR}/{token}; true')
         try:
-            await asyncio.to_thread(self.container.exec_run, ["sh", "-c", script])
+            await self.backend.io(self.container.exec_run, ["sh", "-c", script])
         except _api_error() as e:
             _released(e)
             log.warning("sandbox %s: could not kill exec %s inside: %s", self.container.short_id, token, e)
@@ -172,10 +202,10 @@ class ContainerSandbox(Sandbox):
     async def upload(self, src: Path, dest: str) -> None:
         src = Path(src)
         parent, name = (dest, "") if src.is_dir() else (str(Path(dest).parent), Path(dest).name)
-        data = await asyncio.to_thread(_tar_of, src, name)
+        data = await self.backend.io(_tar_of, src, name)
         await self.exec(["mkdir", "-p", parent], timeout_s=60)
         try:
-            ok = await asyncio.to_thread(self.container.put_archive, parent, data)
+            ok = await self.backend.io(self.container.put_archive, parent, data)
         except _api_error() as e:
             _released(e)
             raise SandboxError(f"upload to {dest} in {self.container.short_id}: {e}") from None
@@ -194,7 +224,7 @@ class ContainerSandbox(Sandbox):
             _untar(stream, Path(dest), is_dir)
 
         try:
-            await asyncio.to_thread(pull)
+            await self.backend.io(pull)
         except FileNotFoundError:
             raise
         except _api_error() as e:
@@ -209,7 +239,7 @@ class ContainerSandbox(Sandbox):
             return
         self._removed = True
         try:
-            await asyncio.to_thread(self.container.remove, force=True)
+            await self.backend.io(self.container.remove, force=True)
         except _api_error() as e:
             _released(e)
             import docker.errors
@@ -231,6 +261,10 @@ class DockerAPIBackend(SandboxBackend):
         self.local = local  # the engine runs on this host: its container pids are ours to setns into
         self.cache_dir = cache_dir
         self.client: Any = None
+        self._ping_client: Any = None
+        # Engine calls on threads of this host's own: calls to a hung engine wait out the
+        # client's timeout there, not in the loop's default executor every host shares.
+        self._io_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._build_locks: dict[str, asyncio.Lock] = {}
         self._lock = threading.Lock()
 
@@ -242,16 +276,46 @@ class DockerAPIBackend(SandboxBackend):
             client.ping()
             return client
 
+        await self.ping(OPEN_PING_S)  # an engine that hangs is refused in seconds, not the client's 600
         try:
-            self.client = await asyncio.to_thread(connect)
+            self.client = await self.io(connect)
         except _api_error() as e:
             _released(e)
             raise SandboxError(f"{self.name}: no engine answers at {self.base_url}: {e}") from None
 
+    async def io(self, fn, *args, **kwargs):
+        """`fn(*args, **kwargs)` on this host's engine-call threads."""
+        if self._io_pool is None:
+            self._io_pool = concurrent.futures.ThreadPoolExecutor(max_workers=32,
+                                                                  thread_name_prefix=f"gyre-{self.name}")
+        return await asyncio.get_running_loop().run_in_executor(self._io_pool, functools.partial(fn, *args, **kwargs))
+
     async def close(self) -> None:
+        if self._io_pool is not None:
+            self._io_pool.shutdown(wait=False)
+            self._io_pool = None
         if self.client is not None:
             self.client.close()
             self.client = None
+        if self._ping_client is not None:
+            self._ping_client.close()
+            self._ping_client = None
+
+    async def ping(self, timeout_s: float = 5.0) -> None:
+        """SandboxError unless the engine answers within `timeout_s` (its own short-timeout
+        client: a hung engine must not hold a thread for the main client's 600 s)."""
+        import docker
+
+        def ping() -> None:
+            if self._ping_client is None:
+                self._ping_client = docker.APIClient(base_url=self.base_url, timeout=timeout_s)
+            self._ping_client.ping()
+
+        try:
+            await self.io(ping)
+        except _api_error() as e:
+            _released(e)
+            raise SandboxError(f"{self.name}: no engine answers at {self.base_url}: {e}") from None
 
     async def prepare(self, build_dir, *, image, dockerfile=None, timeout_s=600.0, name="task"):
         if build_dir is None:
@@ -288,7 +352,7 @@ class DockerAPIBackend(SandboxBackend):
             return container
 
         try:
-            container = await asyncio.to_thread(start)
+            container = await self.io(start)
         except _api_error() as e:
             _released(e)
             raise SandboxError(f"{self.name}: cannot start a container from {spec.image}: {e}") from None
@@ -314,7 +378,7 @@ class DockerAPIBackend(SandboxBackend):
             return removed
 
         try:
-            return await asyncio.to_thread(sweep)
+            return await self.io(sweep)
         except _api_error() as e:
             _released(e)
             raise SandboxError(f"{self.name}: listing sandboxes failed: {e}") from None

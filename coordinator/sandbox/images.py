@@ -87,7 +87,7 @@ def _tail(lines: list[str], n: int = 8) -> str:
 
 async def build(backend, folder: Path, tag: str, *, dockerfile: str | None, timeout_s: float) -> None:
     """Build `folder` as `tag` unless the engine has it already; ImageBuildError if not."""
-    if await asyncio.to_thread(backend.image_exists, tag):
+    if await backend.io(backend.image_exists, tag):
         return
     if BASE_IMAGE in from_images(folder, dockerfile):
         await ensure_base(backend)
@@ -112,14 +112,14 @@ async def build(backend, folder: Path, tag: str, *, dockerfile: str | None, time
             raise ImageBuildError(f"building {folder}: the engine reported no image ({_tail(lines)})")
 
     try:
-        await asyncio.wait_for(asyncio.to_thread(run), timeout_s)
+        await asyncio.wait_for(backend.io(run), timeout_s)
     except asyncio.TimeoutError:
         raise ImageBuildError(f"building {folder}: not done after {timeout_s:g}s (build_timeout_sec)") from None
 
 
 async def ensure_present(backend, image: str, *, timeout_s: float) -> None:
     """`image` in the engine's store, pulled when missing; ImageBuildError if it cannot be."""
-    if await asyncio.to_thread(backend.image_exists, image):
+    if await backend.io(backend.image_exists, image):
         return
     if image == BASE_IMAGE:
         await ensure_base(backend)
@@ -132,14 +132,14 @@ async def ensure_present(backend, image: str, *, timeout_s: float) -> None:
             raise ImageBuildError(f"image {image} is not present and cannot be pulled: {e}") from None
 
     try:
-        await asyncio.wait_for(asyncio.to_thread(pull), timeout_s)
+        await asyncio.wait_for(backend.io(pull), timeout_s)
     except asyncio.TimeoutError:
         raise ImageBuildError(f"pulling {image}: not done after {timeout_s:g}s") from None
 
 
 async def ensure_base(backend) -> None:
     async with _base_lock:
-        if await asyncio.to_thread(backend.image_exists, BASE_IMAGE):
+        if await backend.io(backend.image_exists, BASE_IMAGE):
             return
         tar = await asyncio.to_thread(base_rootfs)
         log.info("%s: importing %s from %s", backend.name, BASE_IMAGE, tar)
@@ -155,8 +155,8 @@ async def ensure_base(backend) -> None:
                 if f"{BASE_REPO}:latest" in image.tags:  # the tag the import made, not one of the user's
                     backend.client.api.remove_image(f"{BASE_REPO}:latest", noprune=True)
 
-        await asyncio.to_thread(load)
-        if not await asyncio.to_thread(backend.image_exists, BASE_IMAGE):
+        await backend.io(load)
+        if not await backend.io(backend.image_exists, BASE_IMAGE):
             raise ImageBuildError(f"importing {tar} as {BASE_IMAGE}: the engine reported no image")
 
 

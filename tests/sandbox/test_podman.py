@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import os
 import socket
 import textwrap
 
@@ -214,3 +215,20 @@ async def test_a_sandbox_host_that_dies_is_aborted_infra(podman_ready, scripted_
         assert containers(sandboxes.backend, **{LABEL_OWNER: "dying"}) == []
     finally:
         await sandboxes.close()
+
+
+async def test_more_execs_than_the_default_executor_run_at_once(podman, tmp_path):
+    """Each exec waits until all of them have started: it passes only if they all stream at once
+    (the loop's default executor has min(32, cpus + 4) threads; a long exec must not hold one)."""
+    from gyre.coordinator.sandbox import images
+
+    n = (os.cpu_count() or 1) + 6
+    box = await podman.create(SandboxSpec(execution="many", labels={LABEL_EXECUTION: "many"},
+                                          image=images.BASE_IMAGE, limits=Limits(pids=256)))
+    wait_all = f'touch /tmp/s-$0; while [ "$(ls /tmp/s-* | wc -l)" -lt {n} ]; do sleep 0.05; done; echo all'
+    try:
+        results = await asyncio.wait_for(asyncio.gather(*(
+            box.exec(["sh", "-c", wait_all, str(i)], timeout_s=120) for i in range(n))), 150)
+    finally:
+        await box.stop()
+    assert [r.code for r in results] == [0] * n and all(r.output.strip() == b"all" for r in results)
