@@ -31,7 +31,7 @@ from aiohttp import web
 
 from gyre.coordinator.sandbox import Limits, SandboxError, SandboxSpec, make_backend
 from gyre.coordinator.sandbox import images
-from gyre.coordinator.sandbox.base import LABEL_EXECUTION, LABEL_OWNER, LABEL_RUN_DIR
+from gyre.coordinator.sandbox.base import LABEL_EXECUTION, LABEL_OWNER, LABEL_PROCESS, LABEL_RUN_DIR, process_label
 from gyre.coordinator.sandbox.netns import ProxyRelay
 
 OWNER = "bench-sandbox"
@@ -75,7 +75,8 @@ class Bench:
     def spec(self) -> SandboxSpec:
         self.n += 1
         ex = f"{self.name}-{self.n}"
-        labels = {LABEL_OWNER: OWNER, LABEL_RUN_DIR: str(self.root), LABEL_EXECUTION: ex}
+        labels = {LABEL_OWNER: OWNER, LABEL_RUN_DIR: str(self.root), LABEL_EXECUTION: ex,
+                  LABEL_PROCESS: process_label()}  # a run starting meanwhile leaves them alone
         if self.backend.needs_image:
             return SandboxSpec(execution=ex, labels=labels, image=images.BASE_IMAGE, limits=Limits(pids=256))
         return SandboxSpec(execution=ex, labels=labels, workdir=str(self.root / ex / "workspace"))

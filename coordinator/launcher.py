@@ -40,7 +40,8 @@ from gyre.coordinator.sandbox import (ImageBuildError, Limits, Sandbox, SandboxB
                                      make_backend)
 from gyre.coordinator.sandbox import reaper
 from gyre.coordinator.sandbox.hosts import PING_INTERVAL_S, PING_TIMEOUT_S, HostPool, SandboxHost, host_specs
-from gyre.coordinator.sandbox.base import LABEL_EXECUTION, LABEL_OWNER, LABEL_RUN_DIR, LABEL_TASK
+from gyre.coordinator.sandbox.base import (LABEL_EXECUTION, LABEL_OWNER, LABEL_PROCESS, LABEL_RUN_DIR, LABEL_TASK,
+                                           process_label)
 from gyre.coordinator.sandbox.netns import ProxyRelay
 from gyre.coordinator.sandbox.process import ProcessBackend
 from gyre.coordinator.tasks import Task, make_workspace
@@ -168,6 +169,7 @@ class Launcher:
         self.pool = pool or HostPool([SandboxHost("local", backend or ProcessBackend())], ping_interval_s=0.0)
         self.backend = self.pool.hosts[0].backend  # the run's one kind (needs_image, isolated_network, name)
         self.owner = owner or secrets.token_hex(8)  # labels this process's sandboxes (the reaper's test)
+        self.process = process_label()
         # async (node, pid, proxy_port) -> (port, close): a listener made by that node's workerd.
         self.remote_relay = remote_relay
         self._live: dict[str, Sandbox] = {}
@@ -364,7 +366,7 @@ class Launcher:
         task, env = run.task, run.task.environment
         folder.mkdir(parents=True, exist_ok=True)
         labels = {LABEL_OWNER: self.owner, LABEL_RUN_DIR: str(self.run_dir), LABEL_EXECUTION: run.id,
-                  LABEL_TASK: task.id[:200]}
+                  LABEL_TASK: task.id[:200], LABEL_PROCESS: self.process}
         base = self.spec.limits
         limits = Limits(cpus=env.cpus if env and env.cpus else base.cpus,
                         memory_mb=env.memory_mb if env and env.memory_mb else base.memory_mb,

@@ -13,6 +13,7 @@ Not the launcher: it decides what runs in a sandbox and when.
 from __future__ import annotations
 
 import abc
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Mapping
@@ -22,9 +23,42 @@ from gyre.workerd.wire import GyreError
 LABEL_RUN = "gyre.run"  # the run's id (rundir.run_id): which run a sandbox belongs to
 LABEL_RUN_DIR = "gyre.run_dir"  # the run directory: the reaper asks whether its run is alive
 LABEL_OWNER = "gyre.owner"  # a token per coordinator process: sandboxes of an earlier process are orphans
+LABEL_PROCESS = "gyre.process"  # HOST:PID:START of the process that made it: alive means not an orphan
 LABEL_EXECUTION = "gyre.execution"
 LABEL_TASK = "gyre.task"
 IN_SANDBOX_ROOT = "/opt/gyre"  # where read-only harness mounts land inside container sandboxes
+
+
+def _start_time(pid: int) -> str | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # field 22, after the command's parentheses
+
+
+def process_label(pid: int | None = None) -> str:
+    """This process (or `pid`) as HOST:PID:START, START its start time in clock ticks since
+    boot: a pid reused by another process does not match."""
+    import socket
+
+    pid = os.getpid() if pid is None else pid
+    return f"{socket.gethostname()}:{pid}:{_start_time(pid)}"
+
+
+def process_alive(label: str | None) -> bool | None:
+    """Whether the process a LABEL_PROCESS names still runs; None when it names another
+    host (or nothing): the caller falls back to the run directory's lock."""
+    import socket
+
+    try:
+        host, pid, start = (label or "").rsplit(":", 2)
+        pid_n = int(pid)
+    except ValueError:
+        return None
+    if host != socket.gethostname():
+        return None
+    return start != "None" and _start_time(pid_n) == start
 
 
 class SandboxError(GyreError):

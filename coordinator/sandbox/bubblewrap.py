@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from gyre.coordinator.sandbox.base import SandboxBackend, SandboxError, SandboxSpec
-from gyre.coordinator.sandbox.process import ENV_OWNER, ENV_RUN_DIR, ProcessSandbox, reap_processes, run_group
+from gyre.coordinator.sandbox.process import ProcessSandbox, markers, reap_processes, run_group
 
 SYSTEM_RO = ("/usr", "/etc", "/opt")
 MERGED_LINKS = ("/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32")
@@ -74,8 +74,7 @@ class BubblewrapSandbox(ProcessSandbox):
     async def exec(self, argv, *, env=None, cwd=None, timeout_s=None, grace_s=5.0, log=None, user=None):
         if self.netns_pid() is None:
             raise SandboxError("the sandbox's network holder has exited")
-        full = {**os.environ, **(env or {}), ENV_OWNER: self.spec.labels.get("gyre.owner", ""),
-                ENV_RUN_DIR: self.spec.labels.get("gyre.run_dir", "")}
+        full = {**os.environ, **(env or {}), **markers(self.spec.labels)}
         where = str(self._host(cwd)) if cwd else self.workdir
         return await run_group(self._argv(list(argv), where), env=full, cwd=self.folder, timeout_s=timeout_s,
                                grace_s=grace_s, log=log, procs=self._procs)
@@ -104,7 +103,7 @@ class BubblewrapBackend(SandboxBackend):
             raise SandboxError("the bubblewrap backend needs a host workdir")
         Path(spec.workdir).mkdir(parents=True, exist_ok=True)
         folder = str(Path(spec.workdir).resolve().parent)  # executions/ID: workspace and harness state
-        env = {**os.environ, ENV_OWNER: spec.labels.get("gyre.owner", ""), ENV_RUN_DIR: spec.labels.get("gyre.run_dir", "")}
+        env = {**os.environ, **markers(spec.labels)}
         holder = subprocess.Popen([self.bwrap, *_system_args(), "--unshare-net", "--unshare-pid", "--die-with-parent",
                                    "--", "sleep", "infinity"], env=env, stdin=subprocess.DEVNULL,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)

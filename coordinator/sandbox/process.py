@@ -16,11 +16,11 @@ import signal
 from pathlib import Path
 from typing import BinaryIO, Mapping
 
-from gyre.coordinator.sandbox.base import (LABEL_OWNER, LABEL_RUN_DIR, ExecResult, Sandbox, SandboxBackend,
+from gyre.coordinator.sandbox.base import (LABEL_OWNER, LABEL_PROCESS, LABEL_RUN_DIR, ExecResult, Sandbox, SandboxBackend,
                                            SandboxError, SandboxSpec)
 
 OUTPUT_TAIL = 64 * 1024
-ENV_OWNER, ENV_RUN_DIR = "GYRE_SANDBOX_OWNER", "GYRE_SANDBOX_RUN_DIR"
+ENV_OWNER, ENV_RUN_DIR, ENV_PROCESS = "GYRE_SANDBOX_OWNER", "GYRE_SANDBOX_RUN_DIR", "GYRE_SANDBOX_PROCESS"
 
 
 async def _read_tail(stream: asyncio.StreamReader | None, log: BinaryIO | None) -> bytes:
@@ -116,8 +116,7 @@ class ProcessSandbox(Sandbox):
         return Path(self.workdir, path) if not os.path.isabs(path) else Path(path)
 
     async def exec(self, argv, *, env=None, cwd=None, timeout_s=None, grace_s=5.0, log=None, user=None):
-        full = {**os.environ, **(env or {}), ENV_OWNER: self.spec.labels.get(LABEL_OWNER, ""),
-                ENV_RUN_DIR: self.spec.labels.get(LABEL_RUN_DIR, "")}
+        full = {**os.environ, **(env or {}), **markers(self.spec.labels)}
         return await run_group(argv, env=full, cwd=str(self._host(cwd)) if cwd else self.workdir,
                                timeout_s=timeout_s, grace_s=grace_s, log=log, procs=self._procs)
 
@@ -151,6 +150,12 @@ class ProcessBackend(SandboxBackend):
         return await asyncio.to_thread(reap_processes, alive)
 
 
+def markers(labels) -> dict[str, str]:
+    """A sandbox's labels as the environment markers its processes carry (the reaper reads them)."""
+    return {ENV_OWNER: labels.get(LABEL_OWNER, ""), ENV_RUN_DIR: labels.get(LABEL_RUN_DIR, ""),
+            ENV_PROCESS: labels.get(LABEL_PROCESS, "")}
+
+
 def _environ(pid: str) -> dict[str, str]:
     try:
         raw = Path(f"/proc/{pid}/environ").read_bytes()
@@ -159,7 +164,7 @@ def _environ(pid: str) -> dict[str, str]:
     out = {}
     for item in raw.split(b"\0"):
         key, sep, value = item.partition(b"=")
-        if sep and key in (ENV_OWNER.encode(), ENV_RUN_DIR.encode()):
+        if sep and key in (ENV_OWNER.encode(), ENV_RUN_DIR.encode(), ENV_PROCESS.encode()):
             out[key.decode()] = value.decode(errors="replace")
     return out
 
@@ -174,7 +179,8 @@ def reap_processes(alive) -> int:
         env = _environ(entry)
         if ENV_OWNER not in env:
             continue
-        if alive({LABEL_OWNER: env[ENV_OWNER], LABEL_RUN_DIR: env.get(ENV_RUN_DIR, "")}):
+        if alive({LABEL_OWNER: env[ENV_OWNER], LABEL_RUN_DIR: env.get(ENV_RUN_DIR, ""),
+                  LABEL_PROCESS: env.get(ENV_PROCESS, "")}):
             continue
         try:
             os.killpg(os.getpgid(int(entry)), signal.SIGKILL)

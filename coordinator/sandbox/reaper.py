@@ -1,7 +1,7 @@
 """reaper.py: which sandboxes are orphans, and opening a backend with its orphans removed.
 
-A sandbox is an orphan when the coordinator process that made it (LABEL_OWNER) is gone and
-nobody kept it on purpose: at start-up (a new run, or `--resume` of a killed one) every
+A sandbox is an orphan when the coordinator process that made it (LABEL_OWNER, LABEL_PROCESS)
+is gone and nobody kept it on purpose: at start-up (a new run, or `--resume` of a killed one) every
 sandbox of a dead run, and of an earlier process on this run directory, is removed; at
 shutdown, this process's own leftovers. A live run's sandboxes (its run directory's lock
 held) and sandboxes kept by `keep_sandbox` (RUN_DIR/executions/ID/sandbox-kept.json) stay.
@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from gyre.coordinator.rundir import held, live_coordinator
-from gyre.coordinator.sandbox.base import LABEL_EXECUTION, LABEL_OWNER, LABEL_RUN_DIR, SandboxBackend
+from gyre.coordinator.sandbox.base import (LABEL_EXECUTION, LABEL_OWNER, LABEL_PROCESS, LABEL_RUN_DIR,
+                                           SandboxBackend, process_alive)
 
 log = logging.getLogger("gyre.coordinator")
 KEPT_FILE = "sandbox-kept.json"
@@ -40,6 +41,8 @@ def at_startup(owner: str, run_dir: Path) -> Alive:
     def alive(labels: Mapping[str, str]) -> bool:
         if labels.get(LABEL_OWNER) == owner or _kept(labels):
             return True
+        if process_alive(labels.get(LABEL_PROCESS)):
+            return True  # the process that made it still runs (here): not an orphan, whatever its run directory
         rd = labels.get(LABEL_RUN_DIR) or ""
         if not rd or Path(rd) == run_dir:
             return False  # an earlier process on this run directory (the one we hold)

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from gyre.coordinator.sandbox import Limits, SandboxSpec
+from gyre.coordinator.sandbox import Limits, SandboxSpec, reaper
 from gyre.coordinator.sandbox.base import LABEL_EXECUTION, LABEL_OWNER
 from gyre.coordinator.taskformats import load_harbor_task
 from tests.sandbox.conftest import CALL_PROXY, containers, harbor_task, run_task, shell_preset
@@ -209,9 +209,12 @@ async def test_a_sandbox_host_that_dies_is_aborted_infra(podman_ready, scripted_
     assert len(run.recorder.calls) == 1  # recorded, and never trained: the execution is invalid
     del job, dying
     gc.collect()  # docker-py's refused sockets go now, under this test's filter
-    # Its container outlived the service; the next start removes it as an orphan.
+    # Its container outlived the service. Its maker (this process) still runs, so another start
+    # leaves it alone; the maker's own shutdown reap removes it.
     sandboxes = await open_sandboxes(sandbox="podman", run_dir=tmp_path / "next")
     try:
+        assert len(containers(sandboxes.backend, **{LABEL_OWNER: "dying"})) == 1
+        assert await reaper.reap(sandboxes.backend, reaper.at_shutdown("dying"), "at shutdown") == 1
         assert containers(sandboxes.backend, **{LABEL_OWNER: "dying"}) == []
     finally:
         await sandboxes.close()

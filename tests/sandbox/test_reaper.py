@@ -11,7 +11,7 @@ import textwrap
 from gyre.coordinator.launcher import open_sandboxes
 from gyre.coordinator.rundir import claim
 from gyre.coordinator.sandbox import SandboxSpec, images
-from gyre.coordinator.sandbox.base import LABEL_EXECUTION, LABEL_OWNER, LABEL_RUN_DIR
+from gyre.coordinator.sandbox.base import LABEL_EXECUTION, LABEL_OWNER, LABEL_PROCESS, LABEL_RUN_DIR, process_label
 from gyre.coordinator.sandbox import reaper
 from gyre.coordinator.sandbox.reaper import mark_kept
 from tests.sandbox.conftest import REPO, containers
@@ -21,13 +21,14 @@ KILLED = textwrap.dedent('''\
     import asyncio, sys
     from pathlib import Path
     from gyre.coordinator.sandbox import SandboxSpec, images, make_backend
-    from gyre.coordinator.sandbox.base import LABEL_EXECUTION, LABEL_OWNER, LABEL_RUN_DIR
+    from gyre.coordinator.sandbox.base import LABEL_EXECUTION, LABEL_OWNER, LABEL_PROCESS, LABEL_RUN_DIR, process_label
 
     async def main():
         run_dir = Path(sys.argv[1])
         backend = make_backend("podman")  # opened without a start-up reap: the orphans stay
         await backend.open()
-        labels = {LABEL_OWNER: "killed-" + sys.argv[2], LABEL_RUN_DIR: str(run_dir), LABEL_EXECUTION: sys.argv[2]}
+        labels = {LABEL_OWNER: "killed-" + sys.argv[2], LABEL_RUN_DIR: str(run_dir), LABEL_EXECUTION: sys.argv[2],
+                  LABEL_PROCESS: process_label()}
         await backend.create(SandboxSpec(execution=sys.argv[2], labels=labels, image=images.BASE_IMAGE))
         print("ready", flush=True)
         await asyncio.sleep(3600)
@@ -57,6 +58,11 @@ async def test_orphans_of_a_killed_run_are_reaped_at_the_next_start(podman, tmp_
     try:
         await podman.create(SandboxSpec(execution="live-one", image=images.BASE_IMAGE, labels={
             LABEL_OWNER: "someone-alive", LABEL_RUN_DIR: str(live), LABEL_EXECUTION: "live-one"}))
+        # A live process's sandbox whose run directory nobody locks (a bench, a test): not an orphan.
+        unlocked = tmp_path / "unlocked"
+        await podman.create(SandboxSpec(execution="mine", image=images.BASE_IMAGE, labels={
+            LABEL_OWNER: "this-process", LABEL_RUN_DIR: str(unlocked), LABEL_EXECUTION: "mine",
+            LABEL_PROCESS: process_label()}))
         assert len(containers(podman, **{LABEL_RUN_DIR: str(dead)})) == 1  # the orphan outlived its run
         again = await open_sandboxes(sandbox="podman", run_dir=tmp_path / "next")  # the next start
         try:
@@ -64,9 +70,11 @@ async def test_orphans_of_a_killed_run_are_reaped_at_the_next_start(podman, tmp_
             assert containers(b, **{LABEL_RUN_DIR: str(dead)}) == []
             assert len(containers(b, **{LABEL_RUN_DIR: str(kept)})) == 1
             assert len(containers(b, **{LABEL_RUN_DIR: str(live)})) == 1
+            assert len(containers(b, **{LABEL_RUN_DIR: str(unlocked)})) == 1
             lock.release()  # the live run ends: its sandbox is an orphan now; the kept one is let go
             (kept / "executions" / "debug-me" / "sandbox-kept.json").unlink()
-            assert await b.reap(reaper.at_startup(again.owner, tmp_path / "next")) == 2
+            assert await b.reap(reaper.at_startup(again.owner, tmp_path / "next")) == 2  # mine still stays
+            assert await b.reap(lambda labels: labels.get(LABEL_OWNER) != "this-process") == 1
             assert containers(b, **{LABEL_RUN_DIR: str(live)}) == containers(b, **{LABEL_RUN_DIR: str(kept)}) == []
         finally:
             await again.close()
