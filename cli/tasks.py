@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from gyre.cli.options import JsonOpt, ModelOpt, RunDirOpt, ServeConfigOpt
+from gyre.cli.options import JsonOpt, ModelOpt, RunDirOpt, ServeConfigOpt, ServeSetOpt
 
 tasks_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
                         help="Task sources (Harbor folders, SWE-style or gyre JSONL): check them, run them once.")
@@ -60,7 +60,7 @@ def check(path: TaskPathArg, as_json: JsonOpt = False) -> None:
 def run(path: TaskPathArg, harness: TaskHarnessOpt = "demo", sandbox: SandboxOpt = "podman",
         solution: SolutionOpt = False, as_json: JsonOpt = False, model: ModelOpt = None, run_dir: RunDirOpt = None,
         config: ServeConfigOpt = None, concurrency: ConcurrencyOpt = 2, timeout: TaskTimeoutOpt = None,
-        sandbox_url: SandboxUrlOpt = None, keep_sandbox: KeepOpt = "never") -> None:
+        sandbox_url: SandboxUrlOpt = None, keep_sandbox: KeepOpt = "never", set_: ServeSetOpt = None) -> None:
     """Run every task once (no training) and print each one's status and score."""
     import uvloop
 
@@ -82,7 +82,7 @@ def run(path: TaskPathArg, harness: TaskHarnessOpt = "demo", sandbox: SandboxOpt
     preset = _preset(harness, config)
     if model is not None:
         _guard(_check_model, model_dir=model)
-    fields = _guard(serve_fields, config=config)
+    fields = _guard(serve_fields, config=config, sets=set_ or [])
     run_dir = absolute(run_dir or _default_run_dir("tasks"))
     lock = _guard(claim, run_dir=run_dir, command="serve")
     try:
