@@ -37,7 +37,17 @@ TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 class IncrementalDecoder:
     """Text of a growing token sequence, a piece per token, decoding a short window each time
     (vLLM's prefix/read offsets): the window keeps the previous token, so decoders that
-    strip a leading space at the start of a sequence (SentencePiece's) do so only once."""
+    strip a leading space at the start of a sequence (SentencePiece's) do so only once.
+
+    While the text ends in U+FFFD a character may still be incomplete, so it is held. Held
+    past MAX_PENDING tokens (no UTF-8 character spans more: every token is a byte or more),
+    the bytes are invalid; what of them is settled comes out: the text up to the latest cut
+    among the last three tokens where decoding the two sides apart gives the same text as
+    decoding them together. A cut like that is a boundary of the lossy decoding's maximal
+    subparts, and bytes appended later can only extend the last subpart, after the cut: the
+    streamed pieces always join to the decoding of the whole sequence, at bounded work."""
+
+    MAX_PENDING = 4  # tokens held for an incomplete character (a UTF-8 character is <= 4 bytes)
 
     def __init__(self, decode: Callable[[list[int]], str]):
         self._decode = decode
@@ -45,19 +55,31 @@ class IncrementalDecoder:
         self._prefix = 0  # window start
         self._read = 0  # tokens whose text has been returned
 
-    MAX_PENDING = 8  # tokens held for an incomplete character (a UTF-8 character is <= 4 bytes)
-
     def push(self, token: int) -> str:
-        """The new text once `token` is appended ("" while a UTF-8 character is incomplete;
-        invalid bytes held past MAX_PENDING tokens come out as U+FFFD, bounding the work)."""
+        """The new text once `token` is appended ("" while a UTF-8 character may be incomplete)."""
         self.ids.append(token)
         before = self._decode(self.ids[self._prefix:self._read])
         now = self._decode(self.ids[self._prefix:])
-        complete = not now.endswith("\ufffd") or len(self.ids) - self._read > self.MAX_PENDING
-        if len(now) > len(before) and complete:
-            self._prefix, self._read = self._read, len(self.ids)
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            # Context for the next window: the last token (its text is settled: no U+FFFD ends it).
+            self._prefix, self._read = len(self.ids) - 1, len(self.ids)
             return now[len(before):]
+        if len(self.ids) - self._read > self.MAX_PENDING:
+            return self._settle(before, now)
         return ""
+
+    def _settle(self, before: str, now: str) -> str:
+        window = self.ids[self._prefix:]
+        for cut in range(len(window) - 1, max(len(window) - 4, self._read - self._prefix), -1):
+            head = self._decode(window[:cut])
+            if len(head) > len(before) and head + self._decode(window[cut:]) == now:
+                at = self._prefix + cut
+                self._prefix, self._read = at - 1, at
+                return head[len(before):]
+        if len(window) > 3 * self.MAX_PENDING:  # a decoder whose pieces never join (not byte-level): bound the work
+            self._prefix, self._read = len(self.ids) - 1, len(self.ids)
+            return now[len(before):]
+        return ""  # no settled cut yet (a maximal invalid subpart is <= 3 bytes: one comes soon)
 
     def flush(self) -> str:
         """What is still held (an incomplete character at the end is returned as U+FFFD)."""
