@@ -42,3 +42,28 @@ async def test_claude_code_works_a_task_inside_a_container(cc_proxy, claude_bin,
     second = server.tokenizer.decode(engine.prompts[-1])
     assert "/app" in second and "1" in second
     assert (server.run_dir / "executions" / "cc" / "workspace" / "counter.txt").read_text() == "2\n"
+
+
+async def test_claude_code_solves_a_shipped_example_in_its_container(cc_proxy, claude_bin, podman_ready):
+    """examples/tasks/sort-csv as shipped: its image, its instruction as Claude Code's prompt, a
+    policy that answers with one Bash call (sort the rows by age, then name), its own verifier."""
+    from tests.sandbox.conftest import REPO
+
+    server, engine = cc_proxy
+    task = load_harbor_task(REPO / "examples" / "tasks" / "sort-csv")
+    sort = ("python3 -c \"import csv; h, *r = list(csv.reader(open('people.csv'))); "
+            "r.sort(key=lambda x: (int(x[1]), x[0])); "
+            "csv.writer(open('sorted.csv', 'w'), lineterminator=chr(10)).writerows([h, *r])\"")
+
+    def script(prompt: str) -> str:
+        return [tool_call("Bash", command=sort, description="sort the csv"),
+                "Done: /app/sorted.csv is sorted by age, then name."][min(tool_results(prompt), 1)]
+
+    engine.script = script
+    summary = await run_harness_once(server, preset(claude_bin), "", run_dir=server.run_dir, execution="cc",
+                                     task=task, sandbox="podman")
+    log = Path(summary["harness_log"]).read_text()
+    assert summary["status"] == "completed" and summary["score"] == 1.0, (summary, log[-3000:])
+    first = server.tokenizer.decode(engine.prompts[0])
+    assert "/app/people.csv" in first and "sorted by `age`" in first  # the task's instruction reached it
+    assert (server.run_dir / "executions" / "cc" / "workspace" / "sorted.csv").is_file()
