@@ -80,9 +80,11 @@ class PodmanBackend(DockerAPIBackend):
         sock = Path(self._tmp.name) / "podman.sock"
         self.base_url = f"unix://{sock}"
         logf = open(Path(self._tmp.name) / "service.log", "wb")
+        # Its own working directory: conmon leaves a file named `oom` in it when a container is
+        # OOM-killed (seen here: in the user's working directory otherwise).
         self._proc = subprocess.Popen([exe, "system", "service", "--time=0", self.base_url], env=podman_env(),
                                       stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True,
-                                      preexec_fn=_die_with_parent)
+                                      preexec_fn=_die_with_parent, cwd=self._tmp.name)
         logf.close()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + START_TIMEOUT_S

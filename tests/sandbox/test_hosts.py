@@ -32,7 +32,8 @@ class Service:
         self.sock = Path(self.tmp.name) / "podman.sock"
         self.url = f"unix://{self.sock}"
         self.proc = subprocess.Popen(["podman", "system", "service", "--time=0", self.url], env=podman_env(),
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                                     cwd=self.tmp.name)
 
     async def ready(self) -> None:
         for _ in range(400):
@@ -160,7 +161,7 @@ async def test_a_host_in_another_network_namespace_gets_its_proxy_network_from_i
     # nsenter, not `ip netns exec`: that one also remounts /sys, hiding the cgroup mounts runc needs.
     engine = subprocess.Popen(["nsenter", f"--net=/var/run/netns/{ns}", "podman", "system", "service", "--time=0",
                                f"tcp://{addr}:{engine_port}"], env=podman_env(), stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, start_new_session=True)
+                              stderr=subprocess.DEVNULL, start_new_session=True, cwd=tmp_path)
     address = f"tcp://{SUBNET}.1:{29000 + secrets.randbelow(900)}"
     folder = harbor_task(tmp_path / "tasks", "remote", test_sh=(
         '[ -s /app/answer.txt ] && echo 0.5 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n'))

@@ -72,13 +72,22 @@ async def test_the_deadline_is_kept_inside_when_the_client_goes(podman, tmp_path
     assert containers(podman, **{LABEL_EXECUTION: "x"}) == []
 
 
-async def test_a_memory_hog_is_killed_and_scored_on_its_work(podman, scripted_proxy, tmp_path):
+async def test_a_memory_hog_is_killed_and_scored_on_its_work(podman_ready, scripted_proxy, tmp_path, monkeypatch):
+    from gyre.coordinator.sandbox.podman import PodmanBackend
+
+    monkeypatch.chdir(tmp_path)  # the OOM kill must leave nothing in the coordinator's working directory
     hog = CALL_PROXY + "echo partial > answer.txt\npython3 -c 'x = bytearray(1 << 30); print(len(x))'\n"
     folder = harbor_task(tmp_path, "hog", toml='[environment]\nmemory = "64M"\n', test_sh=(
         '[ -f /app/answer.txt ] && echo 0.5 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt'))
-    run = await run_task(scripted_proxy, podman, load_harbor_task(folder), tmp_path / "run", shell_preset(hog))
+    backend = PodmanBackend()  # started here, in this working directory
+    await backend.open()
+    try:
+        run = await run_task(scripted_proxy, backend, load_harbor_task(folder), tmp_path / "run", shell_preset(hog))
+    finally:
+        await backend.close()
     assert run.status == "harness_error" and run.reward == 0.5 and run.valid, (run.status, run.ref)
     assert "MemoryError" not in (tmp_path / "run" / "executions" / "e1" / "harness.log").read_text()  # killed, not refused
+    assert not (tmp_path / "oom").exists()  # conmon's OOM marker stays in the podman service's own folder
 
 
 PROBE = textwrap.dedent('''\
