@@ -232,5 +232,11 @@ def serve(config: WorkerConfig) -> int:
         return server.run_forever()
     except Exception as e:  # noqa: BLE001 - reported to the coordinator, then non-zero exit
         log.exception("workerd fatal error")
+        if not server.welcomed:
+            # Nobody to report to (no Welcome came: refused key, wrong address). Tearing ZeroMQ
+            # down under a half-done CURVE handshake aborted the process now and then (libzmq:
+            # "Assertion failed: pfd.revents & POLLIN (src/signaler.cpp:238)"): exit as is.
+            logging.shutdown()
+            os._exit(1)
         server.report_fatal(e)
         return 1
