@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gyre.coordinator.tasks import Environment, Task, TaskError, load_tasks
+from gyre.coordinator.tasks import Environment, Task, TaskError, load_jsonl, load_tasks
 
 HARBOR_NEEDS = ("a Harbor task needs instruction.md, task.toml, environment/Dockerfile or [environment].docker_image, "
                 "tests/test.sh")
@@ -326,30 +326,7 @@ def _unknown_keys(toml: dict) -> list[str]:
 
 def load_swe_tasks(path: str | Path) -> list[Task]:
     """Every row of a SWE-bench-style JSONL file (blank lines ignored), instance ids unique."""
-    path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise TaskError(f"cannot read task file {path}: {e}") from None
-    tasks: list[Task] = []
-    first_line: dict[str, int] = {}
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            row = json.loads(line)
-        except ValueError as e:
-            raise TaskError(f"{where}: not valid JSON: {e}") from None
-        task = parse_swe_row(row, where, path.parent)
-        if task.id in first_line:
-            raise TaskError(f"{where}: field 'instance_id': duplicate id {task.id!r} "
-                            f"(first on line {first_line[task.id]})")
-        first_line[task.id] = lineno
-        tasks.append(task)
-    if not tasks:
-        raise TaskError(f"{path}: no tasks")
-    return tasks
+    return load_jsonl(path, parse_swe_row, id_field="instance_id")
 
 
 def parse_swe_row(row: Any, where: str, base: Path) -> Task:

@@ -14,7 +14,7 @@ import random
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, Callable
 
 from gyre.workerd.wire import GyreError
 
@@ -153,6 +153,12 @@ def load_tasks(path: str | Path) -> list[Task]:
 
     Blocking file IO: read at startup, before the event loop runs, or via asyncio.to_thread.
     """
+    return load_jsonl(path, parse_task, id_field="id")
+
+
+def load_jsonl(path: str | Path, parse: Callable[[Any, str, Path], Task], *, id_field: str) -> list[Task]:
+    """Every row of a JSONL task file through `parse(row, where, folder)` (blank lines
+    ignored); the tasks' ids unique, a duplicate named by `id_field` and both lines."""
     path = Path(path)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -168,9 +174,9 @@ def load_tasks(path: str | Path) -> list[Task]:
             obj = json.loads(line)
         except ValueError as e:
             raise TaskError(f"{where}: not valid JSON: {e}") from None
-        task = parse_task(obj, where, path.parent)
+        task = parse(obj, where, path.parent)
         if task.id in first_line:
-            raise _field_error(where, "id", f"duplicate id {task.id!r} (first on line {first_line[task.id]})")
+            raise _field_error(where, id_field, f"duplicate id {task.id!r} (first on line {first_line[task.id]})")
         first_line[task.id] = lineno
         tasks.append(task)
     if not tasks:
