@@ -1,10 +1,12 @@
-"""policies.py: placement policies, pure functions from a state snapshot to cell roles.
+"""policies.py: the placement policies, and the one registry of them.
 
 A policy sees the cells and their roles, the counters, the training supply and where the
 current burst stands, and returns the role every cell should hold now. It owns no state
-and does no I/O, so the same code drives real runs (coordinator/main.py) and
-simulations (`gyre sim`). Training cells always form a prefix 0..k-1 (cell 0 is the core),
-which is what the prebuilt prefix process groups need.
+and does no I/O. `POLICIES` maps each policy's name to a `PolicySpec`: its role rule, the
+roles it starts from and when a step may start (a full batch, or streaming from the first
+ready group). Nothing else in gyre tests a policy's name: the scheduler (schedule.py) reads
+the spec, for runs and `gyre sim` alike. Training cells always form a prefix 0..k-1 (cell 0
+is the core), which is what the prebuilt prefix process groups need.
 """
 
 from __future__ import annotations
@@ -107,4 +109,28 @@ def elastic_policy(s: Snapshot) -> tuple[str, ...]:
     return tuple(roles)
 
 
-POLICIES: dict[str, Policy] = {"elastic": elastic_policy, "async": async_policy, "colocate": colocate_policy}
+@dataclass(frozen=True, slots=True)
+class PolicySpec:
+    name: str
+    roles: Policy
+    full_batch: bool  # a step starts only once B groups are ready; else from the first ready group
+    fixed_split: bool = False  # cells [0, async_training_cells) train for the whole run
+    about: str = ""
+
+    def initial_roles(self, cells: int, training_cells: int) -> tuple[str, ...]:
+        return tuple("training" if self.fixed_split and c < training_cells else "rollout" for c in range(cells))
+
+    def groups_to_start(self, groups_per_step: int) -> int:
+        return groups_per_step if self.full_batch else 1
+
+
+POLICIES: dict[str, PolicySpec] = {p.name: p for p in (
+    PolicySpec("elastic", elastic_policy, full_batch=False,
+               about="cells move between rollout and training as the waterlevel falls; streaming steps"),
+    PolicySpec("colocate", colocate_policy, full_batch=True,
+               about="the whole pool rolls out, then the whole pool trains a full batch"),
+    PolicySpec("async", async_policy, full_batch=True, fixed_split=True,
+               about="a fixed split; a step starts once a full batch is ready (the paper's Async baseline)"),
+    PolicySpec("async-streaming", async_policy, full_batch=False, fixed_split=True,
+               about="a fixed split; a step starts from the first ready group (the paper's A3 ablation)"),
+)}

@@ -33,10 +33,14 @@ def test_compare_json_contract():
                             "--ed", "1.5", "--json"])
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
-    for p in ("elastic", "async", "colocate"):
-        assert out["policies"][p]["hours"] > 0
-    assert out["speedup"]["vs_async"] > 0 and out["speedup"]["vs_colocate"] > 0
-    assert (out["policies"]["colocate"]["phi"], out["policies"]["colocate"]["mu"]) == (0, 4)
+    assert set(out["policies"]) == {"elastic", "async", "async-streaming", "colocate"}
+    for name, p in out["policies"].items():
+        assert p["hours"] > 0
+        assert p["phi"] + (p["mu"] - 1) / 2 == pytest.approx(1.5)  # each setting at the asked E[d]
+        assert ("training_cells" in p) == name.startswith("async")
+        assert p["hours"] == min(r["hours"] for r in p["tried"])  # the fastest setting tried is reported
+    for key, name in (("vs_async", "async"), ("vs_async_streaming", "async-streaming"), ("vs_colocate", "colocate")):
+        assert out["speedup"][key] == pytest.approx(out["policies"][name]["hours"] / out["policies"]["elastic"]["hours"])
 
 
 def test_unknown_workload_is_a_one_line_error():

@@ -79,4 +79,10 @@ def test_elastic_invariants(roles, queued, running, ready, steps, mu, flight, wi
 
 
 def test_every_policy_is_registered():
-    assert set(POLICIES) == {"elastic", "async", "colocate"}
+    assert set(POLICIES) == {"elastic", "async", "async-streaming", "colocate"}
+    assert POLICIES["async"].roles is POLICIES["async-streaming"].roles is async_policy
+    assert [p for p in POLICIES if POLICIES[p].full_batch] == ["colocate", "async"]
+    assert [p for p in POLICIES if POLICIES[p].fixed_split] == ["async", "async-streaming"]
+    assert POLICIES["async"].initial_roles(4, 2) == (T, T, R, R)
+    assert POLICIES["elastic"].initial_roles(3, 2) == (R, R, R)
+    assert POLICIES["async"].groups_to_start(8) == 8 and POLICIES["async-streaming"].groups_to_start(8) == 1

@@ -14,7 +14,7 @@ import pytest
 from gyre.coordinator.config import CoordinatorConfig
 from gyre.coordinator.timeline import role_timeline_svg, role_timeline_text
 from gyre.coordinator.sim import (PRESETS, SimError, Workload, compare, dispatch_target, duration_stats,
-                                  matched_settings, simulate,
+                                  matched_pairs, matched_settings, simulate,
                                   workload_from_metrics)
 
 # Small enough for hundreds of steps in well under a second.
@@ -46,7 +46,8 @@ def test_dispatch_target_is_the_configs(phi, mu):
     assert [dispatch_target(phi, mu, 5, p) for p in range(6)] == [cfg.dispatch_target(p) for p in range(6)]
 
 
-@pytest.mark.parametrize("policy,phi,mu,t", [("async", 1.5, 1, 2), ("async", 0.5, 1, 1), ("colocate", 0.0, 4, None),
+@pytest.mark.parametrize("policy,phi,mu,t", [("async", 1.5, 1, 2), ("async", 0.5, 1, 1), ("async-streaming", 1.5, 1, 2),
+                                             ("async", 0.5, 2, 2), ("colocate", 0.0, 4, None),
                                              ("colocate", 0.0, 2, None), ("elastic", 0.5, 3, None),
                                              ("elastic", 0.0, 2, None), ("elastic", 1.0, 1, None)])
 def test_staleness_identity(policy, phi, mu, t):
@@ -55,8 +56,12 @@ def test_staleness_identity(policy, phi, mu, t):
 
 
 def _traced(policy, **kw):
+    return _traced_on(TINY, policy, **kw)
+
+
+def _traced_on(workload, policy, **kw):
     events = []
-    r = simulate(TINY, policy=policy, trace=lambda t, s, phases: events.append((t, s, phases)), **kw)
+    r = simulate(workload, policy=policy, trace=lambda t, s, phases: events.append((t, s, phases)), **kw)
     return r, events
 
 
@@ -66,10 +71,11 @@ def _is_prefix(flags) -> bool:
 
 
 @pytest.mark.parametrize("policy,phi,mu,standalone", [("elastic", 0.5, 3, 0), ("elastic", 0.0, 1, 8),
-                                                      ("colocate", 0.0, 4, 0), ("async", 1.5, 1, 0)])
+                                                      ("colocate", 0.0, 4, 0), ("async", 1.5, 1, 0),
+                                                      ("async-streaming", 1.0, 1, 0)])
 def test_invariants_on_every_event(policy, phi, mu, standalone):
     r, events = _traced(policy, phi=phi, mu=mu, steps=40, seed=1, standalone=standalone,
-                        async_training_cells=2 if policy == "async" else None)
+                        async_training_cells=2 if policy.startswith("async") else None)
     times = [t for t, _, _ in events]
     assert times == sorted(times) and r.hours == pytest.approx(times[-1])
     for _, s, phases in events:
@@ -103,8 +109,9 @@ def test_elastic_moves_the_core_first_and_satellites_follow():
 
 
 def test_async_never_switches_and_colocate_switches_together():
-    a = simulate(TINY, policy="async", phi=1.5, mu=1, steps=10, seed=0, async_training_cells=1)
-    assert a.switches == 0 and a.per_cell_training_share == [1.0, 0.0, 0.0, 0.0]
+    for policy in ("async", "async-streaming"):
+        a = simulate(TINY, policy=policy, phi=1.5, mu=1, steps=10, seed=0, async_training_cells=1)
+        assert a.switches == 0 and a.per_cell_training_share == [1.0, 0.0, 0.0, 0.0]
     c = simulate(TINY, policy="colocate", phi=0.0, mu=2, steps=10, seed=0)
     switch_times = [t for t, _, role in c.role_timeline if role == "switching"]
     assert len(switch_times) == c.switches and c.switches % TINY.cells == 0
@@ -134,24 +141,33 @@ def test_a_single_cell_elastic_run_does_not_stall():
 
 
 def test_matched_settings_match_the_paper_at_1_5():
-    assert matched_settings(1.5) == {"elastic": (0.5, 3), "async": (1.5, 1), "colocate": (0.0, 4)}
+    assert matched_settings(1.5) == {"elastic": (0.5, 3), "async": (1.5, 1), "async-streaming": (1.5, 1),
+                                     "colocate": (0.0, 4)}
     for ed in (0.0, 0.5, 1.0, 2.5):
-        for phi, mu in matched_settings(ed).values():
+        for phi, mu in [*matched_settings(ed).values(), *matched_pairs(ed)]:
             assert phi >= 0 and phi + (mu - 1) / 2 == pytest.approx(ed)
+    assert matched_pairs(1.0) == [(1.0, 1), (0.5, 2), (0.0, 3)]
+    assert matched_pairs(0.0) == [(0.0, 1)]
 
 
 def test_compare_shape():
     out = compare(TINY, ed=1.5, steps=6, seeds=[0, 1])
     json.dumps(out)
     assert out["workload"] == "tiny" and out["ed"] == 1.5 and out["steps"] == 6 and out["seeds"] == [0, 1]
-    assert set(out["policies"]) == {"elastic", "async", "colocate"}
+    assert set(out["policies"]) == {"elastic", "async", "async-streaming", "colocate"}
     for name, p in out["policies"].items():
         assert p["hours"] > 0 and len(p["hours_by_seed"]) == 2
         assert p["hours"] == pytest.approx(sum(p["hours_by_seed"]) / 2)
         assert {"phi", "mu", "staleness_mean", "training_share"} <= set(p) and len(p["training_share"]) == TINY.cells
-    assert 1 <= out["policies"]["async"]["training_cells"] < TINY.cells
+    for name in ("async", "async-streaming"):
+        assert 1 <= out["policies"][name]["training_cells"] < TINY.cells
+    for name, p in out["policies"].items():  # the best of the settings tried at this E[d], each tried once
+        assert p["hours"] == min(r["hours"] for r in p["tried"])
+        settings = [(r["phi"], r["mu"], r.get("training_cells")) for r in p["tried"]]
+        assert len(settings) == len(set(settings)) and {(phi, mu) for phi, mu, _ in settings} <= set(matched_pairs(1.5))
     el = out["policies"]["elastic"]["hours"]
     assert out["speedup"]["vs_async"] == pytest.approx(out["policies"]["async"]["hours"] / el)
+    assert out["speedup"]["vs_async_streaming"] == pytest.approx(out["policies"]["async-streaming"]["hours"] / el)
     assert out["speedup"]["vs_colocate"] == pytest.approx(out["policies"]["colocate"]["hours"] / el)
 
 
@@ -217,6 +233,22 @@ def test_elastic_leads_on_nl2repo():
     kw = dict(steps=12, seed=0)
     elastic = simulate(PRESETS["nl2repo"], policy="elastic", phi=0.5, mu=3, **kw).hours
     colocate = simulate(PRESETS["nl2repo"], policy="colocate", phi=0.0, mu=4, **kw).hours
-    best_async = min(simulate(PRESETS["nl2repo"], policy="async", phi=1.5, mu=1, async_training_cells=t, **kw).hours
-                     for t in (2, 3, 4))
-    assert elastic < best_async < colocate
+    def best(policy):
+        return min(simulate(PRESETS["nl2repo"], policy=policy, phi=1.5, mu=1, async_training_cells=t, **kw).hours
+                   for t in (2, 3, 4))
+
+    assert elastic < best("async-streaming") < colocate
+    assert best("async-streaming") < best("async")  # streaming steps start earlier than full batches
+
+
+def test_a_micro_step_shorter_than_a_role_switch():
+    """Satellites still switching when the step they were joining has ended: the training
+    cells stay a prefix (a cell past a rollout cell goes back) and the run goes on."""
+    quick = Workload(name="quick", cells=4, cell_nodes=1, group_size=4, groups_per_step=2, exec_slots_per_cell=8,
+                     timeout_h=2.0, train_h_all=0.0005, micro_steps_per_group=1, exec_median_h=0.3,
+                     switch_to_train_s=20.0, switch_to_rollout_s=1.0, publish_s=1.0)
+    for seed in range(6):
+        r, events = _traced_on(quick, "elastic", phi=1.0, mu=2, steps=30, seed=seed)
+        assert r.steps == 30
+        for _, s, phases in events:
+            assert _is_prefix([p == "training" for p in phases])
