@@ -275,7 +275,7 @@ async def test_up_view_shows_the_final_state_and_restores(stderr_logging, capsys
     """`gyre up`'s view: step lines and logs from the run above it, its last frame the run's end."""
     import logging
 
-    from gyre.coordinator.up import _run_with_view
+    from gyre.cli.up import _run_with_view
 
     class Coord:
         def __init__(self):
@@ -308,7 +308,7 @@ async def test_up_view_shows_the_final_state_and_restores(stderr_logging, capsys
 
 
 async def test_up_view_closes_at_once_when_the_run_fails(stderr_logging):
-    from gyre.coordinator.up import _run_with_view
+    from gyre.cli.up import _run_with_view
 
     class Coord:
         def status(self) -> dict:

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from gyre.cli.main import app
 from gyre.coordinator.harnesses import BUILTIN, HarnessError, presets, resolve
-from gyre.coordinator.up import ConfigError, build_config
+from gyre.coordinator.runconfig import ConfigError, build_config
 
 
 def test_builtins_name_command_env_api_rule():

@@ -1,7 +1,8 @@
 """up.py: `gyre up`: build the run's config (file + flags), run the coordinator, print progress.
 
-On a terminal it draws the live view (cli/live.py); otherwise (or with --no-live) plain
-lines: one per step and a status line every 10 s. Not the loop itself: that is main.py.
+On a terminal it draws the live view (live.py); otherwise (or with --no-live) plain
+lines: one per step and a status line every 10 s, then the role timeline (timeline.py).
+Presentation only: the loop itself is coordinator/main.py.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from pathlib import Path
 
 from gyre.coordinator.config import CoordinatorConfig
 from gyre.coordinator.main import Coordinator, StepReport
-from gyre.coordinator.runconfig import ConfigError, build_config, load_config_file  # noqa: F401 - re-exported
 
 
 def _print_step(steps: int):
@@ -24,7 +24,7 @@ def _print_step(steps: int):
 
 
 def run_up(config: CoordinatorConfig, live: bool = False, resume: bool = False) -> list[StepReport]:
-    """Run the coordinator; with `live`, draw the live view (cli/live.py) while it runs;
+    """Run the coordinator; with `live`, draw the live view (live.py) while it runs;
     with `resume`, continue config.run_dir from its latest checkpoint."""
     import uvloop
 
@@ -45,7 +45,7 @@ async def _run_with_view(coord: Coordinator, live: bool, console=None) -> list[S
     """The run, with the live view (a terminal) or a plain status line every 10 s.
 
     While the live view is up, step lines (`print`) and log records go through its console
-    (cli/live.py `follow`). A run that ends (done, or stopped by Ctrl-C) lets the view draw
+    (live.py `follow`). A run that ends (done, or stopped by Ctrl-C) lets the view draw
     its final state before it closes; a run that fails closes it at once. Either way the
     view's last frame stays on screen and the cursor is shown again before this returns."""
     import asyncio
@@ -74,7 +74,7 @@ async def _run_with_view(coord: Coordinator, live: bool, console=None) -> list[S
 
 def write_timeline(run_dir: Path) -> None:
     """The run's role timeline: printed as text, written as timeline.svg in the run dir."""
-    from gyre.coordinator.timeline import result_from_metrics, role_timeline_svg, role_timeline_text
+    from gyre.cli.timeline import result_from_metrics, role_timeline_svg, role_timeline_text
 
     result = result_from_metrics(run_dir / "metrics.jsonl")
     (run_dir / "timeline.svg").write_text(role_timeline_svg(result))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gyre.coordinator.sim import PRESETS, SimResult, simulate
-from gyre.coordinator.timeline import result_from_metrics, role_timeline_svg, role_timeline_text, time_axis
+from gyre.cli.timeline import result_from_metrics, role_timeline_svg, role_timeline_text, time_axis
 
 NS = "{http://www.w3.org/2000/svg}"
 LEFT, WIDTH = 60, 800  # the plot area of role_timeline_svg
