@@ -169,8 +169,8 @@ def up(
 ) -> None:
     """Run online RL: the coordinator, local worker daemons, the harness and the tasks
     (with no CONFIG: the embedded default, tiny model and demo harness)."""
-    from gyre.coordinator.rundir import absolute, claim
     from gyre.cli.up import run_up
+    from gyre.coordinator.rundir import absolute, claim
 
     live = not no_live and sys.stdout.isatty()
     if resume is not None:

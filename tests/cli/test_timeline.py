@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from gyre.coordinator.sim import PRESETS, SimResult, simulate
 from gyre.cli.timeline import result_from_metrics, role_timeline_svg, role_timeline_text, time_axis
+from gyre.coordinator.sim import PRESETS, SimResult, simulate
 
 NS = "{http://www.w3.org/2000/svg}"
 LEFT, WIDTH = 60, 800  # the plot area of role_timeline_svg
