@@ -10,6 +10,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from gyre.workerd.wire import ENGINE_BACKENDS, TRAINER_BACKENDS
+
 POLICIES = ("elastic", "colocate", "async")
 
 
@@ -145,12 +147,12 @@ class CoordinatorConfig:
         if self.workers == "external" and self.address.rsplit(":", 1)[-1] == "0":
             raise ValueError(f"workers = external needs a fixed address for workerds to connect to, e.g. "
                              f"tcp://0.0.0.0:5555 (address is {self.address!r})")
-        from gyre.workerd.backends import ENGINES, TRAINERS
-
-        if self.engine_backend not in ENGINES:
-            raise ValueError(f"engine_backend must be one of {', '.join(ENGINES)}, got {self.engine_backend!r}")
-        if self.trainer_backend not in TRAINERS:
-            raise ValueError(f"trainer_backend must be one of {', '.join(TRAINERS)}, got {self.trainer_backend!r}")
+        if self.engine_backend not in ENGINE_BACKENDS:
+            raise ValueError(f"engine_backend must be one of {', '.join(ENGINE_BACKENDS)}, "
+                             f"got {self.engine_backend!r}")
+        if self.trainer_backend not in TRAINER_BACKENDS:
+            raise ValueError(f"trainer_backend must be one of {', '.join(TRAINER_BACKENDS)}, "
+                             f"got {self.trainer_backend!r}")
         if self.policy == "async" and not 1 <= self.async_training_cells < self.cells:
             raise ValueError(f"async needs 1 <= async_training_cells < cells ({self.cells}); "
                              f"got {self.async_training_cells}")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from gyre.workerd.wire import GyreError
+from gyre.workerd.wire import ENGINE_BACKENDS, TRAINER_BACKENDS, GyreError
 
 
 class BackendError(GyreError):
@@ -28,6 +28,11 @@ class BackendError(GyreError):
 
 ENGINES = {"cpu": None, "sglang": ("sglang", "sglang>=0.5.23")}
 TRAINERS = {"cpu": None, "megatron": ("megatron.core", "megatron-core>=0.16.1")}
+# The names are the wire's (wire.ENGINE_BACKENDS / TRAINER_BACKENDS: the coordinator checks a run's
+# config against them without importing this module); these tables say what each name needs.
+if tuple(ENGINES) != ENGINE_BACKENDS or tuple(TRAINERS) != TRAINER_BACKENDS:
+    raise RuntimeError(f"backends.py's tables ({', '.join(ENGINES)}; {', '.join(TRAINERS)}) differ from wire.py's "
+                      f"names ({', '.join(ENGINE_BACKENDS)}; {', '.join(TRAINER_BACKENDS)})")
 
 
 def check_backends(engine: str, trainer: str) -> None:

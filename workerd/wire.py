@@ -14,6 +14,11 @@ from typing import Any, NamedTuple
 
 import orjson
 
+# The backend names both sides speak (Register.backends; the run config's engine_backend and
+# trainer_backend, checked by the coordinator); workerd/backends.py maps each to what it needs.
+ENGINE_BACKENDS = ("cpu", "sglang")
+TRAINER_BACKENDS = ("cpu", "megatron")
+
 
 class GyreError(Exception):
     """Base of gyre's domain errors: the CLI prints them on one line."""
