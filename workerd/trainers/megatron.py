@@ -30,29 +30,30 @@ clipping takes the norm over every stage, the copy counted once. A failure on so
 only is agreed over the cell (`_agree`) and raised on every rank, the step's gradients
 dropped.
 
-Role changes call `offload()` / `onload()`: every storage of parameters, gradients and
-optimizer state is copied to host memory and shrunk to zero bytes in place, so the views
-into them (DDP's buffers) stay valid. Not a multi-process launcher: TP x PP > 1 needs one
-process per rank with torch.distributed initialised by the caller (trainers/tp.py does it
-inside workerd).
+This module builds the trainer and runs its forward, micro-steps and update, and owns the
+cell's agreement (`_agree`). Its other public methods hand over to one module per concept:
+weights in and out by HF names to megatron_weights.py; role changes (`offload()` /
+`onload()`, the state to host memory and back) and checkpoints to megatron_state.py. Not a
+multi-process launcher: TP x PP > 1 needs one process per rank with torch.distributed
+initialised by the caller (trainers/tp.py does it inside workerd).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
-from pathlib import Path
 from typing import Iterable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from gyre.workerd.modeldir import ModelConfig, ModelDirError, iter_weights
+# ModelDirError and to_megatron stay importable from here (megatron_weights.py is their user now).
+from gyre.workerd.modeldir import ModelConfig, ModelDirError, iter_weights  # noqa: F401
+from gyre.workerd.trainers import megatron_state, megatron_weights
 from gyre.workerd.trainers.base import (MicroBatch, MicroStepStats, backward_micro_step, step_or_drop,
                                         sum_and_normalise)
-from gyre.workerd.trainers.hf_megatron import check_pp, check_tp, holds, is_tp_split, to_hf, to_megatron
+from gyre.workerd.trainers.hf_megatron import check_pp, check_tp, holds, is_tp_split, to_hf, to_megatron  # noqa: F401
 from gyre.workerd.trainers.megatron_model import (build_gpt, pp_group, quiet_import, setup_parallel, stage_of,
                                                   tp_rank, tp_size)
 from gyre.workerd.trainers.pipeline import GPipe
@@ -95,7 +96,7 @@ class MegatronTrainer:
         self.pipe = GPipe(self.stage, hidden=config.hidden_size, dtype=self.dtype, device=self.device,
                           chunks=2 * pp if microbatches is None else int(microbatches), run=self._forward,
                           set_input=model.set_input_tensor) if pp > 1 else None
-        self._load_into(model, dict(iter_weights(model_dir)))
+        megatron_weights.load_into(self, model, dict(iter_weights(model_dir)))
         self.gpt = model  # the GPTModel itself (names without a DDP prefix)
         self._num_params = self._count_params()  # a collective under PP: every stage counts its own
         self._shapes = {k: v.shape for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
@@ -195,7 +196,7 @@ class MegatronTrainer:
         return [p for _, p in sorted((stage, p) for _, stage, tp_rank, p in verdicts if tp_rank == self.tp_rank)]
 
     def train_micro_step(self, batch: MicroBatch) -> MicroStepStats:
-        self._need_onloaded()
+        megatron_state.need_onloaded(self)
         t0 = time.perf_counter()
         if self.pp == 1:
             stats = backward_micro_step(self._logprobs(batch.input_ids), batch, t0)
@@ -224,7 +225,7 @@ class MegatronTrainer:
         return MicroStepStats(loss, tokens, executions, mismatch, time.perf_counter() - t0)
 
     def current_logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
-        with self._params_onloaded(), torch.no_grad():
+        with megatron_state.params_onloaded(self), torch.no_grad():
             if self.pp == 1:
                 return self._logprobs(input_ids)
             from megatron.core import parallel_state as ps
@@ -256,7 +257,7 @@ class MegatronTrainer:
     def optimizer_step(self, num_executions: int, reducer=None, apply: bool = True) -> float:
         if num_executions < 1:
             raise ValueError(f"num_executions must be >= 1, got {num_executions}")
-        self._need_onloaded()
+        megatron_state.need_onloaded(self)
         if self.on_gpu:
             return self._gpu_step(num_executions, reducer, apply)
         sum_and_normalise(list(self.gpt.parameters()), num_executions, reducer)
@@ -345,124 +346,17 @@ class MegatronTrainer:
     def _norm_only(buffers: list[torch.Tensor]) -> float:
         return float(torch.sqrt(sum(g.double().pow(2).sum() for g in buffers)))
 
-    # --- weights ------------------------------------------------------------------------
-
-    def _hf_bytes(self, hf: dict[str, torch.Tensor]) -> int:
-        return sum(t.numel() * t.element_size() for k, t in hf.items()
-                   if not (k == "lm_head.weight" and self.config.tie_word_embeddings))
-
-    def _fit(self, hf: dict[str, torch.Tensor], own: dict[str, tuple]) -> dict[str, torch.Tensor]:
-        """This rank's shards of a whole HF weight set, checked against its own names and
-        shapes. Each rank holds only its part (its stage, its TP shard), so the verdict is
-        agreed over the cell: a set one rank refuses is refused on all, with that rank's
-        reason (a ModelDirError: malformed input), and nothing is half-loaded."""
-        failed: list[BaseException] = []
-        shards = {}
-        try:
-            shards = to_megatron(hf, self.config, rank=self.tp_rank, tp=self.tp, stage=self.stage)
-            self._match(shards, own)
-        except Exception as e:  # noqa: BLE001 - agreed over the cell, then raised
-            failed.append(e)
-        self._agree(failed, what="weight load", passthrough=(ModelDirError,))
-        return shards
-
-    def _check(self, hf: dict[str, torch.Tensor]) -> int:
-        """Names and shapes of a whole HF weight set, against this model's (shapes from the
-        mapping, so it works while offloaded); returns its bytes."""
-        self._fit(hf, {k: tuple(v) for k, v in self._shapes.items()})
-        return self._hf_bytes(hf)
-
-    @staticmethod
-    def _match(shards: dict[str, torch.Tensor], own: dict[str, tuple]) -> None:
-        missing = sorted(set(own) - set(shards))
-        if missing:
-            raise ModelDirError(f"weights missing for megatron parameters: {', '.join(missing[:5])}")
-        for name, t in shards.items():
-            if name not in own:
-                raise ModelDirError(f"weight for {name!r}: not a parameter of this model")
-            if own[name] != tuple(t.shape):
-                raise ModelDirError(f"weight {name!r} has shape {tuple(t.shape)}, expected {own[name]}")
-
-    def _load_into(self, model, hf: dict[str, torch.Tensor]) -> int:
-        own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-        shards = self._fit(hf, {k: tuple(v.shape) for k, v in own.items()})  # before any copy
-        with torch.no_grad():
-            for name, t in shards.items():
-                own[name].copy_(t)
-        return self._hf_bytes(hf)
-
-    def _shards(self) -> list[dict[str, torch.Tensor]]:
-        mine = {k: v.detach() for k, v in self.gpt.state_dict().items() if not k.endswith("_extra_state")}
-        if self.tp == 1:
-            return [mine]
-        from megatron.core import parallel_state as ps
-
-        group = ps.get_tensor_model_parallel_group()
-        out: list[dict[str, torch.Tensor]] = [{} for _ in range(self.tp)]
-        for name, t in mine.items():
-            parts = [torch.empty_like(t) for _ in range(self.tp)]
-            dist.all_gather(parts, t.contiguous(), group=group)
-            for r, part in enumerate(parts):
-                out[r][name] = part
-        return out
-
-    def _gather_stages(self, mine) -> dict[str, torch.Tensor]:
-        """Every stage's HF tensors (`mine`: a function giving this stage's) at the first
-        stage, on the host, which returns the whole model; the others return {}. Names and
-        shapes go first, then each rank allocates the one device buffer it sends or receives
-        through (sized for the largest tensor: never the whole model on one device), and
-        only when every rank has its buffer do the tensors go, point to point. A failure at
-        either point is raised on every rank."""
-        if self.pp == 1:
-            return {k: v.to("cpu", copy=True).contiguous() for k, v in mine().items()}
-        from megatron.core import parallel_state as ps
-
-        failed: list[BaseException] = []
-        tensors: dict[str, torch.Tensor] = {}
-        try:
-            tensors = mine()
-        except Exception as e:  # noqa: BLE001 - agreed over the cell, then raised
-            failed.append(e)
-        meta = self._agree(failed, [(k, tuple(v.shape), v.dtype) for k, v in tensors.items()], what="export")
-        moving = [m for stage in meta[1:] for m in stage] if self.stage.first else \
-            [(k, tuple(v.shape), v.dtype) for k, v in tensors.items() if v.device != self.device]
-        out: dict[str, torch.Tensor] = {}
-        try:
-            buf = torch.empty(max((math.prod(shape) * dtype.itemsize for _, shape, dtype in moving), default=0),
-                              dtype=torch.uint8, device=self.device)
-            if self.stage.first:
-                out = {k: v.to("cpu", copy=True).contiguous() for k, v in tensors.items()}
-        except Exception as e:  # noqa: BLE001
-            failed.append(e)
-        self._agree(failed, what="export")
-
-        def staged(shape, dtype) -> torch.Tensor:
-            return buf[:math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
-
-        group = pp_group()
-        if not self.stage.first:
-            for name, shape, dtype in meta[ps.get_pipeline_model_parallel_rank()]:
-                t = tensors[name]
-                if t.device != self.device:  # weights kept on the host (offloaded): through the buffer
-                    t = staged(shape, dtype).copy_(t)
-                dist.send(t.contiguous(), dst=ps.get_pipeline_model_parallel_first_rank(), group=group)
-            return {}
-        ranks = dist.get_process_group_ranks(group)
-        for stage in range(1, self.pp):
-            for name, shape, dtype in meta[stage]:
-                t = staged(shape, dtype)
-                dist.recv(t, src=ranks[stage], group=group)
-                out.setdefault(name, t.to("cpu", copy=True))  # a copy: the buffer takes the next one
-        return out
+    # --- weights by HF name (megatron_weights.py) ---------------------------------------
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """Whole HF-named tensors on the host (every TP rank gathers them; under PP the
         first stage's ranks do, the others return {}); a snapshot."""
         if self._pending is not None:
-            return self._gather_stages(lambda: {k: v for k, v in self._pending.items()
-                                                if k != "model.embed_tokens.weight" or self.stage.first})
-        with self._params_onloaded():
-            return self._gather_stages(lambda: to_hf(self._shards(), self.config, self.stage))
+            return megatron_weights.gather_stages(self, lambda: {
+                k: v for k, v in self._pending.items() if k != "model.embed_tokens.weight" or self.stage.first})
+        with megatron_state.params_onloaded(self):
+            return megatron_weights.gather_stages(
+                self, lambda: to_hf(megatron_weights.shards(self), self.config, self.stage))
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
         """Load HF-named weights (the whole model's; each stage takes its part). While
@@ -470,200 +364,31 @@ class MegatronTrainer:
         stage's part is kept on the host, to be copied in at `onload`."""
         hf = dict(named)
         if self._host is not None:
-            nbytes = self._check(hf)
+            nbytes = megatron_weights.check(self, hf)
             self._pending = {k: v.to("cpu", copy=True) for k, v in hf.items() if holds(k, self.config, self.stage)}
         else:
-            nbytes = self._load_into(self.gpt, hf)
+            nbytes = megatron_weights.load_into(self, self.gpt, hf)
             if self.on_gpu:  # the distributed optimizer's fp32 main copy follows the new weights
                 self.optimizer.reload_model_params()
         self.version = version
         return nbytes
 
-    # --- role changes -------------------------------------------------------------------
-
-    def _storages(self) -> list[torch.UntypedStorage]:
-        tensors = [p for p in self.gpt.parameters()]
-        tensors += [p.grad for p in self.gpt.parameters() if p.grad is not None]
-        if self.on_gpu:
-            tensors += [b.grad_data for b in self.model.buffers]
-            tensors += [b.param_data for b in self.model.buffers if b.param_data is not None]
-        for state in self._optimizer_states():
-            tensors += [v for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
-        for inner in self._inner_optimizers():  # on GPU: the fp32 main parameters
-            tensors += [p for g in inner.param_groups for p in g["params"]]
-        seen: dict[int, torch.UntypedStorage] = {}
-        for t in tensors:
-            s = t.untyped_storage()
-            if s.nbytes():
-                seen.setdefault(s.data_ptr(), s)
-        return list(seen.values())
-
-    def _inner_optimizers(self):
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            yield getattr(opt, "optimizer", opt)
-
-    def _optimizer_states(self):
-        for inner in self._inner_optimizers():
-            yield from inner.state.values()
+    # --- role changes and checkpoints (megatron_state.py) -------------------------------
 
     def offload(self) -> int:
         """Copy parameters, gradients and optimizer state to host memory and free their
         storages (a role change to rollout); returns bytes freed. No-op when disabled."""
-        if not self.offload_enabled or self._host is not None:
-            return 0
-        host, freed = [], 0
-        for i, s in enumerate(self._storages()):
-            n = s.nbytes()
-            view = torch.empty(0, dtype=torch.uint8, device=s.device).set_(s)
-            # Pinned host buffers are slow to allocate: kept from the last offload when they fit.
-            keep = self._spare[i] if i < len(self._spare) and self._spare[i].numel() == n else \
-                torch.empty(n, dtype=torch.uint8, pin_memory=self.on_gpu)
-            keep.copy_(view, non_blocking=self.on_gpu)
-            host.append((s, keep))
-            freed += n
-        if self.on_gpu:
-            torch.cuda.synchronize()  # every copy landed before a storage is freed
-        for s, _ in host:
-            s.resize_(0)
-        self._host = host
-        self._spare = []  # the ones not reused are let go
-        if self.on_gpu:
-            torch.cuda.empty_cache()
-        return freed
+        return megatron_state.offload(self)
 
     def onload(self) -> None:
         """Undo `offload` (a role change to training): same storages, same bytes; then the
         weights published while offloaded, if any."""
-        if self._host is None:
-            return
-        for s, keep in self._host:
-            s.resize_(keep.numel())
-            torch.empty(0, dtype=torch.uint8, device=s.device).set_(s).copy_(keep, non_blocking=self.on_gpu)
-        if self.on_gpu:
-            torch.cuda.synchronize()
-        self._spare = [keep for _, keep in self._host]
-        self._host = None
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            self.load_weights(pending.items(), self.version)
-
-    @contextlib.contextmanager
-    def _onloaded(self):
-        """On the accelerator for the duration (a checkpoint or export on a rollout cell)."""
-        was_offloaded = self._host is not None
-        self.onload()
-        try:
-            yield
-        finally:
-            if was_offloaded:
-                self.offload()
-
-    @contextlib.contextmanager
-    def _params_onloaded(self):
-        """Only the parameters' storages back for the duration (an export or log-probs on a
-        rollout cell, beside a serving engine): gradients and optimizer state stay on the
-        host. Parameters are read, not changed, so nothing is copied back."""
-        if self._host is None or self._pending is not None:  # pending weights: a full onload applies them
-            with self._onloaded():
-                yield
-            return
-        params = {p.untyped_storage()._cdata for p in self.gpt.parameters()}
-        back = [(s, keep) for s, keep in self._host if s._cdata in params]
-        try:
-            for s, keep in back:
-                s.resize_(keep.numel())
-                torch.empty(0, dtype=torch.uint8, device=s.device).set_(s).copy_(keep)
-            yield
-        finally:
-            for s, _ in back:
-                s.resize_(0)
-            if self.on_gpu:
-                torch.cuda.empty_cache()  # not held beside the serving engine
-
-    def _need_onloaded(self) -> None:
-        if self._host is not None:
-            raise RuntimeError("trainer state is offloaded (the cell is serving rollouts): onload first")
-
-    # --- checkpoints --------------------------------------------------------------------
-
-    def _ckpt_path(self, path: str) -> Path:
-        """One file per rank: `path` itself for the cell's rank 0 (so a run's checkpoint
-        names one file whatever the cell's shape), `path.tpR` for the other TP ranks,
-        `path.ppS.tpR` for the other ranks under PP."""
-        from megatron.core import parallel_state as ps
-
-        stage = ps.get_pipeline_model_parallel_rank()
-        if self.tp_rank == 0 and stage == 0:
-            return Path(path)
-        return Path(f"{path}.pp{stage}.tp{self.tp_rank}") if self.pp > 1 else Path(f"{path}.tp{self.tp_rank}")
+        megatron_state.onload(self)
 
     def save_checkpoint(self, path: str) -> None:
-        with self._onloaded():
-            self._save(path)
-
-    def _save(self, path: str) -> None:
-        target = self._ckpt_path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(target.name + ".tmp")
-        model = {k: v for k, v in self.gpt.state_dict().items() if not k.endswith("_extra_state")}
-        stepped = any(True for _ in self._optimizer_states())  # no Adam state before the first step
-        if self.on_gpu and stepped:  # the distributed optimizer keeps its Adam moments apart from state_dict()
-            self.optimizer.save_parameter_state(str(target) + ".optim.tmp")
-            Path(str(target) + ".optim.tmp").replace(str(target) + ".optim")
-        torch.save({"model": model, "optimizer": self.optimizer.state_dict() if stepped or not self.on_gpu else None,
-                    "optimizer_state": stepped, "version": self.version, "tp": self.tp, "pp": self.pp}, tmp)
-        tmp.replace(target)  # atomic: a crash mid-save leaves the previous checkpoint
+        """This rank's file of the checkpoint at `path` (megatron_state.ckpt_path), written atomically."""
+        megatron_state.save_checkpoint(self, path)
 
     def load_checkpoint(self, path: str) -> None:
-        with self._onloaded():
-            self._restore(path)
-
-    def _restore(self, path: str) -> None:
-        """Each rank reads and checks its file (names, shapes, the optimizer's state file on
-        GPU), then the cell agrees (every rank's file there, fitting, from the same version)
-        before any rank changes anything."""
-        failed: list[BaseException] = []
-        state: dict = {}
-        try:
-            state = torch.load(self._ckpt_path(path), map_location="cpu", weights_only=True)
-            if (state.get("tp", 1), state.get("pp", 1)) != (self.tp, self.pp):
-                raise RuntimeError(f"checkpoint {path} was saved with TP={state.get('tp', 1)}, "
-                                   f"PP={state.get('pp', 1)}; this trainer has TP={self.tp}, PP={self.pp}")
-            own = {k: tuple(v.shape) for k, v in self.gpt.state_dict().items() if not k.endswith("_extra_state")}
-            saved = {k: tuple(v.shape) for k, v in state["model"].items()}
-            if own != saved:
-                wrong = sorted(k for k in set(own) & set(saved) if own[k] != saved[k])
-                raise RuntimeError(f"checkpoint {self._ckpt_path(path)} does not fit this model: missing "
-                                   f"{sorted(set(own) - set(saved))[:3]}, unexpected {sorted(set(saved) - set(own))[:3]}, "
-                                   f"other shapes {wrong[:3]}")
-            optim = Path(str(self._ckpt_path(path)) + ".optim")
-            if self.on_gpu and state.get("optimizer_state", True) and not optim.exists():
-                raise FileNotFoundError(f"checkpoint {path}: {optim} missing (the optimizer's state)")
-        except Exception as e:  # noqa: BLE001 - agreed over the cell below
-            failed.append(e)
-        self._agree(failed, what=f"checkpoint {path}")
-        versions = {state.get("version")}
-        if self.tp * self.pp > 1:
-            from megatron.core import parallel_state as ps
-
-            group = ps.get_model_parallel_group()
-            every: list = [None] * dist.get_world_size(group)
-            dist.all_gather_object(every, state.get("version"), group=group)
-            versions = set(every)
-        if len(versions) > 1:
-            raise RuntimeError(f"checkpoint {path}: the cell's files are from different versions {sorted(versions)}")
-        self.gpt.load_state_dict(state["model"], strict=False)  # _extra_state entries aside, checked above
-        if state["optimizer"] is not None:
-            # Storages read from a file cannot be resized, so an offload would fail on them:
-            # the optimizer keeps copies of its own.
-            from torch.utils._pytree import tree_map
-
-            self.optimizer.load_state_dict(tree_map(lambda v: v.clone() if torch.is_tensor(v) else v,
-                                                    state["optimizer"]))
-        if self.on_gpu and state.get("optimizer_state", True):
-            # The fp32 main parameters come from here (reload_model_params would overwrite
-            # them with the bf16 model's, losing what bf16 cannot hold).
-            self.optimizer.load_parameter_state(str(self._ckpt_path(path)) + ".optim")
-        elif self.on_gpu:  # no Adam state saved (before the first step): main params follow the model
-            self.optimizer.reload_model_params()
-        self.version = int(state["version"])
+        """Restore from this rank's file, once every rank of the cell has checked its own."""
+        megatron_state.load_checkpoint(self, path)
