@@ -3,9 +3,9 @@
 Part 1 sends the harness pattern (a large repeated history plus one new short user message,
 the proxy's own earlier replies sent back) over real HTTP to a ProxyServer whose engine
 answers at once with a few tokens, so what is timed is the proxy, not generation. Baselines
-from the same run: the same engine through `ThreadEngineBackend.generate` with the prompt ids
-already built (no HTTP, no rendering), and a null aiohttp endpoint that only reads the same
-bodies (the transport floor). The client runs in its own process, so the server process's
+from the same run: the same engine through `ThreadEngineBackend.generate` (tests/support.py)
+with the prompt ids already built (no HTTP, no rendering), and a null aiohttp endpoint that only
+reads the same bodies (the transport floor). The client runs in its own process, so the server process's
 CPU per request (process_time between consecutive records: event loop + engine thread) is
 the proxy's once the direct call's CPU is subtracted; prepare() and complete() are timed in
 thread CPU, and garbage-collector pauses are logged. Part 1b: prepare() after many identical
@@ -41,13 +41,16 @@ from aiohttp import web
 
 from gyre.proxy import api_openai
 from gyre.proxy.admission import admit
-from gyre.proxy.backend import GenParams, ThreadEngineBackend
+from gyre.proxy.backend import GenParams
 from gyre.proxy.chat import ChatTokenizer
 from gyre.proxy.execution import Execution
 from gyre.proxy.parser import OutputParser
 from gyre.proxy.roles import GenericRule
 from gyre.proxy.server import ProxyConfig, ProxyServer
 from gyre.proxy.types import ChatRequest, ChatResult, Message, ToolCall, ToolSpec, Usage
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the in-process backend
+from tests.support import ThreadEngineBackend  # noqa: E402 - test scaffolding, not part of the package
 
 STOP = 258  # <|im_end|> in the tiny model
 WORDS = ("the of and to in is for def return self value list dict import from class data path file line error "

@@ -65,9 +65,6 @@ class ProxyServer:
         self._by_key: dict[str, Execution] = {}
         self._runner: web.AppRunner | None = None
         self.base_url = ""
-        # Tests: answer the next model calls with (status, headers); status CUT_STREAM starts a
-        # stream (its opening events) and drops the connection before any content.
-        self.inject_errors: list[tuple[int, dict[str, str]]] = []
         self.on_record: Callable[[Execution, dict], None] | None = None  # called as each call is recorded
         self.status_provider: Callable[[], dict] | None = None  # the coordinator's live state
 
@@ -187,11 +184,9 @@ class ProxyServer:
             execution = self._auth(request, api)
             body = await self._json(request)
             req = api.parse_request(body, dict(request.headers), memo=execution.parse_memo)
-            if self.inject_errors:
-                status, headers = self.inject_errors.pop(0)
-                if status == CUT_STREAM:
-                    return await _cut_stream(request, api, req)
-                raise HttpError(status, "injected error (test)", headers)
+            instead = await self._intercept(request, api, req)
+            if instead is not None:
+                return instead
             if self.config.record_requests:
                 execution.record_request(body, dict(request.headers), str(request.rel_url))
             prep = execution.prepare(req, dict(request.headers), max_context=self.config.max_context)
@@ -206,6 +201,12 @@ class ProxyServer:
         budget = self.config.max_context - len(prep.prompt_ids)
         call = _Call(self, request, api, req, execution, prep, self._max_tokens(req, budget))
         return await call.run()
+
+    async def _intercept(self, request: web.Request, api: ModuleType, req: ChatRequest) -> web.StreamResponse | None:
+        """The reply that stands in for this model call, or None (here: always None). A seam
+        for tests, which answer chosen calls with errors (tests/support.py); an HttpError
+        raised here is answered in the API's shape."""
+        return None
 
     def _max_tokens(self, req: ChatRequest, budget: int) -> int:
         """The request's limit (else the default), cut to the cap and to the context left."""
@@ -380,19 +381,6 @@ class _Call:
                                             "client_top_p": self.req.top_p})
         if self.s.on_record is not None:
             self.s.on_record(self.ex, record)
-
-
-CUT_STREAM = 0
-
-
-async def _cut_stream(request: web.Request, api: ModuleType, req: ChatRequest) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await resp.prepare(request)
-    kwargs = {"input_tokens": 0} if api is api_anthropic else {}
-    for event in api.Stream(req, api.new_response_id(), **kwargs).start():
-        await resp.write(event)
-    request.transport.close()
-    return resp
 
 
 def _dumps(obj: Any) -> str:

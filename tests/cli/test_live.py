@@ -17,9 +17,9 @@ from typer.testing import CliRunner
 
 from gyre.cli.live import plain_line, render, strip
 from gyre.cli.main import app
-from gyre.proxy.backend import ThreadEngineBackend
 from gyre.proxy.server import ProxyServer
 from tests.scripted import ScriptedEngine
+from tests.support import ThreadEngineBackend
 
 STATUS = json.loads((Path(__file__).parent / "fixtures" / "status_elastic.json").read_text())
 

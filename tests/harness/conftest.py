@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from gyre.proxy.backend import ThreadEngineBackend
-from gyre.proxy.server import ProxyConfig, ProxyServer
+from gyre.proxy.server import ProxyConfig
 from tests.scripted import ScriptedEngine
+from tests.support import FaultyProxyServer, ThreadEngineBackend
 
 CLAUDE_CODE_VERSION = "2.1.197"  # the version HARNESS-NOTES.md describes
 PACKAGE = f"@anthropic-ai/claude-code@{CLAUDE_CODE_VERSION}"
@@ -99,11 +99,11 @@ def codex_bin(tmp_path_factory) -> Path:
 
 @pytest.fixture
 async def cc_proxy(chat_tokenizer, tmp_path):
-    """A live proxy with the scripted responder; Claude Code's prompts are ~80k byte tokens."""
+    """A live proxy with the scripted responder (errors injectable); Claude Code's prompts are ~80k byte tokens."""
     engine = ScriptedEngine(chat_tokenizer, tokens_per_step=16)
     backend = ThreadEngineBackend(engine, sampling_cls=lambda **kw: kw)
-    server = ProxyServer(chat_tokenizer, backend, ProxyConfig(max_context=1 << 21, record_requests=True,
-                                                              ping_interval_s=0.5), run_dir=tmp_path / "run")
+    server = FaultyProxyServer(chat_tokenizer, backend, ProxyConfig(max_context=1 << 21, record_requests=True,
+                                                                    ping_interval_s=0.5), run_dir=tmp_path / "run")
     await server.start()
     yield server, engine
     await server.stop()

@@ -19,8 +19,8 @@ from typer.testing import CliRunner
 from gyre.cli.main import app
 from gyre.coordinator.harnesses import resolve
 from gyre.coordinator.serve import run_harness_once
-from gyre.proxy.server import CUT_STREAM
 from tests.scripted import tool_call
+from tests.support import CUT_STREAM
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -16,9 +16,9 @@ import pytest
 
 from gyre.coordinator.harnesses import resolve
 from gyre.coordinator.serve import run_harness_once
-from gyre.proxy.backend import ThreadEngineBackend
 from gyre.proxy.server import ProxyConfig, ProxyServer
 from tests.scripted import ScriptedEngine, tool_call
+from tests.support import ThreadEngineBackend
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,4 +1,4 @@
-"""A live proxy on 127.0.0.1 with the scripted engine (or the real CPU engine) behind it."""
+"""A live proxy on 127.0.0.1 with the scripted engine (or the real CPU engine) behind it; errors injectable."""
 
 from __future__ import annotations
 
@@ -6,14 +6,14 @@ from dataclasses import dataclass
 
 import pytest
 
-from gyre.proxy.backend import ThreadEngineBackend
-from gyre.proxy.server import ProxyConfig, ProxyServer
+from gyre.proxy.server import ProxyConfig
 from tests.scripted import ScriptedEngine
+from tests.support import FaultyProxyServer, ThreadEngineBackend
 
 
 @dataclass
 class Live:
-    server: ProxyServer
+    server: FaultyProxyServer
     engine: ScriptedEngine
     backend: ThreadEngineBackend
     url: str
@@ -26,8 +26,8 @@ class Live:
 async def live(chat_tokenizer, tmp_path):
     engine = ScriptedEngine(chat_tokenizer)
     backend = ThreadEngineBackend(engine, sampling_cls=lambda **kw: kw)
-    server = ProxyServer(chat_tokenizer, backend, ProxyConfig(max_body_bytes=256 * 1024, ping_interval_s=0.2),
-                         run_dir=tmp_path / "run")
+    server = FaultyProxyServer(chat_tokenizer, backend, ProxyConfig(max_body_bytes=256 * 1024, ping_interval_s=0.2),
+                               run_dir=tmp_path / "run")
     url = await server.start()
     yield Live(server, engine, backend, url)
     await server.stop()

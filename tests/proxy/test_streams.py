@@ -60,8 +60,8 @@ async def test_a_silent_engine_gets_headers_at_once_then_keep_alives(live, path)
 
 @pytest.mark.parametrize("api", ["anthropic", "openai", "responses"])
 async def test_an_overflow_is_answered_in_the_providers_own_words(chat_tokenizer, tmp_path, api):
-    from gyre.proxy.backend import ThreadEngineBackend
     from tests.scripted import ScriptedEngine
+    from tests.support import ThreadEngineBackend
 
     backend = ThreadEngineBackend(ScriptedEngine(chat_tokenizer), sampling_cls=lambda **kw: kw)
     server = ProxyServer(chat_tokenizer, backend, ProxyConfig(max_context=300), run_dir=tmp_path)

@@ -12,9 +12,9 @@ import anthropic
 import openai
 import pytest
 
-from gyre.proxy.backend import ThreadEngineBackend
 from gyre.proxy.server import ProxyConfig, ProxyServer
 from tests.scripted import ScriptedEngine, tool_call
+from tests.support import ThreadEngineBackend
 
 TURNS = ["Name a colour.", "Name a fruit of that colour.", "Say it in French.", "Thanks. One word: which season?",
          "Why that one?", "Write it in capitals.", "Now count to three.", "Goodbye."]

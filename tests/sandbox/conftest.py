@@ -78,9 +78,9 @@ def bwrap_ready() -> None:
 @pytest.fixture
 async def scripted_proxy(chat_tokenizer, tmp_path):
     """A live proxy whose engine is the scripted responder (every answer "Done.")."""
-    from gyre.proxy.backend import ThreadEngineBackend
     from gyre.proxy.server import ProxyConfig, ProxyServer
     from tests.scripted import ScriptedEngine
+    from tests.support import ThreadEngineBackend
 
     engine = ScriptedEngine(chat_tokenizer, tokens_per_step=16)
     backend = ThreadEngineBackend(engine, sampling_cls=lambda **kw: kw)
