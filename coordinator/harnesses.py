@@ -122,11 +122,11 @@ def _demo() -> HarnessPreset:
         name="demo", api="openai", role_rule="generic",
         # No --max-tokens: the run's default_max_tokens applies (the tiny model's gyre.json says 16;
         # a real model may write a whole tool call).
-        command=(sys.executable, "-m", "gyre.proxy.demo_harness", *DEMO_ARGS),
+        command=(sys.executable, "-m", "gyre.coordinator.demo_harness", *DEMO_ARGS),
         # In a container: the image's python3 with the openai package (gyre's base image has
         # both) runs the harness file, mounted read-only (it imports nothing from gyre).
         sandbox_command=("python3", "/opt/gyre/demo_harness.py", *DEMO_ARGS),
-        mounts={str(Path(__file__).resolve().parent.parent / "proxy" / "demo_harness.py"): "/opt/gyre/demo_harness.py"})
+        mounts={str(Path(__file__).resolve().with_name("demo_harness.py")): "/opt/gyre/demo_harness.py"})
 
 
 DEMO_ARGS = ("--max-turns", "1", "--compact-at", "100000", "--max-retries", "2", "--timeout", "120")

@@ -24,7 +24,7 @@ def test_serve_demo_harness_inspect(tmp_path):
         assert info["api_key"].startswith("gyre-") and info["base_url"].startswith("http://127.0.0.1:")
         ws = tmp_path / "ws"
         env = dict(os.environ, OPENAI_BASE_URL=info["openai_base_url"], OPENAI_API_KEY=info["api_key"])
-        h = subprocess.run([sys.executable, "-m", "gyre.proxy.demo_harness", "--workspace", str(ws), "--task",
+        h = subprocess.run([sys.executable, "-m", "gyre.coordinator.demo_harness", "--workspace", str(ws), "--task",
                             "Write hello to a.txt", "--force-compaction", "--force-subagent", "--max-turns", "3"],
                            env=env, capture_output=True, text=True, timeout=180)
         assert h.returncode == 0, h.stderr
@@ -64,9 +64,9 @@ def test_serve_executions_gives_each_client_its_own_key_and_execution(tmp_path):
         assert info["api_key"] == info["api_keys"][0]
         for i, key in enumerate(info["api_keys"]):  # two harnesses, concurrently as far as the proxy knows
             env = dict(os.environ, OPENAI_BASE_URL=info["openai_base_url"], OPENAI_API_KEY=key)
-            h = subprocess.run([sys.executable, "-m", "gyre.proxy.demo_harness", "--workspace", str(tmp_path / f"w{i}"),
-                                "--task", f"Write {i} to a.txt", "--max-turns", "1"], env=env, capture_output=True,
-                               text=True, timeout=180)
+            h = subprocess.run([sys.executable, "-m", "gyre.coordinator.demo_harness",
+                                "--workspace", str(tmp_path / f"w{i}"), "--task", f"Write {i} to a.txt",
+                                "--max-turns", "1"], env=env, capture_output=True, text=True, timeout=180)
             assert h.returncode == 0, h.stderr
     finally:
         serve.send_signal(signal.SIGINT)

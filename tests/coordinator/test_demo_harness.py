@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from gyre.proxy import demo_harness as dh
+from gyre.coordinator import demo_harness as dh
 
 TASK = "Write hello.txt containing hi."
 
@@ -118,7 +118,7 @@ def harness(url, ws, *args, task=TASK, timeout=60):
     env = {k: v for k, v in os.environ.items()
            if "proxy" not in k.lower() and k not in ("GYRE_TASK", "OPENAI_BASE_URL", "OPENAI_API_KEY")}
     env.update(OPENAI_BASE_URL=url, OPENAI_API_KEY="k")
-    cmd = [sys.executable, "-m", "gyre.proxy.demo_harness", "--workspace", str(ws), *args]
+    cmd = [sys.executable, "-m", "gyre.coordinator.demo_harness", "--workspace", str(ws), *args]
     if task is not None:
         cmd += ["--task", task]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -283,7 +283,7 @@ def test_forced_sub_agent_and_its_turn_bound(proxies, ws):
 def test_task_from_env_or_file(proxies, ws):
     p = proxies()
     env_task = dict(os.environ, GYRE_TASK="from env")
-    proc = subprocess.run([sys.executable, "-m", "gyre.proxy.demo_harness", "--workspace", str(ws),
+    proc = subprocess.run([sys.executable, "-m", "gyre.coordinator.demo_harness", "--workspace", str(ws),
                            "--base-url", p.url, "--api-key", "k"],
                           env={k: v for k, v in env_task.items() if "proxy" not in k.lower()},
                           capture_output=True, text=True, timeout=60)

@@ -2,10 +2,11 @@
 
 A harness like any other: a subprocess that reaches gyre only through the `openai` SDK at
 OPENAI_BASE_URL, so the proxy sees tool calls, a compaction branch and a sub-agent root the way
-it would from a black-box harness. It is not part of the proxy server and imports nothing from
-gyre. It never trusts the model (the policy is tiny and emits garbage): bad output becomes an
-error tool result, and every run ends within bounded turns. Exit 0: the run completed;
-1: the proxy failed after the SDK's retries; 2: usage error.
+it would from a black-box harness. It lives beside its preset (harnesses.py `demo`) but runs
+as its own process, never inside the coordinator, and imports nothing from gyre. It never
+trusts the model (the policy is tiny and emits garbage): bad output becomes an error tool
+result, and every run ends within bounded turns. Exit 0: the run completed; 1: the proxy
+failed after the SDK's retries; 2: usage error.
 """
 
 from __future__ import annotations
@@ -260,7 +261,7 @@ class Agent:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m gyre.proxy.demo_harness", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m gyre.coordinator.demo_harness", description=__doc__.splitlines()[0])
     p.add_argument("--task", help="task prompt (default: $GYRE_TASK, else task.txt in the workspace)")
     p.add_argument("--workspace", type=Path, default=Path.cwd(), help="working directory (default: cwd)")
     p.add_argument("--base-url", default=os.environ.get("OPENAI_BASE_URL"), help="default: $OPENAI_BASE_URL")
