@@ -79,7 +79,7 @@ class WorkerLink:
         if self._keys_dir is not None:
             from zmq.auth.asyncio import AsyncioAuthenticator
 
-            from gyre.workerd.keys import server_keys
+            from gyre.coordinator.keys import server_keys
 
             public, secret, authorized = server_keys(self._keys_dir)
             self._auth = AsyncioAuthenticator(self._ctx)

@@ -107,7 +107,7 @@ class WorkerServer:
 
     def start(self) -> None:
         if self.config.keys_dir is not None:  # read here: a bad key file fails start-up, named
-            from gyre.workerd.keys import client_keys
+            from gyre.coordinator.keys import client_keys
 
             self._curve = client_keys(Path(self.config.keys_dir), self.config.key_name)
         self._io.start()
