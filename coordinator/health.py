@@ -65,7 +65,7 @@ async def rejoin(coord, cell: int, node: str) -> None:
     coord.table.set_nodes(coord.nodes)
     try:
         await push_core_weights(coord, [cell], engine=True, version=coord.trainer_version)
-        await coord.link.call(node, wire.SetRole(req_id=coord.link.new_req_id(), role="rollout"))
+        await coord.link.request(node, wire.SetRole(req_id=coord.link.new_req_id(), role="rollout"))
     except WorkerDeadError as e:
         log.warning("rejoin of cell %d failed: %s (it stays excluded)", cell, e)
         return

@@ -35,10 +35,12 @@ class WorkerCallTimeout(wire.GyreError):
 
 
 class WorkerError(wire.GyreError):
-    """The workerd answered a command with an Error."""
+    """The workerd answered a command with an Error (or a reply of the wrong type); `kind`
+    names the worker-side exception class. A request's error names the command and the node."""
 
-    def __init__(self, kind: str, message: str):
-        super().__init__(f"{kind}: {message}")
+    def __init__(self, kind: str, message: str, command: str | None = None, where: str | None = None):
+        text = f"{kind}: {message}"
+        super().__init__(f"{command} on {where} failed: {text}" if command else text)
         self.kind = kind
 
 
@@ -122,28 +124,41 @@ class WorkerLink:
             self.mark_dead(node, f"send failed: {e}")
             raise WorkerDeadError(f"node {node} unreachable: {e}") from None
 
+    async def request(self, node: str, msg: Any, tensors: list[wire.TensorFrame] | None = None,
+                      timeout: float | None = -1.0) -> Any:
+        """Send a command and return its typed reply (`wire.REPLIES[type(msg)]`): a command
+        whose reply carries tensors (ExportWeights) goes through `call` instead."""
+        reply, _ = await self.call(node, msg, tensors, timeout)
+        return reply
+
     async def call(self, node: str, msg: Any, tensors: list[wire.TensorFrame] | None = None,
                    timeout: float | None = -1.0) -> tuple[Any, list[wire.TensorFrame]]:
-        """Send a command and wait for its reply; an `Error` reply raises `WorkerError`, no
-        reply within `timeout` (default: the link's `call_timeout_s`; None: unbounded)
-        raises `WorkerCallTimeout` naming the node and the command."""
+        """Send a command and wait for its reply and the reply's tensors. An `Error` reply, or
+        one that is not the command's type in `wire.REPLIES`, raises `WorkerError` naming the
+        command and the node; no reply within `timeout` (default: the link's `call_timeout_s`;
+        None: unbounded) raises `WorkerCallTimeout`, naming them too."""
+        bound = "" if timeout is not None and timeout >= 0 else " (worker_call_timeout_s)"
         if timeout is not None and timeout < 0:
             timeout = self.call_timeout_s
+        what = type(msg).__name__ + (f" {msg.method}" if isinstance(msg, wire.Call) else "")
         fut = asyncio.get_running_loop().create_future()
         self._pending[msg.req_id] = _Pending(node, future=fut)
         try:
             await self.send(node, msg, tensors)
             reply, frames = await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
-            what = type(msg).__name__ + (f" {msg.method}" if isinstance(msg, wire.Call) else "")
-            raise WorkerCallTimeout(f"{self.describe(node)} did not answer {what} within {timeout:g} s "
-                                    "(worker_call_timeout_s)") from None
+            raise WorkerCallTimeout(f"{self.describe(node)} did not answer {what} within {timeout:g} s"
+                                    f"{bound}") from None
         finally:
             self._pending.pop(msg.req_id, None)
         if isinstance(reply, wire.Error):
-            raise WorkerError(reply.kind, reply.message)
+            raise WorkerError(reply.kind, reply.message, what, self.describe(node))
         if isinstance(reply, wire.CallResult) and reply.error:
-            raise WorkerError("CallError", reply.error)
+            raise WorkerError("CallError", reply.error, what, self.describe(node))
+        expected = wire.REPLIES.get(type(msg))
+        if expected is not None and not isinstance(reply, expected):
+            raise WorkerError("WireError", f"answered {type(reply).__name__}, not {expected.__name__}",
+                              what, self.describe(node))
         return reply, frames
 
     async def generate(self, node: str, msg: wire.Generate, tensors: list[wire.TensorFrame] | None = None,

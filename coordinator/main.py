@@ -202,12 +202,14 @@ class Coordinator:
             self.launcher.check_task(task)
         # Gradient reduction: every cell joins one gloo world with prebuilt prefix groups.
         init = c.reducer_init or self.cluster.reducer_init(c.run_dir)
+        link = self.link
         if c.weight_transfer == "mooncake":  # fail at start-up, named, where Mooncake cannot run
-            await asyncio.gather(*(self._call(n, "init_transfer", backend="mooncake",
-                                              host=self.cluster.transfer_host(n, c.transfer_host))
-                                   for n in self.nodes))
-        await asyncio.gather(*(self._call(n, "init_reducer", rank=i, world_size=c.cells, init_method=init)
-                               for i, n in enumerate(self.nodes)))
+            await asyncio.gather(*(link.request(n, wire.InitTransfer(
+                req_id=link.new_req_id(), backend="mooncake", host=self.cluster.transfer_host(n, c.transfer_host)))
+                for n in self.nodes))
+        await asyncio.gather(*(link.request(n, wire.InitReducer(
+            req_id=link.new_req_id(), rank=i, world_size=c.cells, init_method=init))
+            for i, n in enumerate(self.nodes)))
         if c.weight_transfer == "broadcast" and len(self.nodes) > 1:
             await init_broadcast(self)
         if self.resume:
@@ -228,9 +230,9 @@ class Coordinator:
             await self.sandboxes.close()
         await self.proxy.stop()
         # Each live worker's peak memory, for the summary (a dead one has no answer: None).
-        stats = await asyncio.gather(*(self._call(n, "stats", _timeout=10) for n in self.nodes),
-                                     return_exceptions=True)
-        self.peak_rss = [s.get("peak_rss_bytes") if isinstance(s, dict) else None for s in stats]
+        stats = await asyncio.gather(*(self.link.request(n, wire.Stats(req_id=self.link.new_req_id()), timeout=10)
+                                       for n in self.nodes), return_exceptions=True)
+        self.peak_rss = [s.peak_rss_bytes if isinstance(s, wire.WorkerStats) else None for s in stats]
 
     def _summary(self) -> None:
         wall = self.metrics.now()
@@ -257,24 +259,17 @@ class Coordinator:
         (the port inside, an async close)."""
         if node not in self.link.nodes:
             raise SandboxError(f"sandbox host's node {node!r} is not a connected workerd")
+        link = self.link
         try:
-            got = await self._call(node, "open_relay", _timeout=30, pid=pid, proxy_port=proxy_port)
+            opened = await link.request(node, wire.OpenRelay(req_id=link.new_req_id(), pid=pid, proxy_port=proxy_port),
+                                        timeout=30)
         except (WorkerError, WorkerDeadError, WorkerCallTimeout) as e:
             raise SandboxError(f"node {node} could not make the sandbox's proxy listener: {e}") from None
 
         async def close() -> None:
-            await self._call(node, "close_relay", _timeout=30, relay=got["relay"])
+            await link.request(node, wire.CloseRelay(req_id=link.new_req_id(), relay=opened.relay), timeout=30)
 
-        return got["port"], close
-
-    async def _call(self, node: str, method: str, _timeout: float | None = -1.0, **args):
-        """A generic call; a worker-side failure raises (never a silent None); `_timeout`
-        defaults to worker_call_timeout_s."""
-        reply, _ = await self.link.call(node, wire.Call(req_id=self.link.new_req_id(), method=method, args=args),
-                                        timeout=_timeout)
-        if reply.error:
-            raise WorkerError("CallError", f"{method} on {node}: {reply.error}")
-        return reply.result
+        return opened.port, close
 
     # --- worker health ------------------------------------------------------------------
 

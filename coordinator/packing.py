@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gyre.coordinator.buffer import Group, advantages
-from gyre.workerd.wire import TensorFrame
+from gyre.workerd import wire
 
 
 @dataclass
@@ -40,24 +40,19 @@ class MicroStep:
     def targets(self) -> int:
         return sum(sum(r.mask) for r in self.rows)
 
-    def frames(self) -> list[TensorFrame]:
+    def frames(self) -> list[wire.TensorFrame]:
         n, w = len(self.rows), self.width
-        arrays = {
-            "input_ids": np.zeros((n, w), np.int64), "target_mask": np.zeros((n, w), np.bool_),
-            "behaviour_logprobs": np.zeros((n, w), np.float32), "advantages": np.zeros((n, w), np.float32),
-            "loss_weights": np.zeros((n, w), np.float32), "exec_ids": np.zeros((n, w), np.int64),
-        }
+        arrays = {name: np.zeros((n, w), dtype) for name, dtype in wire.MICRO_STEP_TENSORS.items()}
         for i, r in enumerate(self.rows):
             k = len(r.ids)
             mask = np.asarray(r.mask, np.bool_)
-            arrays["input_ids"][i, :k] = r.ids
-            arrays["target_mask"][i, :k] = mask
-            arrays["behaviour_logprobs"][i, :k] = r.logprobs
-            arrays["advantages"][i, :k] = np.where(mask, r.advantage, 0.0)
-            arrays["loss_weights"][i, :k] = np.where(mask, r.loss_weight, 0.0)
-            arrays["exec_ids"][i, :] = r.exec_index
-        dtype = {np.int64: "int64", np.bool_: "bool", np.float32: "float32"}
-        return [TensorFrame(k, dtype[a.dtype.type], a.shape, a) for k, a in arrays.items()]
+            arrays[wire.INPUT_IDS][i, :k] = r.ids
+            arrays[wire.TARGET_MASK][i, :k] = mask
+            arrays[wire.BEHAVIOUR_LOGPROBS][i, :k] = r.logprobs
+            arrays[wire.ADVANTAGES][i, :k] = np.where(mask, r.advantage, 0.0)
+            arrays[wire.LOSS_WEIGHTS][i, :k] = np.where(mask, r.loss_weight, 0.0)
+            arrays[wire.EXEC_IDS][i, :] = r.exec_index
+        return [wire.TensorFrame(k, wire.MICRO_STEP_TENSORS[k], a.shape, a) for k, a in arrays.items()]
 
 
 def group_rows(group: Group, *, j_max: int | None, seed: int, next_exec: int) -> tuple[list[Row], int, int]:

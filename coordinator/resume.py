@@ -140,7 +140,9 @@ async def checkpoint(coord) -> None:
     t0 = time.monotonic()
     folder = step_dir(coord.c.run_dir, coord.steps_done)
     folder.mkdir(parents=True, exist_ok=True)
-    await coord._call(coord.nodes[0], "save_checkpoint", _timeout=coord.c.checkpoint_timeout_s, path=str(folder / "trainer.pt"))
+    link = coord.link
+    await link.request(coord.nodes[0], wire.SaveCheckpoint(req_id=link.new_req_id(), path=str(folder / "trainer.pt")),
+                       timeout=coord.c.checkpoint_timeout_s)
     write_state(coord.c.run_dir, coord.steps_done, {
         "step": coord.steps_done, "version": coord.version, "publications": coord.publications,
         "groups_dispatched": coord.groups_dispatched,
@@ -154,10 +156,12 @@ async def restore(coord) -> None:
     """The latest checkpoint into the core and every engine; the buffer from the journal."""
     st, folder = coord._state, coord._checkpoint_dir
     dispatches, outcomes, _ = coord._journal
-    core = coord.nodes[0]
+    core, link = coord.nodes[0], coord.link
     if folder is not None:
-        loaded = await coord._call(core, "load_checkpoint", _timeout=coord.c.checkpoint_timeout_s, path=str(folder / "trainer.pt"))
-        coord.trainer_version = coord.version = int(loaded["version"])
+        path = str(folder / "trainer.pt")
+        loaded = await link.request(core, wire.LoadCheckpoint(req_id=link.new_req_id(), path=path),
+                                    timeout=coord.c.checkpoint_timeout_s)
+        coord.trainer_version = coord.version = loaded.version
     else:  # no checkpoint yet: the model directory's weights, which every cell loaded at start
         coord.trainer_version = coord.version = 0
     coord.steps_done, coord.publications = st["step"], st["publications"]
@@ -167,7 +171,7 @@ async def restore(coord) -> None:
     coord.tokens_trained = st.get("tokens_trained", 0)
     coord._core_cache = coord._core_offer = None
     if folder is not None:
-        await coord.link.call(core, wire.LoadWeights(req_id=coord.link.new_req_id(), version=coord.version))
+        await link.request(core, wire.LoadWeights(req_id=link.new_req_id(), version=coord.version))
         await push_core_weights(coord, [i for i in range(1, len(coord.nodes))], engine=True, version=coord.version)
     if st["tasks"] is not None:  # else the task source is at its start, as the run was
         restore_task_order(coord.tasks, st["tasks"])

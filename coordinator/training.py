@@ -101,13 +101,14 @@ class Batch:
         async with self.cond:  # paused participants (main.py _pause_or_resume) resume first
             await self.cond.wait_for(lambda: all(c.roles[i] == "training" for i in self.participants))
         # Reduce over the participants' prefix group; only the core applies the update.
-        k = len(self.participants)
-        await asyncio.gather(*(c._call(nodes[i], "set_participants", participants=k) for i in self.participants))
-        replies = await asyncio.gather(*(c.link.call(nodes[i], wire.OptimizerStep(
-            req_id=c.link.new_req_id(), num_executions=max(1, self.executions), apply=i == 0))
+        k, link = len(self.participants), c.link
+        await asyncio.gather(*(link.request(nodes[i], wire.SetParticipants(req_id=link.new_req_id(), participants=k))
+                               for i in self.participants))
+        replies = await asyncio.gather(*(link.request(nodes[i], wire.OptimizerStep(
+            req_id=link.new_req_id(), num_executions=max(1, self.executions), apply=i == 0))
             for i in self.participants))
-        core = replies[0][0]
-        for cell, (r, _) in zip(self.participants, replies):
+        core = replies[0]
+        for cell, r in zip(self.participants, replies):
             c.train_busy_s[cell] = c.train_busy_s.get(cell, 0.0) + r.seconds
         return BatchResult(self.groups, self.executions, self.results, list(self.participants), core.version,
                            core.grad_norm, dict(self.claimed))
@@ -122,20 +123,22 @@ class Batch:
                 if not self.pending:
                     return
                 ms = self.pending.popleft()
-            res, _ = await c.link.call(node, wire.TrainMicroStep(req_id=c.link.new_req_id(), step=c.steps_done),
+            res = await c.link.request(node, wire.TrainMicroStep(req_id=c.link.new_req_id(), step=c.steps_done),
                                        ms.frames())
             self.results.append(res)
             self.claimed[cell] = self.claimed.get(cell, 0) + 1
             c.train_busy_s[cell] = c.train_busy_s.get(cell, 0.0) + res.seconds
 
 
-async def core_offer(coord) -> dict:
-    """Mooncake: the core's handle for the current trainer version (cached; the core packs
+async def core_offer(coord) -> wire.WeightOffer:
+    """Mooncake: the core's offer for the current trainer version (cached; the core packs
     and registers its parameters once per version, before it gets busy)."""
     cached = coord._core_offer
-    if cached is not None and cached["version"] == coord.trainer_version:
+    if cached is not None and cached.version == coord.trainer_version:
         return cached
-    coord._core_offer = await coord._call(coord.nodes[0], "offer_weights", version=coord.trainer_version)
+    link = coord.link
+    coord._core_offer = await link.request(coord.nodes[0], wire.OfferWeights(req_id=link.new_req_id(),
+                                                                             version=coord.trainer_version))
     return coord._core_offer
 
 
@@ -171,13 +174,14 @@ def memcpy_seconds(nbytes: int) -> float:
 async def init_broadcast(coord) -> None:
     """broadcast: every cell joins one torch.distributed group, the core as rank 0 (its TCP
     store on the core's host), and the core's weight specs are read once."""
-    c, nodes = coord.c, coord.nodes
+    c, nodes, link = coord.c, coord.nodes, coord.link
     host = coord.cluster.transfer_host(nodes[0], c.transfer_host)
     port = _free_port() if coord.cluster.spawn and not c.transfer_host else c.transfer_port
-    await asyncio.gather(*(coord._call(n, "init_broadcast", master_address=host, master_port=port, rank=i,
-                                       world_size=len(nodes)) for i, n in enumerate(nodes)))
-    specs = await coord._call(nodes[0], "weight_specs")
-    coord._broadcast = {"specs": specs}
+    await asyncio.gather(*(link.request(n, wire.InitBroadcast(req_id=link.new_req_id(), master_address=host,
+                                                              master_port=port, rank=i, world_size=len(nodes)))
+                           for i, n in enumerate(nodes)))
+    specs = await link.request(nodes[0], wire.WeightSpecs(req_id=link.new_req_id()))
+    coord._broadcast = {"specs": specs}  # a wire.TensorSpecs
 
 
 def _free_port() -> int:
@@ -203,20 +207,21 @@ async def push_core_weights(coord, cells: list[int], *, engine: bool, version: i
         return 0
     link, nodes = coord.link, coord.nodes
     if coord.c.weight_transfer == "broadcast" and _broadcast_covers(coord, cells):
-        specs = coord._broadcast["specs"]
+        specs: wire.TensorSpecs = coord._broadcast["specs"]
         # The core exports first: receivers enter the collective only once the sender is ready.
-        await coord._call(nodes[0], "prepare_broadcast", version=version)
+        await link.request(nodes[0], wire.PrepareBroadcast(req_id=link.new_req_id(), version=version))
         if not _broadcast_covers(coord, cells):  # a member died meanwhile (health.py gave the group up)
             return await push_core_weights(coord, [i for i in cells if i not in coord.dead], engine=engine,
                                            version=version)
         results = await asyncio.gather(
-            coord._call(nodes[0], "broadcast_weights", version=version),
-            *(coord._call(nodes[i], "receive_weights", version=version, specs=specs, engine=engine, trainer=True)
-              for i in cells), return_exceptions=True)
+            link.request(nodes[0], wire.BroadcastWeights(req_id=link.new_req_id(), version=version)),
+            *(link.request(nodes[i], wire.ReceiveWeights(
+                req_id=link.new_req_id(), version=version, names=specs.names, dtypes=specs.dtypes,
+                shapes=specs.shapes, engine=engine, trainer=True)) for i in cells), return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         if not failed:
             coord.last_transfer = "broadcast"
-            return results[0]["nbytes"]
+            return results[0].nbytes
         # A failed collective leaves the group unusable: ZeroMQ from now on.
         log.warning("weight broadcast of version %d failed (%s): ZeroMQ from now on", version, failed[0])
         coord._broadcast = None
@@ -225,17 +230,18 @@ async def push_core_weights(coord, cells: list[int], *, engine: bool, version: i
         return await push_core_weights(coord, [i for i in cells if i not in coord.dead], engine=engine,
                                        version=version)
     if coord.c.weight_transfer == "mooncake":  # each cell pulls from the core's registered buffer
-        handle = await core_offer(coord)
+        offer = await core_offer(coord)
         _tolerate_dead(await asyncio.gather(
-            *(coord._call(nodes[i], "pull_weights", handle=handle, engine=engine, trainer=True) for i in cells),
+            *(link.request(nodes[i], wire.PullWeights(req_id=link.new_req_id(), handle=offer.handle, engine=engine,
+                                                      trainer=True)) for i in cells),
             return_exceptions=True))
         coord.last_transfer = "mooncake"
-        return handle["nbytes"]
+        return offer.nbytes
     coord.last_transfer = "zmq"
     nbytes, frames = await core_weights(coord)
     _tolerate_dead(await asyncio.gather(
-        *(link.call(nodes[i], wire.LoadWeights(req_id=link.new_req_id(), version=version, trainer=True,
-                                               engine=engine), frames) for i in cells),
+        *(link.request(nodes[i], wire.LoadWeights(req_id=link.new_req_id(), version=version, trainer=True,
+                                                  engine=engine), frames) for i in cells),
         return_exceptions=True))
     return nbytes
 

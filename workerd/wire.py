@@ -3,6 +3,8 @@
 A message travels as a ZeroMQ multipart `[kind, payload]` or, when it carries tensors,
 `[kind, payload, index, *buffers]`: `kind` is the class name, `payload` the orjson of the
 dataclass, `index` an orjson list of `[name, dtype, shape]` describing each raw buffer.
+Every command carries `req_id`; `REPLIES` names the typed reply each request is answered
+with (any may be answered with `Error`). The generic `Call` is for diagnostics only.
 This module imports only the standard library and orjson (a test asserts it): it is not
 where helpers, torch conversions or socket code live.
 """
@@ -141,17 +143,31 @@ class SetRole:
 
 @_msg
 class TrainMicroStep:
-    """One packed micro-step. Tensors (all [rows, T]): input_ids, target_mask,
-    behaviour_logprobs, advantages, loss_weights, exec_ids (execution index per token)."""
+    """One packed micro-step; its tensors are `MICRO_STEP_TENSORS`, all [rows, T]."""
 
     req_id: int
     step: int
 
 
+# TrainMicroStep's tensor frames by name, with their dtypes: the coordinator's packing.py
+# writes them, the trainers' MicroBatch reads them.
+INPUT_IDS = "input_ids"
+TARGET_MASK = "target_mask"  # the token at [r, t] is a trained target
+BEHAVIOUR_LOGPROBS = "behaviour_logprobs"  # the engine's log-prob of each target
+ADVANTAGES = "advantages"  # the execution's advantage on its targets
+LOSS_WEIGHTS = "loss_weights"  # 1 / L_i on targets
+EXEC_IDS = "exec_ids"  # execution index per token, batch-wide
+MICRO_STEP_TENSORS: dict[str, str] = {
+    INPUT_IDS: "int64", TARGET_MASK: "bool", BEHAVIOUR_LOGPROBS: "float32",
+    ADVANTAGES: "float32", LOSS_WEIGHTS: "float32", EXEC_IDS: "int64",
+}
+
+
 @_msg
 class OptimizerStep:
-    """Reduce accumulated gradients (over `group` if set), normalise by the number of
-    executions in the batch, clip, apply one update; the policy version advances by one."""
+    """Reduce accumulated gradients over the prefix group of the participants (the last
+    `SetParticipants`), normalise by `num_executions`, clip, and apply one update if `apply`:
+    the policy version then advances by one."""
 
     req_id: int
     num_executions: int
@@ -178,7 +194,9 @@ class LoadWeights:
 
 @_msg
 class Call:
-    """Rare control operations: save_checkpoint, load_checkpoint, stats, echo, ..."""
+    """Diagnostics only: `echo`, `fail` (the RPC path and its error path, in tests) and
+    `logprobs` (the trainer's log-probs of given rows, for consistency checks). Every
+    operation the coordinator relies on has a typed message of its own."""
 
     req_id: int
     method: str
@@ -187,6 +205,8 @@ class Call:
 
 @_msg
 class Shutdown:
+    """Exit after answering `Done`."""
+
     req_id: int
     reason: str = ""
 
@@ -199,7 +219,155 @@ class Reregister:
     reason: str = ""
 
 
+# --- coordinator -> workerd: reduction, checkpoints, diagnostics, relays -----------------
+
+
+@_msg
+class InitReducer:
+    """Join the cells' gradient-reduction world (blocks until every cell joined)."""
+
+    req_id: int
+    rank: int
+    world_size: int
+    init_method: str  # a torch.distributed rendezvous URL: "tcp://host:port", "file://..."
+
+
+@_msg
+class SetParticipants:
+    """The next OptimizerStep reduces over the first `participants` cells."""
+
+    req_id: int
+    participants: int
+
+
+@_msg
+class SaveCheckpoint:
+    """The trainer's state (parameters, optimizer, version) to `path` on the node."""
+
+    req_id: int
+    path: str
+
+
+@_msg
+class LoadCheckpoint:
+    req_id: int
+    path: str
+
+
+@_msg
+class Stats:
+    req_id: int
+
+
+@_msg
+class OpenRelay:
+    """A proxy listener inside process `pid`'s network namespace (a sandbox on this node's
+    host) relaying to the coordinator's proxy on `proxy_port`."""
+
+    req_id: int
+    pid: int  # in this host's pid namespace
+    proxy_port: int
+
+
+@_msg
+class CloseRelay:
+    req_id: int
+    relay: int  # RelayOpened.relay
+
+
+# --- coordinator -> workerd: weight transfer beside ExportWeights/LoadWeights ------------
+
+
+@_msg
+class InitTransfer:
+    """Start the weight-transfer backend (only "mooncake" for now) listening on `host`."""
+
+    req_id: int
+    backend: str
+    host: str
+
+
+@_msg
+class OfferWeights:
+    """Make the trainer's parameters at `version` pullable by other nodes (Mooncake)."""
+
+    req_id: int
+    version: int
+
+
+@_msg
+class PullWeights:
+    """Pull another node's offer into this node's engine and/or trainer."""
+
+    req_id: int
+    handle: dict[str, Any]  # WeightOffer.handle, opaque to the coordinator
+    engine: bool
+    trainer: bool
+
+
+@_msg
+class InitBroadcast:
+    """Join the weight-broadcast group (blocks until every cell joined; the core is rank 0)."""
+
+    req_id: int
+    master_address: str
+    master_port: int
+    rank: int
+    world_size: int
+
+
+@_msg
+class WeightSpecs:
+    """The name, dtype and shape of every trainer parameter, in broadcast order."""
+
+    req_id: int
+
+
+@_msg
+class PrepareBroadcast:
+    """The core exports (and checks) `version` before any receiver enters the collective."""
+
+    req_id: int
+    version: int
+
+
+@_msg
+class BroadcastWeights:
+    """The core sends the prepared `version` to every other member."""
+
+    req_id: int
+    version: int
+
+
+@_msg
+class ReceiveWeights:
+    """A member receives the core's broadcast of `version` (tensors as the core's
+    `TensorSpecs` lists them) into its engine and/or trainer."""
+
+    req_id: int
+    version: int
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    engine: bool
+    trainer: bool
+
+
 # --- workerd -> coordinator: replies ----------------------------------------------------
+
+
+@_msg
+class Done:
+    """A command that returns nothing but success (InitReducer, SetParticipants,
+    SaveCheckpoint, PrepareBroadcast, Shutdown) completed."""
+
+    req_id: int
+
+
+@_msg
+class Aborted:
+    req_id: int
+    found: bool  # False: the request had finished already, or was never here
 
 
 @_msg
@@ -259,7 +427,88 @@ class Loaded:
 
 
 @_msg
+class CheckpointLoaded:
+    req_id: int
+    version: int  # the trainer's version after loading
+
+
+@_msg
+class WorkerStats:
+    req_id: int
+    node_id: str
+    cell: int | None
+    role: str
+    running: int  # rollout requests in flight
+    version: int  # the engine's (-1 before Welcome)
+    trainer_version: int
+    peak_rss_bytes: int  # this process's peak resident memory so far
+
+
+@_msg
+class RelayOpened:
+    req_id: int
+    relay: int  # names it to CloseRelay
+    port: int  # the listener's port inside the sandbox's namespace
+
+
+@_msg
+class RelayClosed:
+    req_id: int
+    closed: bool  # False: no such relay (closed already)
+
+
+@_msg
+class TransferReady:
+    req_id: int
+    session: str  # this node's Mooncake session ("host:port")
+
+
+@_msg
+class WeightOffer:
+    req_id: int
+    version: int
+    nbytes: int
+    handle: dict[str, Any]  # opaque: what a PullWeights on another node needs
+
+
+@_msg
+class BroadcastJoined:
+    req_id: int
+    rank: int
+    backend: str  # "nccl" | "gloo"
+
+
+@_msg
+class TensorSpecs:
+    req_id: int
+    names: list[str]
+    dtypes: list[str]  # torch dtype names ("float32", "bfloat16", ...)
+    shapes: list[list[int]]
+
+
+@_msg
+class WeightsSent:
+    req_id: int
+    version: int
+    nbytes: int
+    seconds: float
+
+
+@_msg
+class WeightsReceived:
+    """Pulled or received weights are loaded: `transfer_seconds` on the wire, `seconds` in all."""
+
+    req_id: int
+    version: int
+    nbytes: int
+    transfer_seconds: float
+    seconds: float
+
+
+@_msg
 class CallResult:
+    """The answer to a diagnostic `Call`."""
+
     req_id: int
     error: str | None = None
     result: Any = None
@@ -274,21 +523,38 @@ class Error:
     message: str
 
 
-WIRE_TYPES: dict[bytes, type] = {
-    cls.__name__.encode(): cls
-    for cls in (
-        Register, Ready, Heartbeat, Deregister, WorkerDead,
-        Welcome, Generate, Abort, SetRole, TrainMicroStep, OptimizerStep, ExportWeights,
-        LoadWeights, Call, Shutdown, Reregister,
-        GenerateChunk, RoleChanged, TrainResult, StepResult, Weights, Loaded, CallResult, Error,
-    )
-}
-
 # Messages a workerd receives (each must have a handler in the worker's table).
 WORKER_COMMANDS: tuple[type, ...] = (
     Welcome, Generate, Abort, SetRole, TrainMicroStep, OptimizerStep, ExportWeights,
     LoadWeights, Call, Shutdown, Reregister,
+    InitReducer, SetParticipants, SaveCheckpoint, LoadCheckpoint, Stats, OpenRelay, CloseRelay,
+    InitTransfer, OfferWeights, PullWeights, InitBroadcast, WeightSpecs, PrepareBroadcast,
+    BroadcastWeights, ReceiveWeights,
 )
+
+# The reply (by req_id) each request/reply command is answered with, when it succeeds; any
+# command may be answered with `Error` instead. Generate streams GenerateChunks, Welcome is
+# answered by Ready, Reregister by a new Register.
+REPLIES: dict[type, type] = {
+    Abort: Aborted, SetRole: RoleChanged, TrainMicroStep: TrainResult, OptimizerStep: StepResult,
+    ExportWeights: Weights, LoadWeights: Loaded, Call: CallResult, Shutdown: Done,
+    InitReducer: Done, SetParticipants: Done, SaveCheckpoint: Done, LoadCheckpoint: CheckpointLoaded,
+    Stats: WorkerStats, OpenRelay: RelayOpened, CloseRelay: RelayClosed,
+    InitTransfer: TransferReady, OfferWeights: WeightOffer, PullWeights: WeightsReceived,
+    InitBroadcast: BroadcastJoined, WeightSpecs: TensorSpecs, PrepareBroadcast: Done,
+    BroadcastWeights: WeightsSent, ReceiveWeights: WeightsReceived,
+}
+
+WIRE_TYPES: dict[bytes, type] = {
+    cls.__name__.encode(): cls
+    for cls in (
+        Register, Ready, Heartbeat, Deregister, WorkerDead,
+        *WORKER_COMMANDS,
+        GenerateChunk, RoleChanged, TrainResult, StepResult, Weights, Loaded, Done, Aborted,
+        CheckpointLoaded, WorkerStats, RelayOpened, RelayClosed, TransferReady, WeightOffer,
+        BroadcastJoined, TensorSpecs, WeightsSent, WeightsReceived, CallResult, Error,
+    )
+}
 
 
 def encode(msg: Any, tensors: list[TensorFrame] | None = None) -> list[Any]:

@@ -85,26 +85,27 @@ class Worker:
             wire.Call: self.call,
             wire.Shutdown: self.shutdown,
             wire.Reregister: self.reset,
+            wire.InitReducer: self.init_reducer,
+            wire.SetParticipants: self.set_participants,
+            wire.SaveCheckpoint: self.save_checkpoint,
+            wire.LoadCheckpoint: self.load_checkpoint,
+            wire.Stats: self.stats,
+            wire.OpenRelay: self.open_relay,
+            wire.CloseRelay: self.close_relay,
+            wire.InitTransfer: self.init_transfer,
+            wire.OfferWeights: self.offer_weights,
+            wire.PullWeights: self.pull_weights,
+            wire.InitBroadcast: self.init_broadcast,
+            wire.WeightSpecs: self.weight_specs,
+            wire.PrepareBroadcast: self.prepare_broadcast,
+            wire.BroadcastWeights: self.broadcast_weights,
+            wire.ReceiveWeights: self.receive_weights,
         }
+        # Diagnostics only (wire.Call): every operation the coordinator relies on is typed.
         self.calls: dict[str, Callable[..., Any]] = {
             "echo": lambda **kw: kw,
             "fail": self._fail,
-            "stats": self.stats,
-            "save_checkpoint": lambda path: self._need_trainer().save_checkpoint(path),
-            "load_checkpoint": self._load_checkpoint,
-            "init_reducer": self._init_reducer,
-            "set_participants": self._set_participants,
             "logprobs": self._logprobs,
-            "init_transfer": self._init_transfer,
-            "offer_weights": self._offer_weights,
-            "pull_weights": self._pull_weights,
-            "init_broadcast": self._init_broadcast,
-            "weight_specs": self._weight_specs,
-            "prepare_broadcast": self._prepare_broadcast,
-            "broadcast_weights": self._broadcast_weights,
-            "receive_weights": self._receive_weights,
-            "open_relay": lambda **kw: self._relays().open(**kw),
-            "close_relay": lambda **kw: self._relays().close(**kw),
         }
         self.relays = None  # sandboxes' proxy-only network on this node (relays.py), made on first use
         self.broadcast = None  # the weight-broadcast group (transfer.BroadcastGroup), when configured
@@ -180,7 +181,7 @@ class Worker:
 
     def shutdown(self, msg: wire.Shutdown, _) -> list[Out]:
         self.should_exit = True
-        return [(wire.CallResult(req_id=msg.req_id, result={"exiting": True}), None)]
+        return [(wire.Done(req_id=msg.req_id), None)]
 
     def abort_all(self, reason: str = "abort", handover: bool = False) -> list[Out]:
         """Abort every running request (role change, shutdown): their streams end now. With
@@ -220,7 +221,7 @@ class Worker:
             outs.append((wire.GenerateChunk(req_id=req_id, rid=msg.rid, token_ids=[], logprobs=[],
                          version=o.version, finished=True, finish_reason="abort",
                          prompt_tokens=o.prompt_tokens), None))
-        outs.append((wire.CallResult(req_id=msg.req_id, result={"found": o is not None}), None))
+        outs.append((wire.Aborted(req_id=msg.req_id, found=o is not None), None))
         return outs
 
     def set_role(self, msg: wire.SetRole, _) -> list[Out]:
@@ -279,17 +280,56 @@ class Worker:
         return [(wire.Loaded(req_id=msg.req_id, version=msg.version,
                              seconds=time.perf_counter() - t0, nbytes=nbytes), None)]
 
-    # --- generic calls ------------------------------------------------------------------
+    # --- reduction, checkpoints, stats, relays -------------------------------------------
 
-    def call(self, msg: wire.Call, _) -> list[Out]:
-        fn = self.calls.get(msg.method)
-        if fn is None:
-            return [(wire.CallResult(req_id=msg.req_id, error=f"unknown method {msg.method!r}"), None)]
-        try:
-            result = fn(**msg.args)
-        except Exception as e:  # noqa: BLE001 - the caller gets the error text
-            return [(wire.CallResult(req_id=msg.req_id, error=f"{type(e).__name__}: {e}"), None)]
-        return [(wire.CallResult(req_id=msg.req_id, result=result), None)]
+    def init_reducer(self, msg: wire.InitReducer, _) -> list[Out]:
+        from gyre.workerd.reducer import GradReducer
+
+        if self.reducer is not None:
+            raise RuntimeError("reducer already initialised")
+        kw = {"rank": msg.rank, "world_size": msg.world_size, "init_method": msg.init_method}
+        if hasattr(self.trainer, "init_reducer"):  # a TP cell: every rank joins its own world
+            self.reducer = self.trainer.init_reducer(**kw)
+        else:
+            self.reducer = GradReducer(**kw)
+        return [(wire.Done(req_id=msg.req_id), None)]
+
+    def set_participants(self, msg: wire.SetParticipants, _) -> list[Out]:
+        if self.reducer is None:
+            raise RuntimeError("no reducer: InitReducer first")
+        self.reducer.group_for(msg.participants)
+        self.reducer.participants = msg.participants
+        if hasattr(self.trainer, "set_participants"):
+            self.trainer.set_participants(msg.participants)
+        return [(wire.Done(req_id=msg.req_id), None)]
+
+    def save_checkpoint(self, msg: wire.SaveCheckpoint, _) -> list[Out]:
+        self._need_trainer().save_checkpoint(msg.path)
+        return [(wire.Done(req_id=msg.req_id), None)]
+
+    def load_checkpoint(self, msg: wire.LoadCheckpoint, _) -> list[Out]:
+        trainer = self._need_trainer()
+        trainer.load_checkpoint(msg.path)
+        return [(wire.CheckpointLoaded(req_id=msg.req_id, version=trainer.version), None)]
+
+    def stats(self, msg: wire.Stats, _) -> list[Out]:
+        import resource
+
+        return [(wire.WorkerStats(
+            req_id=msg.req_id, node_id=self.node_id, cell=self.cell, role=self.role.value,
+            running=self.engine.running if self.engine else 0,
+            version=self.engine.version if self.engine else -1,
+            trainer_version=self.trainer.version if self.trainer else -1,
+            # Linux reports ru_maxrss in KiB
+            peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024), None)]
+
+    def open_relay(self, msg: wire.OpenRelay, _) -> list[Out]:
+        got = self._relays().open(pid=msg.pid, proxy_port=msg.proxy_port)
+        return [(wire.RelayOpened(req_id=msg.req_id, relay=got["relay"], port=got["port"]), None)]
+
+    def close_relay(self, msg: wire.CloseRelay, _) -> list[Out]:
+        got = self._relays().close(relay=msg.relay)
+        return [(wire.RelayClosed(req_id=msg.req_id, closed=got["closed"]), None)]
 
     def _relays(self):
         if self.relays is None:
@@ -298,56 +338,38 @@ class Worker:
             self.relays = RelayService(self.config.coordinator)
         return self.relays
 
-    def stats(self) -> dict:
-        import resource
+    # --- weight transfer: Mooncake (weight_transfer = "mooncake") --------------------------
 
-        return {"node_id": self.node_id, "cell": self.cell, "role": self.role.value,
-                "running": self.engine.running if self.engine else 0,
-                "version": self.engine.version if self.engine else -1,
-                "trainer_version": self.trainer.version if self.trainer else -1,
-                # this process's peak resident memory so far (Linux reports KiB)
-                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-
-    def _need_trainer(self, training: bool = False):
-        if self.trainer is None:
-            raise RoleError(f"node {self.node_id} has no trainer yet (no Welcome)")
-        if training and self.role is not Role.TRAINING:
-            raise RoleError(f"node {self.node_id} is {self.role.value}, not training")
-        return self.trainer
-
-    def _load_checkpoint(self, path: str) -> dict:
-        trainer = self._need_trainer()
-        trainer.load_checkpoint(path)
-        return {"version": trainer.version}
-
-    def _init_transfer(self, backend: str, host: str) -> dict:
+    def init_transfer(self, msg: wire.InitTransfer, _) -> list[Out]:
         from gyre.workerd.transfer import MooncakeTransfer, TransferError
 
-        if backend != "mooncake":
-            raise TransferError(f"unknown weight-transfer backend {backend!r}")
-        if self.transfer is None or self.transfer.host != host:
-            self.transfer = MooncakeTransfer(host)
-        return {"session": self.transfer.session}
+        if msg.backend != "mooncake":
+            raise TransferError(f"unknown weight-transfer backend {msg.backend!r}")
+        if self.transfer is None or self.transfer.host != msg.host:
+            self.transfer = MooncakeTransfer(msg.host)
+        return [(wire.TransferReady(req_id=msg.req_id, session=self.transfer.session), None)]
 
-    def _offer_weights(self, version: int) -> dict:
+    def offer_weights(self, msg: wire.OfferWeights, _) -> list[Out]:
         """This node's trainer parameters, pullable by other nodes (cached per version)."""
         if self.transfer is None:
-            raise RuntimeError("no weight-transfer backend: init_transfer first")
-        return self.transfer.offer(self._trainer_at(version, "offer").export_weights(), version)
+            raise RuntimeError("no weight-transfer backend: InitTransfer first")
+        handle = self.transfer.offer(self._trainer_at(msg.version, "offer").export_weights(), msg.version)
+        return [(wire.WeightOffer(req_id=msg.req_id, version=msg.version, nbytes=int(handle["nbytes"]),
+                                  handle=handle), None)]
 
-    def _pull_weights(self, handle: dict, engine: bool, trainer: bool) -> dict:
+    def pull_weights(self, msg: wire.PullWeights, _) -> list[Out]:
         if self.transfer is None:
-            raise RuntimeError("no weight-transfer backend: init_transfer first")
+            raise RuntimeError("no weight-transfer backend: InitTransfer first")
         t0 = time.perf_counter()
-        named, wire_seconds = self.transfer.pull(handle)
-        version = int(handle["version"])
-        self._load_named(named, version, engine=engine, trainer=trainer)
-        return {"version": version, "nbytes": int(handle["nbytes"]), "transfer_seconds": wire_seconds,
-                "seconds": time.perf_counter() - t0}
+        named, wire_seconds = self.transfer.pull(msg.handle)
+        version = int(msg.handle["version"])
+        self._load_named(named, version, engine=msg.engine, trainer=msg.trainer)
+        return [(wire.WeightsReceived(req_id=msg.req_id, version=version, nbytes=int(msg.handle["nbytes"]),
+                                      transfer_seconds=wire_seconds, seconds=time.perf_counter() - t0), None)]
 
-    # --- weight broadcast (weight_transfer = "broadcast") ---------------------------------
+    # --- weight transfer: broadcast (weight_transfer = "broadcast") -----------------------
 
-    def _init_broadcast(self, master_address: str, master_port: int, rank: int, world_size: int) -> dict:
+    def init_broadcast(self, msg: wire.InitBroadcast, _) -> list[Out]:
         """Join the weight-broadcast group (blocks until every cell has joined); the core is
         rank 0. NCCL between GPU nodes, gloo otherwise."""
         from gyre.workerd.transfer import BroadcastGroup
@@ -355,47 +377,51 @@ class Worker:
         if self.broadcast is not None:
             raise RuntimeError("broadcast group already initialised")
         backend = "nccl" if self._bcast_device() == "cuda" else "gloo"
-        self.broadcast = BroadcastGroup(master_address=master_address, master_port=master_port, rank=rank,
-                                        world_size=world_size, group_name="gyre_publish", backend=backend,
-                                        timeout_s=300)
-        return {"rank": rank, "backend": backend}
+        self.broadcast = BroadcastGroup(master_address=msg.master_address, master_port=msg.master_port,
+                                        rank=msg.rank, world_size=msg.world_size, group_name="gyre_publish",
+                                        backend=backend, timeout_s=300)
+        return [(wire.BroadcastJoined(req_id=msg.req_id, rank=msg.rank, backend=backend), None)]
 
     def _bcast_device(self) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
-    def _weight_specs(self) -> list:
+    def weight_specs(self, msg: wire.WeightSpecs, _) -> list[Out]:
         from gyre.workerd.transfer import BroadcastGroup
 
-        return BroadcastGroup.specs(self._need_trainer().export_weights())
+        specs = BroadcastGroup.specs(self._need_trainer().export_weights())
+        return [(wire.TensorSpecs(req_id=msg.req_id, names=[n for n, _, _ in specs], dtypes=[d for _, d, _ in specs],
+                                  shapes=[list(s) for _, _, s in specs]), None)]
 
-    def _prepare_broadcast(self, version: int) -> dict:
+    def prepare_broadcast(self, msg: wire.PrepareBroadcast, _) -> list[Out]:
         """The core, before any receiver enters the collective: export (and check) `version`."""
         if self.broadcast is None:
-            raise RuntimeError("no broadcast group: init_broadcast first")
-        trainer = self._trainer_at(version, "broadcast")
-        if self._bcast_ready is None or self._bcast_ready[0] != version:
+            raise RuntimeError("no broadcast group: InitBroadcast first")
+        trainer = self._trainer_at(msg.version, "broadcast")
+        if self._bcast_ready is None or self._bcast_ready[0] != msg.version:
             named = {k: v.to(self._bcast_device()) for k, v in trainer.export_weights().items()}
-            self._bcast_ready = (version, named)
-        return {"version": version}
+            self._bcast_ready = (msg.version, named)
+        return [(wire.Done(req_id=msg.req_id), None)]
 
-    def _broadcast_weights(self, version: int) -> dict:
+    def broadcast_weights(self, msg: wire.BroadcastWeights, _) -> list[Out]:
         """The core: send the prepared weights of `version` to every other member."""
-        if self._bcast_ready is None or self._bcast_ready[0] != version:
-            raise RuntimeError(f"broadcast of version {version} was not prepared")
+        if self._bcast_ready is None or self._bcast_ready[0] != msg.version:
+            raise RuntimeError(f"broadcast of version {msg.version} was not prepared")
         t0 = time.perf_counter()
         named, self._bcast_ready = self._bcast_ready[1], None  # sent once; not kept on the device
         nbytes = self.broadcast.send(named)
-        return {"version": version, "nbytes": nbytes, "seconds": time.perf_counter() - t0}
+        return [(wire.WeightsSent(req_id=msg.req_id, version=msg.version, nbytes=nbytes,
+                                  seconds=time.perf_counter() - t0), None)]
 
-    def _receive_weights(self, version: int, specs: list, engine: bool, trainer: bool) -> dict:
+    def receive_weights(self, msg: wire.ReceiveWeights, _) -> list[Out]:
         if self.broadcast is None:
-            raise RuntimeError("no broadcast group: init_broadcast first")
+            raise RuntimeError("no broadcast group: InitBroadcast first")
         t0 = time.perf_counter()
-        named = self.broadcast.recv([tuple(s) for s in specs], device=self._bcast_device())
+        specs = [(n, d, tuple(s)) for n, d, s in zip(msg.names, msg.dtypes, msg.shapes, strict=True)]
+        named = self.broadcast.recv(specs, device=self._bcast_device())
         wire_seconds = time.perf_counter() - t0
-        nbytes = self._load_named(named, version, engine=engine, trainer=trainer)
-        return {"version": version, "nbytes": nbytes, "transfer_seconds": wire_seconds,
-                "seconds": time.perf_counter() - t0}
+        nbytes = self._load_named(named, msg.version, engine=msg.engine, trainer=msg.trainer)
+        return [(wire.WeightsReceived(req_id=msg.req_id, version=msg.version, nbytes=nbytes,
+                                      transfer_seconds=wire_seconds, seconds=time.perf_counter() - t0), None)]
 
     def _load_named(self, named: dict[str, torch.Tensor], version: int, *, engine: bool, trainer: bool) -> int:
         """Received weights into this node's engine and/or trainer (every transfer path ends
@@ -412,25 +438,25 @@ class Worker:
             raise RuntimeError(f"{what} of version {version}, but the trainer is at {trainer.version}")
         return trainer
 
-    def _init_reducer(self, rank: int, world_size: int, init_method: str) -> dict:
-        from gyre.workerd.reducer import GradReducer
+    def _need_trainer(self, training: bool = False):
+        if self.trainer is None:
+            raise RoleError(f"node {self.node_id} has no trainer yet (no Welcome)")
+        if training and self.role is not Role.TRAINING:
+            raise RoleError(f"node {self.node_id} is {self.role.value}, not training")
+        return self.trainer
 
-        if self.reducer is not None:
-            raise RuntimeError("reducer already initialised")
-        if hasattr(self.trainer, "init_reducer"):  # a TP cell: every rank joins its own world
-            self.reducer = self.trainer.init_reducer(rank=rank, world_size=world_size, init_method=init_method)
-        else:
-            self.reducer = GradReducer(rank=rank, world_size=world_size, init_method=init_method)
-        return {"rank": rank, "world_size": world_size}
+    # --- diagnostics (wire.Call) ---------------------------------------------------------
 
-    def _set_participants(self, participants: int) -> dict:
-        if self.reducer is None:
-            raise RuntimeError("no reducer: call init_reducer first")
-        self.reducer.group_for(participants)
-        self.reducer.participants = participants
-        if hasattr(self.trainer, "set_participants"):
-            self.trainer.set_participants(participants)
-        return {"participants": participants}
+    def call(self, msg: wire.Call, _) -> list[Out]:
+        fn = self.calls.get(msg.method)
+        if fn is None:
+            return [(wire.CallResult(req_id=msg.req_id, error=f"unknown method {msg.method!r} "
+                                     f"(Call carries diagnostics only: {', '.join(self.calls)})"), None)]
+        try:
+            result = fn(**msg.args)
+        except Exception as e:  # noqa: BLE001 - the caller gets the error text
+            return [(wire.CallResult(req_id=msg.req_id, error=f"{type(e).__name__}: {e}"), None)]
+        return [(wire.CallResult(req_id=msg.req_id, result=result), None)]
 
     def _logprobs(self, input_ids: list[list[int]]) -> list[list[float]]:
         """Trainer log-probs of given rows (for consistency checks and debugging)."""

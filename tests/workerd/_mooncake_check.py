@@ -17,13 +17,6 @@ from gyre.workerd import wire
 from gyre.workerd.tensors import from_frames, to_frames
 
 
-async def call(link, node, method, **args):
-    reply, _ = await link.call(node, wire.Call(req_id=link.new_req_id(), method=method, args=args))
-    if reply.error:
-        raise RuntimeError(reply.error)
-    return reply.result
-
-
 async def main(model_dir: str) -> dict:
     async with LocalCluster(model_dir, cells=2, roles=("training", "rollout")) as cluster:
         link = cluster.link
@@ -34,21 +27,24 @@ async def main(model_dir: str) -> dict:
         await link.call(n0, wire.LoadWeights(req_id=link.new_req_id(), version=5, trainer=True, engine=False),
                         to_frames(perturbed))
         for n in (n0, n1):
-            await call(link, n, "init_transfer", backend="mooncake", host="127.0.0.1")
-        handle = await call(link, n0, "offer_weights", version=5)
-        pulled = await call(link, n1, "pull_weights", handle=handle, engine=True, trainer=True)
+            await link.request(n, wire.InitTransfer(req_id=link.new_req_id(), backend="mooncake", host="127.0.0.1"))
+        offer = await link.request(n0, wire.OfferWeights(req_id=link.new_req_id(), version=5))
+        handle = offer.handle
+        pulled = await link.request(n1, wire.PullWeights(req_id=link.new_req_id(), handle=handle, engine=True,
+                                                         trainer=True))
         _, back = await link.call(n1, wire.ExportWeights(req_id=link.new_req_id()))
         got = from_frames(back)
         equal = all(torch.equal(got[k], perturbed[k]) for k in perturbed)
         # The engine serves the pulled weights too: same log-probs as cell 0's trainer would give.
-        again = await call(link, n1, "pull_weights", handle=handle, engine=False, trainer=True)  # cached offer
-        src = torch.empty(handle["nbytes"], dtype=torch.uint8).fill_(1)
+        again = await link.request(n1, wire.PullWeights(req_id=link.new_req_id(), handle=handle, engine=False,
+                                                        trainer=True))  # cached offer
+        src = torch.empty(offer.nbytes, dtype=torch.uint8).fill_(1)
         t0 = time.perf_counter()
         src.clone()
         memcpy = time.perf_counter() - t0
-        return {"equal": equal, "nbytes": handle["nbytes"], "tensors": len(handle["manifest"]),
-                "version": pulled["version"], "transfer_seconds": pulled["transfer_seconds"],
-                "second_pull_seconds": again["transfer_seconds"], "memcpy_seconds": memcpy,
+        return {"equal": equal, "nbytes": offer.nbytes, "tensors": len(handle["manifest"]),
+                "version": pulled.version, "transfer_seconds": pulled.transfer_seconds,
+                "second_pull_seconds": again.transfer_seconds, "memcpy_seconds": memcpy,
                 "session": handle["session"]}
 
 

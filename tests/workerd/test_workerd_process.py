@@ -1,6 +1,6 @@
 """A real `gyre workerd` process driven over real ZeroMQ by the coordinator's link:
 streamed generation, abort, role changes both ways, a training step, weight export and
-load, the RPC error paths, and start-up and shutdown failures."""
+load, checkpoints and stats, the RPC error paths, and start-up and shutdown failures."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ async def collect(link, node, **kw):
     return chunks, [t for c in chunks for t in c.token_ids], [lp for c in chunks for lp in c.logprobs]
 
 
-async def test_workerd_serves_and_trains_over_zeromq(tiny_dir):
+async def test_workerd_serves_and_trains_over_zeromq(tiny_dir, tmp_path):
     async with LocalCluster(tiny_dir, cells=2, trainer={"lr": 1e-3}) as cluster:
         link = cluster.link
         rollout, train = cluster.node_of_cell(0), cluster.node_of_cell(1)
@@ -48,8 +48,8 @@ async def test_workerd_serves_and_trains_over_zeromq(tiny_dir):
                                                    max_new_tokens=5000))
         first = await anext(gen)
         assert not first.finished
-        reply, _ = await link.call(rollout, wire.Abort(req_id=link.new_req_id(), rid="long"))
-        assert reply.result == {"found": True}
+        reply = await link.request(rollout, wire.Abort(req_id=link.new_req_id(), rid="long"))
+        assert reply == wire.Aborted(req_id=reply.req_id, found=True)
         rest = [c async for c in gen]
         assert rest[-1].finish_reason == "abort" and sum(len(c.token_ids) for c in rest) < 5000
 
@@ -91,17 +91,35 @@ async def test_workerd_serves_and_trains_over_zeromq(tiny_dir):
         assert back.role == "rollout"
         _, ids2, _ = await collect(link, rollout, rid="f", prompt_ids=PROMPT, max_new_tokens=3)
         assert len(ids2) == 3
-        stats, _ = await link.call(rollout, wire.Call(req_id=link.new_req_id(), method="stats"))
-        assert stats.result["version"] == 1 and stats.result["role"] == "rollout"
+        stats = await link.request(rollout, wire.Stats(req_id=link.new_req_id()))
+        assert isinstance(stats, wire.WorkerStats) and stats.node_id == rollout and stats.cell == 0
+        assert stats.version == 1 and stats.role == "rollout" and stats.peak_rss_bytes > 0
 
-        # 8) The RPC path and its errors: echo, a failing call, an unknown method, a reply
-        #    type that is not a command, an unknown kind. Each gets an answer; none kills it.
+        # 8) Typed control commands: a checkpoint saved and loaded back; a failing one names
+        #    the command and the cell, with the worker-side exception's class.
+        ckpt = str(tmp_path / "ckpt" / "trainer.pt")
+        done = await link.request(train, wire.SaveCheckpoint(req_id=link.new_req_id(), path=ckpt), timeout=60)
+        assert isinstance(done, wire.Done)
+        loaded = await link.request(train, wire.LoadCheckpoint(req_id=link.new_req_id(), path=ckpt), timeout=60)
+        assert loaded == wire.CheckpointLoaded(req_id=loaded.req_id, version=1)
+        with pytest.raises(WorkerError) as e:
+            await link.request(train, wire.LoadCheckpoint(req_id=link.new_req_id(), path=str(tmp_path / "none.pt")))
+        assert str(e.value).startswith(f"LoadCheckpoint on {cluster.describe(train)} failed: FileNotFoundError: ")
+        assert e.value.kind == "FileNotFoundError"
+        with pytest.raises(WorkerError, match=r"^SetParticipants on .* failed: RuntimeError: no reducer"):
+            await link.request(train, wire.SetParticipants(req_id=link.new_req_id(), participants=1))
+
+        # 9) The diagnostic RPC path and its errors: echo, a failing call, an unknown method
+        #    (the typed commands are not methods), a reply type that is not a command, an
+        #    unknown kind. Each gets an answer; none kills it.
         echo, _ = await link.call(rollout, wire.Call(req_id=link.new_req_id(), method="echo", args={"x": [1, 2]}))
         assert echo.result == {"x": [1, 2]}
         with pytest.raises(WorkerError, match="RuntimeError: boom"):
             await link.call(rollout, wire.Call(req_id=link.new_req_id(), method="fail", args={"message": "boom"}))
         with pytest.raises(WorkerError, match="unknown method"):
             await link.call(rollout, wire.Call(req_id=link.new_req_id(), method="nope"))
+        with pytest.raises(WorkerError, match="unknown method 'stats'"):
+            await link.call(rollout, wire.Call(req_id=link.new_req_id(), method="stats"))
         with pytest.raises(WorkerError, match="not a workerd command"):
             await link.call(rollout, wire.StepResult(req_id=link.new_req_id(), version=0, grad_norm=0, seconds=0))
         fut = asyncio.get_running_loop().create_future()
@@ -112,7 +130,7 @@ async def test_workerd_serves_and_trains_over_zeromq(tiny_dir):
         _, ids3, _ = await collect(link, rollout, rid="g", prompt_ids=PROMPT, max_new_tokens=2)
         assert len(ids3) == 2
 
-        # 9) Heartbeats arrive while idle.
+        # 10) Heartbeats arrive while idle.
         beats = sum(isinstance(e, wire.Heartbeat) for e in cluster.events)
         assert beats >= 1
 

@@ -13,6 +13,8 @@ from typing import Iterable, Protocol
 
 import torch
 
+from gyre.workerd import wire
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MicroBatch:
@@ -36,17 +38,17 @@ class MicroBatch:
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> MicroBatch:
-        names = [f.name for f in fields(cls)]
-        missing = [n for n in names if n not in tensors]
+        """A TrainMicroStep's tensors (named as wire.MICRO_STEP_TENSORS, which are these fields)."""
+        missing = [n for n in wire.MICRO_STEP_TENSORS if n not in tensors]
         if missing:
             raise ValueError(f"micro-step lacks tensors: {', '.join(missing)}")
         return cls(
-            input_ids=tensors["input_ids"].long(),
-            target_mask=tensors["target_mask"].bool(),
-            behaviour_logprobs=tensors["behaviour_logprobs"].float(),
-            advantages=tensors["advantages"].float(),
-            loss_weights=tensors["loss_weights"].float(),
-            exec_ids=tensors["exec_ids"].long(),
+            input_ids=tensors[wire.INPUT_IDS].long(),
+            target_mask=tensors[wire.TARGET_MASK].bool(),
+            behaviour_logprobs=tensors[wire.BEHAVIOUR_LOGPROBS].float(),
+            advantages=tensors[wire.ADVANTAGES].float(),
+            loss_weights=tensors[wire.LOSS_WEIGHTS].float(),
+            exec_ids=tensors[wire.EXEC_IDS].long(),
         )
 
     def tensors(self) -> dict[str, torch.Tensor]:
