@@ -35,13 +35,6 @@ SIZES = {"tiny": {}, "15M": {"hidden_size": 512, "intermediate_size": 1408, "num
                   "num_key_value_heads": 8}}
 
 
-async def call(link, node, method, **args):
-    reply, _ = await link.call(node, wire.Call(req_id=link.new_req_id(), method=method, args=args), timeout=600)
-    if reply.error:
-        raise RuntimeError(reply.error)
-    return reply.result
-
-
 def memcpy(nbytes: int, repeat: int) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
     times = []
@@ -64,16 +57,18 @@ async def one_size(model_dir: Path, repeat: int) -> dict:
             zmq.append(time.perf_counter() - t0)
         nbytes = w.nbytes
         for n in (n0, n1):
-            await call(link, n, "init_transfer", backend="mooncake", host="127.0.0.1")
+            await link.request(n, wire.InitTransfer(req_id=link.new_req_id(), backend="mooncake", host="127.0.0.1"),
+                               timeout=600)
         t0 = time.perf_counter()
-        handle = await call(link, n0, "offer_weights", version=0)
+        handle = (await link.request(n0, wire.OfferWeights(req_id=link.new_req_id(), version=0), timeout=600)).handle
         offer = time.perf_counter() - t0
         pulls, wire_s = [], []
         for _ in range(repeat):
             t0 = time.perf_counter()
-            r = await call(link, n1, "pull_weights", handle=handle, engine=True, trainer=True)
+            r = await link.request(n1, wire.PullWeights(req_id=link.new_req_id(), handle=handle, engine=True,
+                                                        trainer=True), timeout=600)
             pulls.append(time.perf_counter() - t0)
-            wire_s.append(r["transfer_seconds"])
+            wire_s.append(r.transfer_seconds)
     return {"bytes": nbytes, "zmq_s": statistics.median(zmq), "mooncake_offer_s": offer,
             "mooncake_pull_s": statistics.median(pulls), "mooncake_read_s": statistics.median(wire_s),
             "memcpy_s": memcpy(nbytes, repeat)}
@@ -93,7 +88,8 @@ def main() -> None:
             model_dir = init_tiny(Path(tmp) / name, overrides=SIZES[name])
             r = asyncio.run(one_size(model_dir, args.repeat))
             rows.append({"size": name, **r})
-            print(f"{name:>5} {r['bytes'] / 1e6:8.1f} MB  zmq {r['zmq_s']:.3f} s ({r['bytes'] / r['zmq_s'] / 1e9:.2f} GB/s)"
+            print(f"{name:>5} {r['bytes'] / 1e6:8.1f} MB  zmq {r['zmq_s']:.3f} s "
+                  f"({r['bytes'] / r['zmq_s'] / 1e9:.2f} GB/s)"
                   f"  mooncake pull {r['mooncake_pull_s']:.3f} s (read {r['mooncake_read_s']:.3f} s, "
                   f"{r['bytes'] / r['mooncake_read_s'] / 1e9:.2f} GB/s; offer once {r['mooncake_offer_s']:.3f} s)"
                   f"  memcpy {r['memcpy_s']:.4f} s", flush=True)
