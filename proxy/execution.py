@@ -20,8 +20,8 @@ import orjson
 
 from gyre.proxy.admission import Rows, Trajectory, admit, materialise
 from gyre.proxy.chat import ChatTokenizer, Ref, display_key
-from gyre.proxy.segmenter import Segmenter
 from gyre.proxy.roles import CallInfo, RoleRule, delegation_prompt
+from gyre.proxy.segmenter import Segmenter
 from gyre.proxy.tree import Node, Tree
 from gyre.proxy.types import ChatRequest, ChatResult, ContextOverflow, ParseMemo
 
@@ -71,8 +71,50 @@ class Execution:
         """The call's exact prompt. Nothing is added to the tree until the prompt is known to
         fit `max_context` (a refused request touches no record)."""
         refs = self._resolve_outputs(req)
-        segments = self._segmenter.segments(req.messages, req.tools, {i: str(i) for i in refs}, self._args)
         # 1) Follow existing nodes as far as they match; plan the rest without adding it.
+        parent, path, plan = self._match(req, refs)
+        # A reply found only by its text, and recorded in another context, may be a message
+        # this context already holds as text: the harness sent it (an injected "No response
+        # requested.") before the model wrote the same text. Spliced in as a copy, it would
+        # change the tokens of a history that did not change; rendered as text, it follows
+        # the tree further, and then text wins (a genuinely new context keeps the copy).
+        while (i := next((s[4] for s in plan if s[0] == "copy" and s[2] == "text"), None)) is not None:
+            as_text = {j: r for j, r in refs.items() if j != i}
+            alt = self._match(req, as_text)
+            if self._matched_tokens(alt[0]) <= self._matched_tokens(parent):
+                break
+            refs, (parent, path, plan) = as_text, alt
+        if not path and not plan:
+            raise ValueError("the request renders to an empty prompt")
+        length = self._matched_tokens(parent) + sum(len(p[2]) if p[0] == "text" else len(p[1].tokens) for p in plan)
+        if max_context is not None and length >= max_context:
+            raise ContextOverflow(length, max_context)
+        # 2) Add the planned nodes.
+        self._n_calls += 1
+        call_id = f"{self.id}-c{self._n_calls:05d}"
+        new_tokens = 0
+        for step in plan:
+            if step[0] == "text":
+                node = self.tree.add_text(parent, step[1], step[2], call_id)
+                new_tokens += len(step[2])
+            else:
+                _, source, kind, key, _ = step
+                node = self.tree.add_output_copy(parent, source, call_id)
+                if kind == "text":
+                    self._text_at[(parent, key)] = source.key
+            self._write_node(node)
+            path.append(node.id)
+            parent = node.id
+        root = self.tree.nodes[path[0]].root
+        delegated_by = self._delegated_by(req, root)
+        role = self._classify(req, headers, root, delegated_by)
+        return Prepared(call_id, path, self.tree.tokens(path), new_tokens, role, time.time(), delegated_by)
+
+    def _match(self, req: ChatRequest, refs: dict[int, tuple[str, str]]) -> tuple[int, list[int], list[tuple]]:
+        """The request's segments (`refs`: messages spliced in as recorded outputs) followed
+        from the root: the last matched node, the matched path, and the plan for the rest
+        (text steps with their tokens, copy steps with the message index), nothing added."""
+        segments = self._segmenter.segments(req.messages, req.tools, {i: str(i) for i in refs}, self._args)
         parent, path, plan, strip = -1, [], [], None
         for seg in segments:
             if isinstance(seg, Ref):
@@ -82,7 +124,7 @@ class Execution:
                 last = source.tokens[-1] if source.tokens else None
                 strip = self.tokenizer.token_text(last) if last in self.tokenizer.stop_token_ids else None
                 if nid is None:
-                    plan.append(("copy", source, kind, key))
+                    plan.append(("copy", source, kind, key, int(seg.key)))
                     continue
             else:
                 text = seg.text
@@ -98,32 +140,10 @@ class Execution:
                     continue
             path.append(nid)
             parent = nid
-        if not path and not plan:
-            raise ValueError("the request renders to an empty prompt")
-        length = (self.tree.nodes[parent].end if parent >= 0 else 0) + sum(
-            len(p[2]) if p[0] == "text" else len(p[1].tokens) for p in plan)
-        if max_context is not None and length >= max_context:
-            raise ContextOverflow(length, max_context)
-        # 2) Add the planned nodes.
-        self._n_calls += 1
-        call_id = f"{self.id}-c{self._n_calls:05d}"
-        new_tokens = 0
-        for step in plan:
-            if step[0] == "text":
-                node = self.tree.add_text(parent, step[1], step[2], call_id)
-                new_tokens += len(step[2])
-            else:
-                _, source, kind, key = step
-                node = self.tree.add_output_copy(parent, source, call_id)
-                if kind == "text":
-                    self._text_at[(parent, key)] = source.key
-            self._write_node(node)
-            path.append(node.id)
-            parent = node.id
-        root = self.tree.nodes[path[0]].root
-        delegated_by = self._delegated_by(req, root)
-        role = self._classify(req, headers, root, delegated_by)
-        return Prepared(call_id, path, self.tree.tokens(path), new_tokens, role, time.time(), delegated_by)
+        return parent, path, plan
+
+    def _matched_tokens(self, parent: int) -> int:
+        return self.tree.nodes[parent].end if parent >= 0 else 0
 
     def _resolve_outputs(self, req: ChatRequest) -> dict[int, tuple[str, str]]:
         """Assistant messages that are our recorded outputs: message index -> ("call", call
