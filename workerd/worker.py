@@ -171,10 +171,10 @@ class Worker:
             self.broadcast.close()
             self.broadcast = None
         self._bcast_ready = None
-        if hasattr(self.trainer, "close"):  # a TP cell's rank processes
-            self.trainer.close()
-        if hasattr(self.engine, "shutdown"):  # SGLang's scheduler processes hold the device
-            self.engine.shutdown()
+        if self.trainer is not None:
+            self.trainer.close()  # a TP cell's rank processes
+        if self.engine is not None:
+            self.engine.shutdown()  # SGLang's scheduler processes hold the device
         self.engine = self.trainer = None
         self.role = Role.SWITCHING
         return []
@@ -189,7 +189,7 @@ class Worker:
         recomputing its prefill."""
         outs = []
         for rid, req_id in list(self._streams.items()):
-            kv = self.engine.export_kv(rid) if handover and hasattr(self.engine, "export_kv") else None
+            kv = self.engine.export_kv(rid) if handover else None
             o = self.engine.abort(rid)
             del self._streams[rid]
             if o is not None:
@@ -283,15 +283,11 @@ class Worker:
     # --- reduction, checkpoints, stats, relays -------------------------------------------
 
     def init_reducer(self, msg: wire.InitReducer, _) -> list[Out]:
-        from gyre.workerd.reducer import GradReducer
-
         if self.reducer is not None:
             raise RuntimeError("reducer already initialised")
-        kw = {"rank": msg.rank, "world_size": msg.world_size, "init_method": msg.init_method}
-        if hasattr(self.trainer, "init_reducer"):  # a TP cell: every rank joins its own world
-            self.reducer = self.trainer.init_reducer(**kw)
-        else:
-            self.reducer = GradReducer(**kw)
+        # A TP cell: every rank joins its own world; any other trainer, this process alone.
+        self.reducer = self._need_trainer().init_reducer(rank=msg.rank, world_size=msg.world_size,
+                                                         init_method=msg.init_method)
         return [(wire.Done(req_id=msg.req_id), None)]
 
     def set_participants(self, msg: wire.SetParticipants, _) -> list[Out]:
@@ -299,8 +295,7 @@ class Worker:
             raise RuntimeError("no reducer: InitReducer first")
         self.reducer.group_for(msg.participants)
         self.reducer.participants = msg.participants
-        if hasattr(self.trainer, "set_participants"):
-            self.trainer.set_participants(msg.participants)
+        self._need_trainer().set_participants(msg.participants)
         return [(wire.Done(req_id=msg.req_id), None)]
 
     def save_checkpoint(self, msg: wire.SaveCheckpoint, _) -> list[Out]:

@@ -59,6 +59,28 @@ def test_coordinator_imports_only_wire_from_workerd_in_the_link():
     assert set(re.findall(r"from gyre\.workerd(\.\w+)? import (\w+)", text)) == {("", "wire")}
 
 
+def test_every_backend_keeps_its_interface():
+    """The worker calls the optional capabilities (export_kv, shutdown; init_reducer,
+    set_participants, close) on any backend: each backend subclasses its interface, which
+    gives them defaults, and leaves no contract method unimplemented."""
+    from gyre.workerd.engines.base import RolloutEngine
+    from gyre.workerd.engines.cpu import CpuEngine
+    from gyre.workerd.engines.sglang import SglangEngine
+    from gyre.workerd.trainers.base import Trainer
+    from gyre.workerd.trainers.cpu import CpuTrainer
+    from gyre.workerd.trainers.megatron import MegatronTrainer
+    from gyre.workerd.trainers.tp import TensorParallelTrainer
+
+    for base, backends in ((RolloutEngine, (CpuEngine, SglangEngine)),
+                           (Trainer, (CpuTrainer, MegatronTrainer, TensorParallelTrainer))):
+        for cls in backends:
+            assert issubclass(cls, base) and not cls.__abstractmethods__, cls
+    assert SglangEngine.export_kv is RolloutEngine.export_kv  # no KV hand-over: recomputed elsewhere
+    assert CpuTrainer.init_reducer is Trainer.init_reducer  # one GradReducer in this process
+    worker_text = (ROOT / "workerd" / "worker.py").read_text()
+    assert "hasattr(" not in worker_text
+
+
 def test_micro_step_tensor_names_are_spelled_once():
     from gyre.coordinator.packing import MicroStep, Row
     from gyre.workerd.tensors import from_frames

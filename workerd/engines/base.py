@@ -7,10 +7,14 @@ the last call. Not a scheduler of executions: that is the coordinator's job.
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol
+from typing import TYPE_CHECKING, Iterable
 
 import torch
+
+if TYPE_CHECKING:
+    from gyre.workerd.model import SeqCache
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -50,23 +54,44 @@ class TokenOutput:
     prompt_tokens: int = 0
 
 
-class RolloutEngine(Protocol):
+class RolloutEngine(abc.ABC):
+    """What the worker drives; every backend subclasses it. The abstract methods are the
+    contract; the others are capabilities a backend may lack, with the lacking behaviour
+    as their default, so the worker calls them on any engine."""
+
     version: int
 
+    @abc.abstractmethod
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None: ...
 
+    @abc.abstractmethod
     def abort(self, rid: str) -> TokenOutput | None:
         """Stop `rid` now; returns its final (finish_reason="abort") output if it was known."""
 
+    @abc.abstractmethod
     def step(self) -> list[TokenOutput]: ...
 
     @property
+    @abc.abstractmethod
     def running(self) -> int: ...
 
+    @abc.abstractmethod
     def release_memory(self) -> int:
         """Free KV caches (and, on GPUs, weights) for a role change; returns bytes freed."""
 
+    @abc.abstractmethod
     def resume_memory(self) -> None: ...
 
+    @abc.abstractmethod
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
         """Load HF-named tensors; returns bytes loaded. Called between steps only."""
+
+    def export_kv(self, rid: str) -> SeqCache | None:
+        """The KV of a running request's context so far, for continuing it on another engine
+        (Worker.abort_all calls it before `abort` on a hand-over). The default, None: this
+        engine cannot hand its KV over, and the next one recomputes the prefill."""
+        return None
+
+    def shutdown(self) -> None:  # noqa: B027 - a no-op by default, not abstract
+        """Stop what the engine runs outside this process (Worker.reset calls it before
+        dropping the engine). The default: an engine that holds nothing there."""

@@ -13,7 +13,7 @@ from typing import Iterable
 
 import torch
 
-from gyre.workerd.engines.base import SamplingParams, TokenOutput
+from gyre.workerd.engines.base import RolloutEngine, SamplingParams, TokenOutput
 from gyre.workerd.model import CausalLM, SeqCache
 
 
@@ -32,7 +32,7 @@ class _Request:
     last_token: int = -1
 
 
-class CpuEngine:
+class CpuEngine(RolloutEngine):
     """Rollout engine over a `CausalLM` on CPU; see engines/base.py for the contract."""
 
     def __init__(self, model: CausalLM, *, version: int = 0, max_running: int = 64, seed: int = 0):

@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, Iterator
 import torch
 
 from gyre.workerd.backends import BackendError
-from gyre.workerd.engines.base import SamplingParams, TokenOutput
+from gyre.workerd.engines.base import RolloutEngine, SamplingParams, TokenOutput
 from gyre.workerd.engines.cpu import EngineReleased
 
 log = logging.getLogger("gyre.workerd")
@@ -95,7 +95,7 @@ class _Stream:
     seen: int = 0  # output tokens already returned
 
 
-class SglangEngine:
+class SglangEngine(RolloutEngine):
     """Rollout engine over an in-process `sglang.Engine`; see engines/base.py for the
     contract. Built by backends.py; driven only by the workerd's main thread."""
 

@@ -7,9 +7,10 @@ input positions: `target_mask[r, t]` says token `input_ids[r, t]` is a trained t
 
 from __future__ import annotations
 
+import abc
 import math
 from dataclasses import dataclass, fields
-from typing import Iterable, Protocol
+from typing import Iterable
 
 import torch
 
@@ -105,26 +106,58 @@ def step_or_drop(trainer, norm: float, apply: bool) -> float:
     return norm
 
 
-class Trainer(Protocol):
+class Trainer(abc.ABC):
+    """What the worker drives; every backend subclasses it. The abstract methods are the
+    contract; the others are capabilities a backend may lack, with the lacking behaviour
+    as their default, so the worker calls them on any trainer."""
+
     version: int
 
+    @abc.abstractmethod
     def train_micro_step(self, batch: MicroBatch) -> MicroStepStats: ...
 
+    @abc.abstractmethod
+    def current_logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Log-probs of `input_ids` under the current parameters (no gradients)."""
+
+    @abc.abstractmethod
     def optimizer_step(self, num_executions: int, reducer=None, apply: bool = True) -> float:
         """Reduce, normalise, clip, update (unless `apply` is False: a satellite); returns
         the pre-clip gradient norm."""
 
+    @abc.abstractmethod
     def export_weights(self) -> dict[str, torch.Tensor]: ...
 
+    @abc.abstractmethod
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> int: ...
 
+    @abc.abstractmethod
     def offload(self) -> int:
         """Move parameters, gradients and optimizer state off the accelerator for a role
         change to rollout (after which only `onload` may be called); returns bytes freed."""
 
+    @abc.abstractmethod
     def onload(self) -> None:
         """Undo `offload`, for a role change to training (after the engine released memory)."""
 
+    @abc.abstractmethod
     def save_checkpoint(self, path: str) -> None: ...
 
+    @abc.abstractmethod
     def load_checkpoint(self, path: str) -> None: ...
+
+    def init_reducer(self, *, rank: int, world_size: int, init_method: str):
+        """Join the cross-cell gradient reduction as cell `rank` of `world_size` (Worker's
+        InitReducer handler calls it); returns the reducer `optimizer_step` is handed. The
+        default: this process joins alone, one `GradReducer`."""
+        from gyre.workerd.reducer import GradReducer
+
+        return GradReducer(rank=rank, world_size=world_size, init_method=init_method)
+
+    def set_participants(self, participants: int) -> None:  # noqa: B027 - a no-op by default, not abstract
+        """The reduction now spans the first `participants` cells; the worker has set the
+        reducer `init_reducer` returned. The default: no other reducer to tell."""
+
+    def close(self) -> None:  # noqa: B027 - a no-op by default, not abstract
+        """Stop what the trainer runs outside this process (Worker.reset calls it before
+        dropping the trainer). The default: a trainer that holds nothing there."""

@@ -15,11 +15,11 @@ import torch
 
 from gyre.workerd.loss import chunked_logprobs
 from gyre.workerd.model import CausalLM
-from gyre.workerd.trainers.base import (MicroBatch, MicroStepStats, backward_micro_step, step_or_drop,
+from gyre.workerd.trainers.base import (MicroBatch, MicroStepStats, Trainer, backward_micro_step, step_or_drop,
                                         sum_and_normalise)
 
 
-class CpuTrainer:
+class CpuTrainer(Trainer):
     def __init__(self, model: CausalLM, *, lr: float = 1e-5, weight_decay: float = 0.01,
                  grad_clip: float = 1.0, version: int = 0, temperature: float = 1.0,
                  checkpoint_layers: bool = False):

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 # ModelDirError and to_megatron stay importable from here (megatron_weights.py is their user now).
 from gyre.workerd.modeldir import ModelConfig, ModelDirError, iter_weights  # noqa: F401
 from gyre.workerd.trainers import megatron_state, megatron_weights
-from gyre.workerd.trainers.base import (MicroBatch, MicroStepStats, backward_micro_step, step_or_drop,
+from gyre.workerd.trainers.base import (MicroBatch, MicroStepStats, Trainer, backward_micro_step, step_or_drop,
                                         sum_and_normalise)
 from gyre.workerd.trainers.hf_megatron import check_pp, check_tp, holds, is_tp_split, to_hf, to_megatron  # noqa: F401
 from gyre.workerd.trainers.megatron_model import (build_gpt, pp_group, quiet_import, setup_parallel, stage_of,
@@ -67,7 +67,7 @@ def _scale_logits(temperature: float):
     return hook
 
 
-class MegatronTrainer:
+class MegatronTrainer(Trainer):
     def __init__(self, model_dir: str, config: ModelConfig, *, lr: float = 1e-5,
                  weight_decay: float = 0.01, grad_clip: float = 1.0, version: int = 0,
                  tp: int = 1, pp: int = 1, microbatches: int | None = None, offload: bool | None = None,

@@ -27,7 +27,7 @@ import torch.distributed
 import torch.multiprocessing as mp
 
 from gyre.workerd.modeldir import ModelConfig
-from gyre.workerd.trainers.base import MicroBatch, MicroStepStats
+from gyre.workerd.trainers.base import MicroBatch, MicroStepStats, Trainer
 
 
 class RankError(RuntimeError):
@@ -111,7 +111,7 @@ def _rank_main(rank: int, tp: int, pp: int, store: str, model_dir: str, config: 
                        f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"))
 
 
-class TensorParallelTrainer:
+class TensorParallelTrainer(Trainer):
     def __init__(self, model_dir: str, config: ModelConfig, *, tp: int, pp: int = 1, start_timeout_s: float = 300.0,
                  **options: Any):
         import torch.distributed as dist
