@@ -19,12 +19,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from gyre.workerd.wire import ENGINE_BACKENDS, TRAINER_BACKENDS, GyreError
-
-
-class BackendError(GyreError):
-    """An unknown backend, or one whose package is not installed."""
-
+# BackendError lives in wire.py, below the engines that raise it too (engines/sglang.py's
+# options); it stays importable from here.
+from gyre.workerd.wire import ENGINE_BACKENDS, TRAINER_BACKENDS, BackendError
 
 ENGINES = {"cpu": None, "sglang": ("sglang", "sglang>=0.5.23")}
 TRAINERS = {"cpu": None, "megatron": ("megatron.core", "megatron-core>=0.16.1")}
@@ -80,7 +77,7 @@ def build_backends(model_dir: str, *, engine: str, trainer: str,
     max_running = int(engine_options.get("max_running", 64))
     if engine == "sglang":
         from gyre.workerd.engines.sglang import SglangEngine
-        from gyre.workerd.modeldir import weight_files
+        from gyre.workerd.weightfiles import weight_files
 
         server = dict(engine_options.get("server", {}))
         if server.get("load_format") != "dummy":

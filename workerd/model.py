@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gyre.workerd.modeldir import ModelConfig, ModelDirError
+# From their home, not workerd/modeldir.py: that module's init_tiny builds a CausalLM.
+from gyre.coordinator.modeldir import ModelConfig, ModelDirError, load_config
+from gyre.workerd.weightfiles import iter_weights
 
 
 class RMSNorm(nn.Module):
@@ -294,8 +296,6 @@ def num_params(model: nn.Module) -> int:
 
 
 def load_model(model_dir, config: ModelConfig | None = None) -> CausalLM:
-    from gyre.workerd.modeldir import iter_weights, load_config
-
     config = config or load_config(model_dir)
     model = CausalLM(config)
     model.load_hf_weights(iter_weights(model_dir))

@@ -1,7 +1,7 @@
 """modeldir.py: a Hugging Face model directory as gyre's model spec.
 
-Checks a directory whole (`check_model_dir`), streams safetensors weights by their HF names,
-and writes the embedded default (`gyre init-model tiny DIR`): a seeded random Qwen2 model,
+Checks a directory whole (`check_model_dir`; its weights are weightfiles.py's) and writes
+the embedded default (`gyre init-model tiny DIR`): a seeded random Qwen2 model,
 a byte-level `tokenizers` tokenizer and a ChatML chat template with Hermes tool calls.
 Nothing here downloads; a missing file is a `ModelDirError` naming it. Not the tokenizer
 *runtime*: the proxy loads tokenizer.json itself.
@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import Iterator
 
 # config.json and gyre.json are read where the coordinator resolves a run (coordinator/modeldir.py);
-# workerd's modules and tests take ModelConfig, ModelDirError and load_config from here too.
+# workerd's modules and tests take ModelConfig, ModelDirError and load_config from here too, but
+# model.py, which init_tiny below builds on, takes them from there.
 from gyre.coordinator.modeldir import ModelConfig, ModelDirError, gyre_defaults, load_config, read_json, require
+from gyre.workerd.weightfiles import weight_files
 
 
 def check_model_dir(model_dir: str | Path) -> ModelConfig:
@@ -39,25 +40,6 @@ def check_model_dir(model_dir: str | Path) -> ModelConfig:
     weight_files(root)
     gyre_defaults(root)
     return config
-
-
-def weight_files(model_dir: str | Path) -> list[Path]:
-    root = Path(model_dir)
-    index = root / "model.safetensors.index.json"
-    if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [require(root / n, "a weight shard named by the index") for n in names]
-    return [require(root / "model.safetensors", "the model weights")]
-
-
-def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, "object"]]:
-    """Yield (hf_name, torch.Tensor) for every tensor in the directory's safetensors."""
-    from safetensors import safe_open
-
-    for path in weight_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
 
 
 # --- the embedded default ---------------------------------------------------------------

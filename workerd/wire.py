@@ -30,6 +30,11 @@ class WireError(GyreError, ValueError):
     """A frame sequence that does not decode to a known message."""
 
 
+class BackendError(GyreError):
+    """An unknown backend, one whose package is not installed, or an option it does not
+    know (workerd refuses them; an Error reply names this class)."""
+
+
 class TensorFrame(NamedTuple):
     """One raw tensor buffer: `dtype` is a torch dtype name ("float32", "bfloat16", ...)."""
 

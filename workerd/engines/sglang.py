@@ -21,9 +21,9 @@ from typing import Any, AsyncIterator, Callable, Iterable, Iterator
 
 import torch
 
-from gyre.workerd.backends import BackendError
 from gyre.workerd.engines.base import RolloutEngine, SamplingParams, TokenOutput
 from gyre.workerd.engines.cpu import EngineReleased
+from gyre.workerd.wire import BackendError
 
 log = logging.getLogger("gyre.workerd")
 
