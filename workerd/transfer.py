@@ -12,12 +12,12 @@ Two backends behind one seam (the coordinator picks with `weight_transfer`):
   clusters that is RDMA; on CPU machines the `mooncake-transfer-engine-non-cuda` package
   (with Debian's `libibverbs1`) runs it over TCP. Mooncake listens on all interfaces.
 
-- `BroadcastGroup`: a torch.distributed group built the way SGLang's engines join one
-  (`Engine.init_weights_update_group`): a TCP rendezvous at master_address:master_port, a
-  store prefixed with the group name, the trainer as rank 0. A publication is one
-  broadcast per tensor from rank 0 in the order of its (name, dtype, shape) specs, which
-  is what `Engine.update_weights_from_distributed` receives; a CPU engine can receive the
-  same way (`recv`). NCCL on GPUs, gloo on CPU; the fallback where Mooncake is missing.
+- `BroadcastGroup`: a torch.distributed group of its own (a TCP rendezvous at
+  master_address:master_port, a store prefixed with the group name), the core's trainer as
+  rank 0. A publication is one broadcast per tensor from rank 0 in the order of its (name,
+  dtype, shape) specs; each other member's workerd receives them (`recv`) and loads its
+  trainer and engine from there. NCCL on GPUs, gloo on CPU; the fallback where Mooncake is
+  missing.
 
 Not the wire protocol (wire.py) and not the policy of who sends what (the coordinator).
 """
@@ -137,10 +137,10 @@ class MooncakeTransfer:
 
 
 class BroadcastGroup:
-    """One member of a weight-broadcast group (rank 0 sends, the others receive). Its
-    rendezvous matches SGLang's `init_custom_process_group`, so SGLang's TP workers (ranks
-    rank_offset..) and gyre processes can share a group. Construction blocks until every
-    rank has joined; rank 0 hosts the TCP store, which listens on all interfaces."""
+    """One member of a weight-broadcast group (rank 0 sends, the others receive), built
+    apart from the default process group (a TP cell's own) as SGLang's
+    `init_custom_process_group` builds one. Construction blocks until every rank has
+    joined; rank 0 hosts the TCP store, which listens on all interfaces."""
 
     def __init__(self, *, master_address: str, master_port: int, rank: int, world_size: int,
                  group_name: str = "gyre_weights", backend: str = "gloo", timeout_s: float = 300.0):

@@ -122,7 +122,6 @@ class FakeSglangEngine:
         self.paused: str | None = None
         self.session_open = False
         self.offloaded: set[str] = set()
-        self.groups: set[str] = set()
         self.weights: dict[str, torch.Tensor] = {}
         self.is_shut_down = False
         self._waiters: list[asyncio.Event] = []
@@ -287,33 +286,6 @@ class FakeSglangEngine:
             return False, ("Weights were updated, but the cache was not flushed because requests are "
                            "still running or queued.")
         return True, "Success"
-
-    def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name,
-                                  backend="nccl"):
-        self.calls.append(("init_weights_update_group", {
-            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-            "world_size": world_size, "group_name": group_name, "backend": backend}))
-        if "init_weights_update_group" in self.fail:
-            return False, self.fail["init_weights_update_group"]
-        self.groups.add(group_name)
-        return True, "Succeeded to initialize custom process group."
-
-    def update_weights_from_distributed(self, names, dtypes, shapes, group_name="weight_update_group",
-                                        flush_cache=True, load_format=None):
-        self.calls.append(("update_weights_from_distributed", {
-            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-            "flush_cache": flush_cache}))
-        self._locked("update_weights_from_distributed")
-        if (refused := self._session("update_weights_from_distributed")) is not None:
-            return refused
-        if group_name not in self.groups:
-            return False, f"Failed to receive weights: group {group_name} is not initialised"
-        return True, "Succeeded to update parameter online."
-
-    def destroy_weights_update_group(self, group_name):
-        self.calls.append(("destroy_weights_update_group", {"group_name": group_name}))
-        self.groups.discard(group_name)
-        return True, "Succeeded to destroy custom process group."
 
     def shutdown(self):
         self.calls.append(("shutdown", {}))

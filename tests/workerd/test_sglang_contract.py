@@ -302,44 +302,7 @@ def test_a_refused_begin_raises_and_continues_generation(make):
     assert eng.version == 0 and fake.paused is None
 
 
-# --- 5. weight updates over a distributed group ---------------------------------------------
-
-def test_distributed_update_bracket_and_arguments(make):
-    eng, fake = make()
-    with pytest.raises(RuntimeError, match="init_update_group"):
-        eng.load_weights_distributed([("w", "float32", [2])], version=1)
-    eng.init_update_group("10.0.0.1", 29500, rank_offset=1, world_size=2, group_name="g", backend="gloo")
-    assert kwargs_of(fake, "init_weights_update_group") == [{
-        "master_address": "10.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 2,
-        "group_name": "g", "backend": "gloo"}]
-    started(eng, fake, "a")
-    mark = len(fake.calls)
-    specs = [("w1", torch.bfloat16, torch.Size([4, 8])), ("w2", "float32", (3,))]
-    assert eng.load_weights_distributed(specs, version=5) == 4 * 8 * 2 + 3 * 4
-    assert names(fake, mark) == BRACKET + ["update_weights_from_distributed"] + CLOSE
-    assert kwargs_of(fake, "update_weights_from_distributed") == [{
-        "names": ["w1", "w2"], "dtypes": ["bfloat16", "float32"], "shapes": [[4, 8], [3]],
-        "group_name": "g", "flush_cache": False}]
-    assert eng.version == 5
-
-    fake.fail["update_weights_from_distributed"] = "Failed to receive weights: NCCL timeout"
-    with pytest.raises(SglangError, match="NCCL timeout"):
-        eng.load_weights_distributed(specs, version=6)
-    assert names(fake)[-3:] == CLOSE and eng.version == 5
-    eng.destroy_update_group()
-    assert kwargs_of(fake, "destroy_weights_update_group") == [{"group_name": "g"}] and not fake.groups
-
-
-def test_a_failed_group_init_raises_sglangs_message(make):
-    eng, fake = make()
-    fake.fail["init_weights_update_group"] = "Failed to initialize custom process group: timeout"
-    with pytest.raises(SglangError, match="custom process group: timeout"):
-        eng.init_update_group("10.0.0.1", 29500, rank_offset=1, world_size=2)
-    with pytest.raises(RuntimeError, match="init_update_group"):
-        eng.load_weights_distributed([("w", "float32", [2])], version=1)
-
-
-# --- 6. options -----------------------------------------------------------------------------
+# --- 5. options -----------------------------------------------------------------------------
 
 def test_server_args_from_arguments_and_options(make):
     eng, fake = make(version=1, max_running=8, seed=3,
@@ -393,7 +356,7 @@ def test_shutdown_closes_streams(make):
     assert names(fake)[-1] == "shutdown" and eng.running == 0
 
 
-# --- 7. SURFACE against the installed SGLang's source ---------------------------------------
+# --- 6. SURFACE against the installed SGLang's source ---------------------------------------
 
 MODULES = {"Engine": "sglang.srt.entrypoints.engine",
            "TokenizerManager": "sglang.srt.managers.tokenizer_manager",

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -59,10 +58,6 @@ SURFACE: dict[str, tuple[str, ...]] = {
     "Engine.begin_weight_update": (),
     "Engine.end_weight_update": (),
     "Engine.update_weights_from_tensor": ("named_tensors", "flush_cache"),
-    "Engine.init_weights_update_group": ("master_address", "master_port", "rank_offset", "world_size",
-                                         "group_name", "backend"),
-    "Engine.update_weights_from_distributed": ("names", "dtypes", "shapes", "group_name", "flush_cache"),
-    "Engine.destroy_weights_update_group": ("group_name",),
     "Engine.shutdown": (),
     "TokenizerManager.abort_request": ("rid",),
     "TokenizerManager.pause_generation": ("obj",),
@@ -140,7 +135,6 @@ class SglangEngine(RolloutEngine):
         self._streams: dict[str, _Stream] = {}
         self._seq = itertools.count()
         self._released: set[str] = set()  # memory tags released and not yet resumed
-        self._group: str | None = None
         self._pending: tuple[list[tuple[str, torch.Tensor]], int] | None = None  # published while released
 
     @property
@@ -295,7 +289,13 @@ class SglangEngine(RolloutEngine):
         """A publication from tensors in this process (received frames, or the colocated
         trainer's), sent in calls of at most `bucket_bytes` (one tensor may exceed it).
         While the weights are released (a training cell's engine follows publications too)
-        the tensors are kept on the host and loaded by `resume_memory`, before the cache."""
+        the tensors are kept on the host and loaded by `resume_memory`, before the cache.
+
+        The only way in: every transfer path (frames, Mooncake, broadcast) ends with the
+        tensors in the workerd, whose trainer takes them too. SGLang's own receive
+        (update_weights_from_distributed) would put its ranks in the broadcast group, and a
+        member must join every broadcast: trainer-only ones, and those that find its
+        weights released."""
         if WEIGHTS in self._released:
             kept = [(name, t.detach().to("cpu", copy=True)) for name, t in named]
             self._pending = (kept, version)  # self.version moves when they are loaded
@@ -315,43 +315,6 @@ class SglangEngine(RolloutEngine):
                 nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
         self.version = version
         return nbytes
-
-    def init_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                          group_name: str = "gyre_weights", backend: str = "nccl") -> None:
-        """Joins the trainer's broadcast group as ranks rank_offset.. (one per TP rank).
-        Blocks until every rank has joined, the trainer's rank 0 included: the caller must
-        have the trainer join concurrently, or this never returns."""
-        _check(self.engine.init_weights_update_group(
-            master_address=master_address, master_port=master_port, rank_offset=rank_offset,
-            world_size=world_size, group_name=group_name, backend=backend), "init_weights_update_group")
-        self._group = group_name
-
-    def load_weights_distributed(self, specs: list[tuple[str, Any, Iterable[int]]], version: int) -> int:
-        """Receives one publication broadcast over the group of init_update_group; `specs`
-        are (name, dtype, shape) in broadcast order. Blocks until the trainer has broadcast
-        them all: it must do so concurrently."""
-        self._need_weights()
-        if self._group is None:
-            raise RuntimeError("no weight-update group: call init_update_group first")
-        names = [name for name, _, _ in specs]
-        dtypes = [str(dtype).removeprefix("torch.") for _, dtype, _ in specs]
-        shapes = [[int(n) for n in shape] for _, _, shape in specs]
-        with self._weight_update():
-            _check(self.engine.update_weights_from_distributed(
-                names=names, dtypes=dtypes, shapes=shapes, group_name=self._group, flush_cache=False),
-                "update_weights_from_distributed")
-        self.version = version
-        return sum(math.prod(s) * getattr(torch, d).itemsize for d, s in zip(dtypes, shapes))
-
-    def destroy_update_group(self) -> None:
-        if self._group is not None:
-            _check(self.engine.destroy_weights_update_group(group_name=self._group),
-                   "destroy_weights_update_group")
-            self._group = None
-
-    def _need_weights(self) -> None:
-        if WEIGHTS in self._released:
-            raise EngineReleased("engine weights are released: resume them before loading")
 
     @contextmanager
     def _weight_update(self) -> Iterator[None]:
