@@ -85,7 +85,8 @@ def render(status: dict, width: int = 80) -> Group:
     strip_width = max(8, width - FIXED_COLUMNS)
     for cell in s["cells"]:
         dead = cell.get("alive") is False and s.get("state") == "running"  # not the shutdown's deregistration
-        role = Text("dead", style="bold red") if dead else Text(cell["role"], style=ROLE_STYLE.get(
+        label = f"-> {cell['role']}" if cell.get("switching") else cell["role"]
+        role = Text("dead", style="bold red") if dead else Text(label, style=ROLE_STYLE.get(
             cell["role"], ("", ""))[1])
         cells.add_row(str(cell["cell"]), role, str(cell["running"]), str(cell["claimed"]),
                       f"{cell['in_role_s']:.0f}s", strip(cell["timeline"], s["t"], strip_width))

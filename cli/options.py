@@ -30,7 +30,10 @@ ExecutionOpt = Annotated[Optional[str], typer.Option("--execution", help="Only t
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a tree.")]
 JMaxOpt = Annotated[int, typer.Option("--j-max", help="Admission cap J_max for the statistics.")]
 ConfigArg = Annotated[Optional[Path], typer.Argument(help="Run config file (TOML, YAML or JSON); flags override it.")]
-PolicyOpt = Annotated[Optional[str], typer.Option("--policy", help="Placement policy: elastic, colocate or async.")]
+PolicyOpt = Annotated[Optional[str], typer.Option("--policy", help="Placement policy: elastic, colocate, async (a fixed split "
+                                                 "training full batches, the paper's Async baseline) or "
+                                                 "async-streaming (a fixed split, a step from the first ready "
+                                                 "group).")]
 NoLiveOpt = Annotated[bool, typer.Option("--no-live", help="Plain log lines instead of the live view.")]
 ParentPidOpt = Annotated[Optional[int], typer.Option("--parent-pid", help="Exit when this process (the coordinator that started us) is gone.")]
 HarnessOpt = Annotated[Optional[str], typer.Option("--harness", help="Run this harness preset once (demo, claude-code, openai-compatible, or one from --config) instead of waiting for clients.")]

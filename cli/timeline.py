@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import NamedTuple
 from xml.sax.saxutils import escape
 
+from gyre.coordinator.policies import POLICIES
 from gyre.coordinator.sim import ROLLOUT, SWITCHING, TRAINING, SimResult
 
 _CHARS = {ROLLOUT: "R", TRAINING: "T", SWITCHING: "~"}
@@ -172,8 +173,8 @@ def result_from_metrics(path: str | Path) -> RunResult:
     cfg_path = Path(path).with_name("config.json")
     cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
     cells = int(cfg.get("cells", 1 + max((e["cell"] for e in events if e["event"] == "role"), default=0)))
-    initial = ["training" if cfg.get("policy") == "async" and c < cfg.get("async_training_cells", 1) else "rollout"
-               for c in range(cells)]
+    spec = POLICIES.get(cfg.get("policy", "elastic"), POLICIES["elastic"])
+    initial = list(spec.initial_roles(cells, cfg.get("async_training_cells", 1)))
     timeline: list[tuple[float, int, str]] = [(0.0, c, r) for c, r in enumerate(initial)]
     for e in events:
         if e["event"] == "role":

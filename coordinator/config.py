@@ -6,13 +6,12 @@ Not a parser: the CLI builds it (flags and config files come later, in one place
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from gyre.coordinator.policies import POLICIES
+from gyre.coordinator.schedule import dispatch_target
 from gyre.workerd.wire import ENGINE_BACKENDS, TRAINER_BACKENDS
-
-POLICIES = ("elastic", "colocate", "async")
 
 
 # (field, bound, strict): value > bound (strict) or >= bound; None passes (optional fields).
@@ -25,12 +24,6 @@ _RANGES = [
     ("worker_call_timeout_s", 0, True), ("checkpoint_timeout_s", 0, True), ("default_max_tokens", 1, False), ("max_tokens_cap", 1, False),
     ("max_context", 2, False), ("infra_failures_in_row", 0, False), ("rollout_temperature", 0, True), ("transfer_port", 0, False), ("proxy_port", 0, False),
 ]
-
-
-def dispatch_target(phi: float, mu: int, groups_per_step: int, publications: int) -> int:
-    """Boundary dispatch: cumulative groups dispatched after `publications` weight
-    publications (0 = the initial fill of (phi + mu) * B). Shared by runs and `gyre sim`."""
-    return math.floor((phi + mu * (1 + publications)) * groups_per_step + 1e-9)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -153,8 +146,8 @@ class CoordinatorConfig:
         if self.trainer_backend not in TRAINER_BACKENDS:
             raise ValueError(f"trainer_backend must be one of {', '.join(TRAINER_BACKENDS)}, "
                              f"got {self.trainer_backend!r}")
-        if self.policy == "async" and not 1 <= self.async_training_cells < self.cells:
-            raise ValueError(f"async needs 1 <= async_training_cells < cells ({self.cells}); "
+        if POLICIES[self.policy].fixed_split and not 1 <= self.async_training_cells < self.cells:
+            raise ValueError(f"{self.policy} needs 1 <= async_training_cells < cells ({self.cells}); "
                              f"got {self.async_training_cells}")
 
     def preset(self):

@@ -14,7 +14,6 @@ import asyncio
 import logging
 
 from gyre.coordinator.link import WorkerDeadError
-from gyre.coordinator.training import push_core_weights
 from gyre.workerd import wire
 
 log = logging.getLogger("gyre.coordinator")
@@ -30,9 +29,7 @@ def watch(coord) -> None:
         if cell in coord.dead or link is None or link.alive:
             continue
         coord.dead.add(cell)
-        if coord._broadcast is not None:  # the weight-broadcast group lost a member for good
-            log.warning("weight broadcast disabled: cell %d left its group; publications go by ZeroMQ", cell)
-            coord._broadcast = None
+        coord.weights.lost_member(cell)
         coord.table.routes[node].accepting = False
         coord.record_role(cell, coord.roles[cell], "dead")
         log.error("cell %d (%s) is dead: excluded from rollout and training until a worker re-registers",
@@ -64,7 +61,7 @@ async def rejoin(coord, cell: int, node: str) -> None:
     coord.nodes[cell] = node
     coord.table.set_nodes(coord.nodes)
     try:
-        await push_core_weights(coord, [cell], engine=True, version=coord.trainer_version)
+        await coord.weights.push([cell], engine=True, version=coord.trainer_version)
         await coord.link.request(node, wire.SetRole(req_id=coord.link.new_req_id(), role="rollout"))
     except WorkerDeadError as e:
         log.warning("rejoin of cell %d failed: %s (it stays excluded)", cell, e)

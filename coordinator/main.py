@@ -1,13 +1,14 @@
 """main.py: the coordinator: startup -> run (a 100 ms tick) -> shutdown, in one event loop.
 
 It owns the waterlevel counters, the dispatch queue, the trajectory buffer, the cells'
-roles and the proxy. Each tick: (1) launch queued executions into rollout capacity,
-(2) publish weights at burst end and refill the dispatch queue, (3) ask the placement
-policy for roles and start a transition (or satellite joins) if they differ, (4) start a
-training step when training cells and ready groups allow, (5) decide whether the run is done.
-Long operations run as tasks the tick starts and watches; an exception in any of them
-ends the run (a half-alive coordinator is worse than a restart). Not the workers' logic
-and not the proxy's: both are driven through their interfaces.
+roles and the proxy. Each tick reads them into a `schedule.State`, asks `schedule.decide`
+(the rules live there, shared with `gyre sim`) and carries the decisions out: launch
+queued executions, start a publication, start each cell's role switch (in parallel),
+let cells join the batch in flight, start a step; the run ends when the scheduler says
+it is done. Long operations run as tasks the tick starts and watches; an exception in
+any of them ends the run (a half-alive coordinator is worse than a restart). Not the
+scheduling rules, the workers' logic or the proxy's: all three are driven through their
+interfaces.
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ from gyre.coordinator.link import WorkerCallTimeout, WorkerDeadError, WorkerErro
 from gyre.coordinator.sandbox import SandboxError
 from gyre.coordinator.local import LocalCluster
 from gyre.coordinator.metrics import Metrics
-from gyre.coordinator.training import Batch, init_broadcast, memcpy_seconds, push_core_weights
-from gyre.coordinator.policies import POLICIES, Snapshot
+from gyre.coordinator.publisher import WeightPublisher, memcpy_seconds
+from gyre.coordinator.training import Batch
+from gyre.coordinator.policies import POLICIES
 from gyre.coordinator.routing import LinkBackend, RoutingTable
+from gyre.coordinator.schedule import BatchView, State, decide, topup
 from gyre.coordinator.status import Rates, snapshot
 from gyre.coordinator.taskformats import load_task_source
 from gyre.coordinator.tasks import TaskSource, default_tasks
@@ -72,13 +75,12 @@ class Coordinator:
         self.resume = resume  # continue RUN_DIR from its latest checkpoint (resume.py)
         tasks = load_task_source(config.tasks_path) if config.tasks_path else default_tasks()
         self.tasks = TaskSource(tasks, seed=config.seed)
-        self.policy = POLICIES[config.policy]
+        self.spec = POLICIES[config.policy]
         self.wl = Waterlevel()
         self.buffer = TrajectoryBuffer(config.min_valid)
         self.queue: deque[Run] = deque()
         self.runs: dict[str, asyncio.Task] = {}
-        self.roles = ["rollout"] * config.cells if config.policy != "async" else [
-            "training" if c < config.async_training_cells else "rollout" for c in range(config.cells)]
+        self.roles = list(self.spec.initial_roles(config.cells, config.async_training_cells))
         self.version = 0  # published policy version
         self.trainer_version = 0
         self.steps_done = 0
@@ -87,11 +89,9 @@ class Coordinator:
         self.groups_dispatched = 0
         self.step_task: asyncio.Task | None = None
         self.batch: Batch | None = None
-        self._core_cache: tuple | None = None  # (trainer version, bytes, frames) of the core's weights
-        self._core_offer: dict | None = None  # Mooncake: the core's handle for the trainer version
-        self._broadcast: dict | None = None  # broadcast: the group's weight specs, while the group is whole
-        self.last_transfer: str | None = None  # the path the last push of weights took (zmq | mooncake | broadcast)
-        self.side_task: asyncio.Task | None = None  # a transition or a publication
+        self.side_task: asyncio.Task | None = None  # a publication or a rejoin: weights on the move
+        self.switch_tasks: dict[int, asyncio.Task] = {}  # per cell: its role change (the last one)
+        self.join_tasks: dict[int, asyncio.Task] = {}  # cells joining the batch in flight
         self.changed = asyncio.Event()  # a run closed (the streaming packer waits on it)
         self.infra_streak = 0  # executions in a row that ended aborted_infra
         self.fatal: Exception | None = None  # raised by the next tick: the run cannot go on
@@ -109,6 +109,15 @@ class Coordinator:
         self.no_reducer: set[int] = set()  # rejoined cells: they roll out, they cannot reduce gradients
         self._rejoins: dict[int, str] = {}  # dead cell -> the ready replacement node, not yet brought in
         self.cluster: LocalCluster | None = None
+        # Set once the run starts (run, _startup): the workers, routes, proxy and sandboxes.
+        self.link = None  # the cluster's WorkerLink
+        self.weights: WeightPublisher | None = None  # the core's weights to the other cells
+        self.nodes: list[str] = []  # per cell: its node id
+        self.table: RoutingTable | None = None
+        self.proxy: ProxyServer | None = None
+        self.sandboxes = None  # the sandbox host pool (launcher.open_sandboxes)
+        self.launcher: Launcher | None = None
+        self._checkpoint_dir = self._state = self._journal = None  # resume: what resume.latest found
         self.peak_rss: list[int | None] = []  # per cell, read from the workers at shutdown
 
     def status(self) -> dict:
@@ -148,6 +157,7 @@ class Coordinator:
             self.cluster = cluster
             self.link = cluster.link
             self.nodes = [cluster.node_of_cell(i) for i in range(c.cells)]
+            self.weights = WeightPublisher(c, self.link, self.nodes, cluster, self.dead)
             await self._startup()
             try:
                 while not await self.tick():
@@ -211,7 +221,7 @@ class Coordinator:
             req_id=link.new_req_id(), rank=i, world_size=c.cells, init_method=init))
             for i, n in enumerate(self.nodes)))
         if c.weight_transfer == "broadcast" and len(self.nodes) > 1:
-            await init_broadcast(self)
+            await self.weights.init_broadcast()
         if self.resume:
             await resume.restore(self)
         else:
@@ -226,7 +236,7 @@ class Coordinator:
         for run_id, task in list(self.runs.items()):
             task.cancel()
         await asyncio.gather(*self.runs.values(), return_exceptions=True)
-        if getattr(self, "sandboxes", None) is not None:
+        if self.sandboxes is not None:
             await self.sandboxes.close()
         await self.proxy.stop()
         # Each live worker's peak memory, for the summary (a dead one has no answer: None).
@@ -290,96 +300,68 @@ class Coordinator:
     # --- the tick -----------------------------------------------------------------------
 
     async def tick(self) -> bool:
-        """One reconciliation pass; returns True when the run is finished."""
+        """One pass: the scheduler's decisions (schedule.py) for what the coordinator holds
+        now, carried out; returns True when the run is finished."""
         if self.fatal is not None:
             raise self.fatal
         if self.should_exit:
             return True
-        for task in (self.step_task, self.side_task, *self.runs.values()):
+        for task in (self.step_task, self.side_task, *self.switch_tasks.values(), *self.join_tasks.values(),
+                     *self.runs.values()):
             if task is not None and task.done() and not task.cancelled() and task.exception():
-                raise task.exception()  # a failed step, transition or launch ends the run
+                raise task.exception()  # a failed step, switch, publication or launch ends the run
         self.rates.sample(self.metrics.now(), sum(r.tokens for r in self.table.routes.values()), self.tokens_trained)
         self._watch_workers()
         health.start_rejoin(self)
-        self._launch()
-        self._publish_if_burst_done()
-        self._place()  # the policy is asked before a step starts (e.g. right after a publication)
-        self._train()
-        return self.steps_done >= self.c.steps and self._idle(self.step_task) and self._idle(self.side_task)
+        d = decide(self.schedule_state())
+        self._launch(d.launch)
+        if d.publish:
+            self.side_task = asyncio.create_task(self._publish(), name="gyre-publish")
+        for cell, role in d.switches:
+            self.switch_tasks[cell] = asyncio.create_task(self._switch(cell, role), name=f"gyre-switch-{cell}")
+        for cell in d.joins:
+            self.join_tasks[cell] = asyncio.create_task(self._join(cell), name=f"gyre-join-{cell}")
+        if d.start_step:
+            self.step_task = asyncio.create_task(self._step(list(d.start_step)), name="gyre-step")
+        return d.done and not self.join_tasks
 
     @staticmethod
     def _idle(task: asyncio.Task | None) -> bool:
         return task is None or task.done()
 
-    def trainable(self) -> int:
-        """Cells 0..k-1 that may train: alive and in the reducer's world, as a prefix (the
-        prefix process groups need it). Cells after a gap roll out only."""
-        k = 0
-        while k < len(self.roles) and k not in self.dead and k not in self.no_reducer:
-            k += 1
-        return k
-
-    def _wanted_roles(self) -> list[str]:
-        """The policy over the trainable prefix; every other live cell rolls out; a dead
-        cell keeps its last role (nothing can be asked of it)."""
-        k = self.trainable()
-        want = list(self.policy(self.snapshot(k))) if k else []
-        for cell in range(k, len(self.roles)):
-            want.append(self.roles[cell] if cell in self.dead else "rollout")
-        self._pause_or_resume(want)
-        return want
-
-    def _pause_or_resume(self, want: list[str]) -> None:
-        """A batch in flight that waits for groups while no live cell rolls out would wait
-        forever (a rollout cell died, or replacements of dropped groups need rollout): its
-        cells pause in rollout, keeping their accumulated gradients, and resume once there
-        is something to train and the other rollout cells cover the waterlevel."""
+    def schedule_state(self) -> State:
+        """What the scheduler decides over, read from the coordinator's own objects."""
+        c, counters = self.c, self.wl.c
         batch = self.batch if not self._idle(self.step_task) else None
-        if batch is None:
-            return
-        slots = self.c.exec_slots_per_cell
-        members = set(batch.participants)
-        level = self.wl.c.waterlevel
-        others = sum(slots for c, r in enumerate(want) if r == "rollout" and c not in self.dead and c not in members)
-        paused = all(self.roles[c] == "rollout" for c in members)
-        if not paused:
-            starving = not batch.packing_done and not batch.pending and level > 0
-            if starving and others == 0:
-                for c in members:
-                    want[c] = "rollout"
-            return
-        ready = bool(batch.pending) or batch.packing_done
-        for c in members:
-            want[c] = "training" if ready and others >= level else "rollout"
+        view = None
+        if batch is not None:
+            view = BatchView(members=(*batch.participants, *sorted(self.join_tasks)), window_open=batch.window_open,
+                             unclaimed=batch.unclaimed, pending=bool(batch.pending), packing_done=batch.packing_done)
+        return State(policy=c.policy, roles=tuple(self.roles), capacity=(c.exec_slots_per_cell,) * c.cells,
+                     queued=counters.queued, running=counters.running, ready_groups=self.buffer.ready_count,
+                     groups_per_step=c.groups_per_step, mu=c.mu, steps=c.steps, steps_done=self.steps_done,
+                     steps_in_burst=self.steps_in_burst, async_training_cells=c.async_training_cells,
+                     switching=frozenset(cell for cell, t in self.switch_tasks.items() if not t.done()),
+                     busy=frozenset(batch.busy) if batch is not None else frozenset(),
+                     dead=frozenset(self.dead), no_reducer=frozenset(self.no_reducer), batch=view,
+                     transfer=not self._idle(self.side_task))
 
-    def snapshot(self, k: int | None = None) -> Snapshot:
-        """The policy's view of cells 0..k-1 (default: all); rollout capacity outside the
-        prefix counts as a standalone pool."""
-        k = len(self.roles) if k is None else k
-        c = self.wl.c
-        batch = self.batch if not self._idle(self.step_task) else None
-        outside = sum(self.c.exec_slots_per_cell for cell in range(k, len(self.roles))
-                      if cell not in self.dead)
-        return Snapshot(roles=tuple(self.roles[:k]), queued=c.queued, running=c.running,
-                        ready_groups=self.buffer.ready_count, groups_per_step=self.c.groups_per_step,
-                        mu=self.c.mu, steps_in_burst=self.steps_in_burst, step_in_flight=batch is not None,
-                        async_training_cells=self.c.async_training_cells,
-                        capacity=(self.c.exec_slots_per_cell,) * k, standalone=outside,
-                        window_open=batch.window_open if batch else False,
-                        unclaimed=batch.unclaimed if batch else 0)
+    def settled(self, cell: int) -> bool:
+        """The cell holds its role: no switch of it is under way (a batch claims only then)."""
+        task = self.switch_tasks.get(cell)
+        return task is None or task.done()
 
     # 1) launch
-    def _launch(self) -> None:
-        capacity = self.c.exec_slots_per_cell * sum(
-            r == "rollout" and i not in self.dead for i, r in enumerate(self.roles))
+    def _launch(self, n: int) -> None:
         waiting: list[Run] = []  # their task's image is still building: no slot is taken for that
-        while self.queue and self.wl.c.running < capacity and self.steps_done < self.c.steps:
+        while self.queue and n > 0:
             run = self.queue.popleft()
             if self.launcher.image_state(run.task) == "building":
                 waiting.append(run)
                 continue
             self.wl.launch(run.tracked)
             self.runs[run.id] = asyncio.create_task(self._execute(run), name=f"gyre-exec-{run.id}")
+            n -= 1
         self.queue.extendleft(reversed(waiting))
 
     async def _execute(self, run: Run) -> None:
@@ -445,37 +427,22 @@ class Coordinator:
         self.metrics.emit("dispatch", group=group.id, task=group.task.id, version=group.version,
                           runs=[r.id for r in group.runs])
 
-    # 2) placement
-    def _place(self) -> None:
-        if not self._idle(self.side_task):
-            return
-        want = self._wanted_roles()
-        if want == self.roles:
-            return
-        if self._idle(self.step_task):
-            self.side_task = asyncio.create_task(self._transition(want), name="gyre-transition")
-            return
-        # A batch is in flight: its participants pause or resume (see _pause_or_resume);
-        # other cells only join it (rollout -> training).
-        members = set(self.batch.participants)
-        moves = {c: new for c, (old, new) in enumerate(zip(self.roles, want)) if old != new and c in members}
-        if moves:
-            self.side_task = asyncio.create_task(
-                self._transition([moves.get(c, r) for c, r in enumerate(self.roles)]), name="gyre-pause")
-            return
-        joins = [c for c, (old, new) in enumerate(zip(self.roles, want)) if old == "rollout" and new == "training"]
-        if joins:
-            self.side_task = asyncio.create_task(self._join(joins), name="gyre-join")
-
-    async def _set_role(self, cell: int, new: str) -> None:
+    # 2) placement: every switch its own task, cells in parallel
+    async def _switch(self, cell: int, new: str) -> None:
+        """One cell's role change; the role is its target from the start (the scheduler
+        holds the cell until this ends), routes close before and open after."""
         old, node = self.roles[cell], self.nodes[cell]
+        self.roles[cell] = new
         t0 = time.monotonic()
         if new == "training":
             self.table.routes[node].accepting = False  # no new requests; running ones are handed back
-        reply, _ = await self.link.call(node, wire.SetRole(req_id=self.link.new_req_id(), role=new))
+        try:
+            reply = await self.link.request(node, wire.SetRole(req_id=self.link.new_req_id(), role=new))
+        except WorkerDeadError as e:  # the health watch excludes the cell
+            log.warning("role change of cell %d to %s: %s", cell, new, e)
+            return
         if new == "rollout":
             self.table.routes[node].accepting = True  # every node has a route since start-up
-        self.roles[cell] = new
         if self.batch is not None:
             async with self.batch.cond:
                 self.batch.cond.notify_all()  # a paused participant may claim again
@@ -483,49 +450,31 @@ class Coordinator:
         self.metrics.emit("role", cell=cell, **{"from": old, "to": new}, seconds=round(time.monotonic() - t0, 4),
                           worker_seconds=round(reply.seconds, 4))
 
-    async def _transition(self, want: list[str]) -> None:
-        for cell, (old, new) in enumerate(zip(self.roles, want)):
-            if old != new and cell not in self.dead:
-                try:
-                    await self._set_role(cell, new)
-                except WorkerDeadError as e:  # the health watch excludes the cell
-                    log.warning("role change of cell %d to %s: %s", cell, new, e)
-
-    async def _join(self, cells: list[int]) -> None:
-        """Satellites join the batch in flight: switch, pull the core's (fixed) weights, claim."""
-        for cell in cells:
-            try:
-                await self._set_role(cell, "training")
-            except WorkerDeadError as e:
-                log.warning("cell %d could not join: %s", cell, e)
-                continue
-            t0 = time.monotonic()
-            nbytes = await push_core_weights(self, [cell], engine=False, version=self.trainer_version)
+    async def _join(self, cell: int) -> None:
+        """A training cell joins the batch in flight: the core's (fixed) weights first, if
+        its trainer is behind, then it claims micro-steps."""
+        t0 = time.monotonic()
+        try:
+            nbytes = await self._level([cell])
             if not self.link.nodes[self.nodes[cell]].alive:
-                continue  # died while pulling: never a participant
-            joined = await self.batch.join(cell)
+                return  # died while pulling: never a participant
+            joined = self.batch.join(cell)
             self.metrics.emit("join", cell=cell, joined=joined, seconds=round(time.monotonic() - t0, 4),
                               bytes=nbytes, step=self.steps_done + 1)
+        finally:
+            self.join_tasks.pop(cell, None)
+
+    async def _level(self, cells: list[int]) -> int:
+        """The core's current weights to those of `cells` whose trainers are behind it."""
+        return await self.weights.level(cells, self.trainer_version)
 
     # 3) training
-    def _train(self) -> None:
-        if not (self._idle(self.step_task) and self._idle(self.side_task)):
-            return
-        if self.steps_done >= self.c.steps or self.steps_in_burst >= self.c.mu:
-            return
-        cells = [i for i, r in enumerate(self.roles[:self.trainable()]) if r == "training"]
-        if not cells:
-            return
-        # Colocate trains on a full batch; the others stream from the first ready group.
-        need = self.c.groups_per_step if self.c.policy == "colocate" else 1
-        if self.buffer.ready_count >= need:
-            self.step_task = asyncio.create_task(self._step(cells), name="gyre-step")
-
     async def _step(self, cells: list[int]) -> None:
         t0 = time.monotonic()
         if cells != list(range(len(cells))):
             raise RuntimeError(f"training cells {cells} are not a prefix 0..k-1 (prefix groups)")
         self.batch = Batch(self, cells)
+        await self._level(cells)  # a cell that trained no step of this burst yet starts level
         res = await self.batch.run()
         version_before = self.trainer_version
         self.trainer_version = res.version
@@ -533,7 +482,7 @@ class Coordinator:
         self.steps_in_burst += 1
         satellites = [c for c in res.participants if c != 0]
         if satellites and self.steps_in_burst < self.c.mu:  # they train the next step of the burst too
-            await push_core_weights(self, satellites, engine=False, version=res.version)
+            await self._level(satellites)
         self._report(res.groups, res.executions, res.results, version_before, len(res.participants),
                      time.monotonic() - t0)
 
@@ -562,28 +511,23 @@ class Coordinator:
             self.on_step(rep)
 
     # 4) publication
-    def _publish_if_burst_done(self) -> None:
-        burst_done = self.steps_in_burst >= self.c.mu or (self.steps_done >= self.c.steps and self.steps_in_burst)
-        if burst_done and self._idle(self.step_task) and self._idle(self.side_task):
-            self.side_task = asyncio.create_task(self._publish(), name="gyre-publish")
-
     async def _publish(self) -> None:
         """The core's weights to every engine: its own engine copies its trainer; the other
         cells get the core's export (engines and trainers, so a later join starts level)."""
         t0 = time.monotonic()
         version = self.trainer_version
         core = self.nodes[0]
-        await self.link.call(core, wire.LoadWeights(req_id=self.link.new_req_id(), version=version))
-        nbytes = await push_core_weights(self, [i for i in range(1, len(self.nodes)) if i not in self.dead],
-                                         engine=True, version=version)
+        await self.link.request(core, wire.LoadWeights(req_id=self.link.new_req_id(), version=version))
+        others = [i for i in range(1, len(self.nodes)) if i not in self.dead]
+        nbytes = await self.weights.push(others, engine=True, version=version)
         self.version = version
         self.steps_in_burst = 0
         self.publications += 1
         self.metrics.emit("publish", version=version, seconds=round(time.monotonic() - t0, 4), bytes=nbytes,
-                          engines=len(self.nodes), transfer=(self.last_transfer if nbytes else None)
+                          engines=len(self.nodes), transfer=(self.weights.last_transfer if nbytes else None)
                           or self.c.weight_transfer,
                           memcpy_seconds=round(memcpy_seconds(nbytes), 5) if nbytes else None)
         if self.steps_done < self.c.steps:
-            self._dispatch(self.c.dispatch_target(self.publications) - self.c.dispatch_target(self.publications - 1))
+            self._dispatch(topup(self.c.phi, self.c.mu, self.c.groups_per_step, self.publications))
         if self.c.checkpoint_every and self.steps_done % self.c.checkpoint_every == 0 and self.steps_done:
             await resume.checkpoint(self)

@@ -33,7 +33,6 @@ from typing import Any
 import orjson
 
 from gyre.coordinator.buffer import Group, Run
-from gyre.coordinator.training import push_core_weights
 from gyre.proxy.records import load_execution
 from gyre.workerd import wire
 from gyre.workerd.wire import GyreError
@@ -169,10 +168,10 @@ async def restore(coord) -> None:
     for out in outcomes.values():  # every closed execution of the run, before and after the checkpoint
         coord.status_counts[out["status"]] = coord.status_counts.get(out["status"], 0) + 1
     coord.tokens_trained = st.get("tokens_trained", 0)
-    coord._core_cache = coord._core_offer = None
+    coord.weights.forget(coord.version)
     if folder is not None:
         await link.request(core, wire.LoadWeights(req_id=link.new_req_id(), version=coord.version))
-        await push_core_weights(coord, [i for i in range(1, len(coord.nodes))], engine=True, version=coord.version)
+        await coord.weights.push(list(range(1, len(coord.nodes))), engine=True, version=coord.version)
     if st["tasks"] is not None:  # else the task source is at its start, as the run was
         restore_task_order(coord.tasks, st["tasks"])
     tasks = {t.id: t for t in coord.tasks.tasks}

@@ -26,6 +26,7 @@ The rules, in the order `decide` applies them:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from gyre.coordinator.policies import POLICIES, PolicySpec, Snapshot
@@ -209,8 +210,6 @@ def _joins(s: State, want: list[str], k: int) -> tuple[int, ...]:
 def dispatch_target(phi: float, mu: int, groups_per_step: int, publications: int) -> int:
     """Groups dispatched in total once `publications` publications are done (0: the initial
     fill of (phi + mu) * B): boundary dispatch keeps phi + mu batches in the pipeline."""
-    import math
-
     return math.floor((phi + mu * (1 + publications)) * groups_per_step + 1e-9)
 
 

@@ -40,16 +40,17 @@ def snapshot(coord) -> dict:
     c, wl = coord.c, coord.wl.c
     now = coord.metrics.now() if coord.metrics else 0.0
     batch = coord.batch if not coord._idle(coord.step_task) else None
-    routes = coord.table.routes if getattr(coord, "table", None) else {}
-    links = coord.link.nodes if getattr(coord, "link", None) else {}
+    routes = coord.table.routes if coord.table else {}
+    links = coord.link.nodes if coord.link else {}
     cells = []
     for i, role in enumerate(coord.roles):
-        node = coord.nodes[i] if i < len(getattr(coord, "nodes", [])) else None
+        node = coord.nodes[i] if i < len(coord.nodes) else None
         route = routes.get(node)
         link = links.get(node)
         history = coord.role_history[i]
         cells.append({
-            "cell": i, "node": node, "nodes": 1, "role": role,
+            "cell": i, "node": node, "nodes": 1, "role": role,  # while switching: the role it is moving to
+            "switching": not coord.settled(i),
             "alive": None if link is None else link.alive,
             "running": route.inflight if route else 0,
             "accepting": route.accepting if route else False,
@@ -63,7 +64,7 @@ def snapshot(coord) -> dict:
     return {
         "t": now, "wall": time.time(), "policy": c.policy, "run_dir": str(c.run_dir),
         "state": "finishing" if coord.should_exit or coord.steps_done >= c.steps else "running",
-        "proxy": coord.proxy.base_url if getattr(coord, "proxy", None) else None,
+        "proxy": coord.proxy.base_url if coord.proxy else None,
         "steps": {"done": coord.steps_done, "target": c.steps},
         "version": coord.version, "trainer_version": coord.trainer_version,
         "burst": {"steps": coord.steps_in_burst, "mu": c.mu, "publications": coord.publications},
@@ -81,6 +82,6 @@ def snapshot(coord) -> dict:
         "statuses": dict(coord.status_counts),
         "cells": cells,
         # Sandbox hosts where executions run in containers: state, running, building, failed.
-        "sandbox_hosts": coord.launcher.pool.rows() if getattr(coord, "launcher", None) is not None
+        "sandbox_hosts": coord.launcher.pool.rows() if coord.launcher is not None
         and coord.launcher.backend.needs_image else [],
     }

@@ -57,7 +57,7 @@ def test_bad_sets_name_the_field(sets, message):
 @pytest.mark.parametrize("values, message", [
     ({"steps": "five"}, "field steps: expected int, got 'five'"),
     ({"lr": True}, "field lr: expected float or none, got True"),
-    ({"policy": "warp"}, "policy must be one of elastic, colocate, async, got 'warp'"),
+    ({"policy": "warp"}, "policy must be one of elastic, colocate, async, async-streaming, got 'warp'"),
     ({"harness": "nope"}, "unknown harness 'nope'"),
     ({"min_valid": 99}, r"min_valid must be in \[1, group_size=8\]"),
 ])
