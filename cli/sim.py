@@ -81,7 +81,7 @@ def sim(ctx: typer.Context, workload: WorkloadOpt = "nl2repo", policy: SimPolicy
         return
     from gyre.coordinator.sim import simulate
     from gyre.workerd.wire import GyreError
-    from gyre.coordinator.timeline import role_timeline_svg, role_timeline_text
+    from gyre.cli.timeline import role_timeline_svg, role_timeline_text
 
     _check_policy(policy)
     _check(steps=steps, mu=mu, phi=phi, cells=cells, cell_nodes=cell_nodes, standalone=standalone)

@@ -33,100 +33,21 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import json
 import math
 import random
 from collections import deque
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Callable
 
 from gyre.coordinator.policies import POLICIES, Snapshot
 from gyre.coordinator.schedule import BatchView, Decisions, State, decide, dispatch_target, policy_snapshot, topup
 from gyre.coordinator.waterlevel import ExecState, Waterlevel
-from gyre.workerd.wire import GyreError
+from gyre.coordinator.workloads import (  # noqa: F401 - the workloads, re-exported for `gyre sim`'s users
+    PRESETS, SimError, Workload, duration_stats, sample_query, workload_from_metrics)
 
 ROLLOUT, TRAINING, SWITCHING = "rollout", "training", "switching"
 Trace = Callable[[float, Snapshot, tuple[str, ...]], None]
 _EPS_H = 1e-7  # work-hours tolerance of the shared progress clock (0.4 ms)
-
-
-class SimError(GyreError):
-    """The simulated run cannot go on: the policy broke the prefix rule or stalled the run."""
-
-
-@dataclass(frozen=True)
-class Workload:
-    """One cluster and task mix. Durations: per query a scale lognormal(0, query_sigma),
-    times `hard_mult` for a `hard_frac` of queries (tasks the agent rarely finishes: the
-    timeouts bunch there); per execution exec_median_h * scale * lognormal(0, exec_sigma).
-    `empirical_groups_h` (from a real run) replaces the model: a recorded group is drawn
-    and its durations resampled (inf = timed out)."""
-
-    name: str
-    cells: int
-    cell_nodes: int
-    group_size: int  # N
-    groups_per_step: int  # B
-    exec_slots_per_cell: int
-    timeout_h: float
-    train_h_all: float  # hours of one step when every cell trains
-    switch_to_train_s: float = 8.52
-    switch_to_rollout_s: float = 3.46
-    publish_s: float = 30.0
-    micro_steps_per_group: int = 4
-    load_alpha: float = 0.3
-    exec_median_h: float = 1.0
-    query_sigma: float = 0.0
-    exec_sigma: float = 0.5
-    hard_frac: float = 0.0
-    hard_mult: float = 1.0
-    empirical_groups_h: tuple[tuple[float, ...], ...] = ()
-    train_h_by_cells: tuple[tuple[int, float], ...] = ()  # measured (cells, step hours), reference only
-
-
-PRESETS: dict[str, Workload] = {
-    # Paper's NL2Repo run: 32 nodes, 4 h harness deadline. Calibrated by a numeric search
-    # to mean 1.93 h/execution, 2.96 h/query (group max), 9.51% queries at the cap, 6.25%
-    # executions timed out (see test_sim.py for the sampled figures).
-    "nl2repo": Workload(name="nl2repo", cells=8, cell_nodes=4, group_size=16, groups_per_step=32,
-                        exec_slots_per_cell=144, timeout_h=4.0, train_h_all=0.4, micro_steps_per_group=4,
-                        exec_median_h=1.70, query_sigma=0.10, exec_sigma=0.29, hard_frac=0.06, hard_mult=4.45),
-    # SWE-style repair (DeepSWE-like): ~0.5 h mean, 2 h deadline, N=16 (768 executions a
-    # step); a step of long multi-turn contexts is 0.25 h on all 24 nodes (1.5 cell-hours,
-    # close to the 2 cell-hours its rollouts take: training-heavy like NL2Repo).
-    "deepswe": Workload(name="deepswe", cells=6, cell_nodes=4, group_size=16, groups_per_step=48,
-                        exec_slots_per_cell=192, timeout_h=2.0, train_h_all=0.25, micro_steps_per_group=4,
-                        exec_median_h=0.40, query_sigma=0.35, exec_sigma=0.45, hard_frac=0.04, hard_mult=3.0),
-    # Terminal tasks: ~0.35 h mean, 1 h deadline, N=8 (384 executions a step); shorter
-    # contexts: 0.12 h a step on all 24 nodes.
-    "terminalbench": Workload(name="terminalbench", cells=6, cell_nodes=4, group_size=8, groups_per_step=48,
-                              exec_slots_per_cell=192, timeout_h=1.0, train_h_all=0.12, micro_steps_per_group=2,
-                              exec_median_h=0.28, query_sigma=0.4, exec_sigma=0.4, hard_frac=0.05, hard_mult=3.0),
-}
-
-
-def sample_query(w: Workload, rng: random.Random) -> list[float]:
-    """Work hours (at load 1) of one query's N executions; >= timeout_h means a timeout."""
-    if w.empirical_groups_h:
-        g = rng.choice(w.empirical_groups_h)
-        return [rng.choice(g) for _ in range(w.group_size)]
-    scale = w.exec_median_h * math.exp(rng.gauss(0.0, w.query_sigma))
-    if rng.random() < w.hard_frac:
-        scale *= w.hard_mult
-    return [scale * math.exp(rng.gauss(0.0, w.exec_sigma)) for _ in range(w.group_size)]
-
-
-def duration_stats(w: Workload, *, queries: int, seed: int) -> dict[str, float]:
-    """The four statistics the presets are calibrated to, at load 1."""
-    rng = random.Random(seed)
-    execs = [sample_query(w, rng) for _ in range(queries)]
-    capped = [[min(x, w.timeout_h) for x in q] for q in execs]
-    n = queries * w.group_size
-    return {"mean_exec_h": sum(map(sum, capped)) / n,
-            "mean_query_h": sum(map(max, capped)) / queries,
-            "query_cap_frac": sum(max(q) >= w.timeout_h for q in execs) / queries,
-            "exec_timeout_frac": sum(x >= w.timeout_h for q in execs for x in q) / n}
 
 
 @dataclass
@@ -315,11 +236,11 @@ class _Sim:
         self.outstanding -= 1
 
     def publish(self) -> None:
-        self.publishing, self.busy[0] = True, True
+        self.publishing = True  # the core is held by the scheduler while weights move
         self.push(self.t + self.w.publish_s / 3600, "published")
 
     def on_published(self, _: int) -> None:
-        self.publishing, self.busy[0] = False, False
+        self.publishing = False
         self.version, self.steps_in_burst = self.trainer_version, 0
         self.publications += 1
         self.publication_hours.append(self.t)
@@ -333,7 +254,8 @@ class _Sim:
         if self.step_in_flight:
             packed = self.taken == w.groups_per_step
             batch = BatchView(members=tuple(self.members), window_open=not packed or self.unclaimed > 0,
-                              unclaimed=self.unclaimed, pending=self.unclaimed > 0, packing_done=packed)
+                              unclaimed=self.unclaimed + (0 if packed else 1),  # as training.Batch counts
+                              pending=self.unclaimed > 0, packing_done=packed)
         return State(policy=self.policy_name, roles=tuple(self.roles), capacity=(w.exec_slots_per_cell,) * w.cells,
                      queued=c.queued, running=c.running, ready_groups=len(self.ready),
                      groups_per_step=w.groups_per_step, mu=self.mu, steps=steps, steps_done=self.steps_done,
@@ -493,60 +415,3 @@ def compare(workload: Workload, *, ed: float = 1.5, steps: int, seeds: list[int]
             "speedup": {"vs_async": out["async"]["hours"] / el,
                         "vs_async_streaming": out["async-streaming"]["hours"] / el,
                         "vs_colocate": out["colocate"]["hours"] / el}}
-
-
-# --- a workload from a real run ---------------------------------------------------------------
-
-
-def workload_from_metrics(path: str | Path) -> Workload:
-    """A Workload from a run's metrics.jsonl (and its config.json next to it, if present):
-    recorded groups' execution durations are resampled (timed_out ones end at the deadline);
-    the step's cell-hours are the mean of measured step seconds x cells training (an upper
-    bound where satellites joined mid-step), kept per cell count in `train_h_by_cells`;
-    switch and publication times are the measured ones. Cluster shape comes from config.json, else from
-    the events."""
-    path = Path(path)
-    events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    cfg_path = path.parent / "config.json"
-    cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
-    groups: dict[int, list[float]] = {}
-    for e in events:
-        if e.get("event") == "execution" and e.get("t_start") is not None and e.get("t_end") is not None:
-            hours = math.inf if e.get("status") == "timed_out" else (e["t_end"] - e["t_start"]) / 3600
-            groups.setdefault(e["group"], []).append(hours)
-    steps = [e for e in events if e.get("event") == "step"]
-    roles = [e for e in events if e.get("event") == "role"]
-    if not groups or not steps:
-        raise SimError(f"{path}: needs execution and step events")
-    cells = int(cfg.get("cells") or max([e["cells_training"] for e in steps] + [e["cell"] + 1 for e in roles]))
-    cell_h = sum(e["seconds"] * e["cells_training"] for e in steps) / len(steps) / 3600
-    by_cells: dict[int, list[float]] = {}
-    for e in steps:
-        by_cells.setdefault(e["cells_training"], []).append(e["seconds"] / 3600)
-    finite = [x for g in groups.values() for x in g if math.isfinite(x)]
-    timeout_h = cfg["execution_timeout_s"] / 3600 if "execution_timeout_s" in cfg else max(finite, default=1.0)
-
-    def mean_seconds(kind: str, default: float, to: str | None = None) -> float:
-        xs = [e["seconds"] for e in events if e.get("event") == kind and (to is None or e.get("to") == to)]
-        return sum(xs) / len(xs) if xs else default
-
-    base = Workload(name=path.parent.name or "metrics", cells=cells, cell_nodes=1,
-                    group_size=int(cfg.get("group_size") or max(len(g) for g in groups.values())),
-                    groups_per_step=int(cfg.get("groups_per_step") or max(e["groups"] for e in steps)),
-                    exec_slots_per_cell=int(cfg.get("exec_slots_per_cell") or _peak_running(events, cells)),
-                    timeout_h=timeout_h, train_h_all=cell_h / cells)
-    return replace(base, switch_to_train_s=mean_seconds("role", 8.52, TRAINING),
-                   switch_to_rollout_s=mean_seconds("role", 3.46, ROLLOUT), publish_s=mean_seconds("publish", 30.0),
-                   empirical_groups_h=tuple(tuple(g) for _, g in sorted(groups.items())),
-                   train_h_by_cells=tuple((k, sum(v) / len(v)) for k, v in sorted(by_cells.items())))
-
-
-def _peak_running(events: list[dict], cells: int) -> int:
-    """Slots per cell when config.json is missing: peak concurrent executions / cells."""
-    marks = sorted([(e["t_start"], 1) for e in events if e.get("event") == "execution"]
-                   + [(e["t_end"], -1) for e in events if e.get("event") == "execution"])
-    peak = level = 0
-    for _, d in marks:
-        level += d
-        peak = max(peak, level)
-    return max(1, math.ceil(peak / max(1, cells)))

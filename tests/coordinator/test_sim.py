@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gyre.coordinator.config import CoordinatorConfig
-from gyre.coordinator.timeline import role_timeline_svg, role_timeline_text
+from gyre.cli.timeline import role_timeline_svg, role_timeline_text
 from gyre.coordinator.sim import (PRESETS, SimError, Workload, compare, dispatch_target, duration_stats,
                                   matched_pairs, matched_settings, simulate,
                                   workload_from_metrics)
