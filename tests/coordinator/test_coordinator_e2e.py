@@ -103,6 +103,29 @@ async def test_elastic_run_keeps_its_promises(tiny_dir, tmp_path):
 
 
 @pytest.mark.timeout(300)
+async def test_colocate_switches_its_cells_in_parallel(tiny_dir, tmp_path):
+    """Colocate moves the whole pool at once: each cell's switch is its own task, so the
+    switches of one transition overlap in time (one after another they would not), and
+    each keeps its own seconds in metrics.jsonl."""
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("\n".join(json.dumps({"id": f"t{i}", "prompt": f"mode:normal task {i}",
+                                           "evaluator": {"type": "command", "argv": EVAL + ["ok"]}})
+                               for i in range(3)))
+    cfg = CoordinatorConfig(run_dir=tmp_path / "run", model_dir=tiny_dir, steps=1, policy="colocate", cells=3,
+                            groups_per_step=2, group_size=2, min_valid=1, phi=0, mu=1, exec_slots_per_cell=2,
+                            harness=(sys.executable, str(HERE / "_harness.py")), tasks_path=tasks, seed=3)
+    reports = await Coordinator(cfg).run()
+    assert len(reports) == 1 and reports[0].cells_training == 3
+    lines = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    to_training = [x for x in lines if x["event"] == "role" and x["to"] == "training"]
+    assert sorted(x["cell"] for x in to_training) == [0, 1, 2]
+    assert all(x["seconds"] > 0 for x in to_training)
+    starts = [x["t"] - x["seconds"] for x in to_training]
+    ends = [x["t"] for x in to_training]
+    assert max(starts) < min(ends)  # all three were under way at once
+
+
+@pytest.mark.timeout(300)
 async def test_a_run_on_tensor_parallel_megatron_cells(tiny_dir, tmp_path):
     """`trainer_backend = "megatron"` with TP=2 cells under colocate (both cells train each
     step, so rank r of each cell reduces with its peer): each spawned workerd trains with
