@@ -10,7 +10,7 @@ CPU per request (process_time between consecutive records: event loop + engine t
 the proxy's once the direct call's CPU is subtracted; prepare() and complete() are timed in
 thread CPU, and garbage-collector pauses are logged. Part 1b: prepare() after many identical
 replies. Part 2 drives a synthetic 600-call execution (tool turns, two compactions,
-five sub-agents) through Execution.prepare/complete and reports storage and admission.
+five sub-agents) through Recorder.prepare/complete and reports storage and admission.
 Not a test. Run:
     python bench/proxy.py [--quick] [--verbose] [--json PATH]
 """
@@ -43,7 +43,7 @@ from gyre.proxy import api_openai
 from gyre.proxy.admission import admit
 from gyre.proxy.backend import GenParams
 from gyre.proxy.chat import ChatTokenizer
-from gyre.proxy.execution import Execution
+from gyre.proxy.recorder import Recorder
 from gyre.proxy.parser import OutputParser
 from gyre.proxy.roles import GenericRule
 from gyre.proxy.server import ProxyConfig, ProxyServer
@@ -172,7 +172,7 @@ async def direct(backend, prompt_ids: list[int], n: int, warmup: int) -> dict:
     return {"lat": lat, "cpu": cpu}
 
 
-def instrument(ex: Execution, name: str, sink: list) -> None:
+def instrument(ex: Recorder, name: str, sink: list) -> None:
     """CPU time of one method of this execution instance (the server calls it through the
     instance); thread CPU, not wall, so a busy neighbour process does not inflate it."""
     orig = getattr(ex, name)
@@ -274,7 +274,7 @@ async def part1(tok: ChatTokenizer, sizes: dict[str, tuple[int, int]], verbose: 
     return out
 
 
-def record(ex: Execution, req: ChatRequest, text: str, tok: ChatTokenizer) -> ChatResult:
+def record(ex: Recorder, req: ChatRequest, text: str, tok: ChatTokenizer) -> ChatResult:
     """Complete the call whose prompt was just prepared, as the server would."""
     prep = ex.prepare(req, {})
     ids = tok.encode(text) + [STOP]
@@ -292,7 +292,7 @@ def repeated_replies(tok: ChatTokenizer, calls: int) -> dict:
     """prepare() time once the history holds `calls` replies, all different or all "ok"."""
     out = {"calls": calls}
     for kind in ("unique", "identical"):
-        ex, times = Execution("r", "k", tok, GenericRule()), []
+        ex, times = Recorder("r", "k", tok, GenericRule()), []
         instrument(ex, "prepare", times)
         msgs = [Message("system", "You are terse."), Message("user", "Answer ok.")]
         for i in range(calls):
@@ -309,7 +309,7 @@ def repeated_replies(tok: ChatTokenizer, calls: int) -> dict:
 def part2(tok: ChatTokenizer, total_calls: int = 600, seed: int = 0) -> dict:
     rng = random.Random(seed)
     tools = [ToolSpec(t["function"]["name"], t["function"]["description"], t["function"]["parameters"]) for t in TOOLS]
-    ex, prep_t = Execution("p2", "k", tok, GenericRule()), []
+    ex, prep_t = Recorder("p2", "k", tok, GenericRule()), []
     instrument(ex, "prepare", prep_t)
 
     def call(msgs: list, text: str) -> None:

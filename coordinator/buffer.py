@@ -17,7 +17,7 @@ from gyre.coordinator.waterlevel import ExecState, Tracked
 
 
 @dataclass(eq=False)
-class Run:
+class Execution:
     """One execution as the coordinator tracks it."""
 
     id: str
@@ -33,7 +33,7 @@ class Run:
     eval_attempts: int = 0
     t_start: float | None = None
     t_end: float | None = None
-    recorder: Any = None  # the proxy's Execution (tree, calls)
+    recorder: Any = None  # the proxy's Recorder (tree, calls)
 
     @property
     def closed(self) -> bool:
@@ -46,11 +46,11 @@ class Group:
     task: Any
     version: int  # published policy version at dispatch
     size: int  # N valid outcomes wanted
-    runs: list[Run] = field(default_factory=list)
+    runs: list[Execution] = field(default_factory=list)
     state: str = "open"  # open | ready | dropped | consumed
 
     @property
-    def valid_runs(self) -> list[Run]:
+    def valid_runs(self) -> list[Execution]:
         return [r for r in self.runs if r.closed and r.valid]
 
 
@@ -68,7 +68,7 @@ class TrajectoryBuffer:
     def add(self, group: Group) -> None:
         self.groups[group.id] = group
 
-    def on_closed(self, run: Run) -> list[Run]:
+    def on_closed(self, run: Execution) -> list[Execution]:
         """Update the run's group; returns surplus runs to cancel (oversampling)."""
         g = self.groups[run.group]
         if g.state != "open":

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from gyre.coordinator.buffer import Run
+from gyre.coordinator.buffer import Execution
 from gyre.coordinator.evaluator import Outcome, build_evaluator, evaluate_with_retries
 from gyre.coordinator.harnesses import HarnessError, HarnessPreset
 from gyre.coordinator.sandbox import (ImageBuildError, Limits, Sandbox, SandboxBackend, SandboxError, SandboxSpec,
@@ -264,7 +264,7 @@ class Launcher:
 
     # --- one execution ------------------------------------------------------------------
 
-    async def run(self, run: Run) -> None:
+    async def run(self, run: Execution) -> None:
         """Run `run` to its end; sets status, reward, valid, ref, times and the recorder."""
         run.t_start = time.time()
         host = self.pool.choose(prefer=self._ready_hosts(run.task))
@@ -300,7 +300,7 @@ class Launcher:
                 host.failed += 1
             run.t_end = run.t_end or time.time()
 
-    async def _run_on(self, run: Run, host: SandboxHost) -> None:
+    async def _run_on(self, run: Execution, host: SandboxHost) -> None:
         folder = self.run_dir / "executions" / run.id
         sandbox = None
         failed = True
@@ -335,7 +335,7 @@ class Launcher:
             if sandbox is not None:
                 await asyncio.shield(self._close(run, sandbox, folder, failed))
 
-    def _infra(self, run: Run, why: str) -> None:
+    def _infra(self, run: Execution, why: str) -> None:
         log.warning("execution %s: sandbox failure: %s", run.id, why)
         if run.recorder is None:
             run.recorder = self.proxy.register(run.id, role_rule=self.spec.preset.role_rule)
@@ -345,7 +345,7 @@ class Launcher:
         else:
             run.status, run.reward, run.valid, run.ref = "aborted_infra", None, False, why
 
-    async def execute(self, run: Run) -> tuple[int | None, bool, Path]:
+    async def execute(self, run: Execution) -> tuple[int | None, bool, Path]:
         """The harness part alone (`gyre serve`): sandbox, key, harness, deadline, then the
         workspace copied out and the sandbox removed. Returns (exit code or None if it could
         not start, timed_out, the workspace on the host)."""
@@ -362,7 +362,7 @@ class Launcher:
             await asyncio.shield(self._close(run, sandbox, folder, False))
         return code, timed_out, folder / "workspace"
 
-    async def _open(self, run: Run, folder: Path, image: str | None, host: SandboxHost) -> Sandbox:
+    async def _open(self, run: Execution, folder: Path, image: str | None, host: SandboxHost) -> Sandbox:
         task, env = run.task, run.task.environment
         folder.mkdir(parents=True, exist_ok=True)
         labels = {LABEL_OWNER: self.owner, LABEL_RUN_DIR: str(self.run_dir), LABEL_EXECUTION: run.id,
@@ -394,7 +394,7 @@ class Launcher:
             await sandbox.upload(folder / "task-files", sandbox.workdir)
         return sandbox
 
-    async def _harness(self, run: Run, sandbox: Sandbox, folder: Path, host: SandboxHost) -> tuple[int | None, bool]:
+    async def _harness(self, run: Execution, sandbox: Sandbox, folder: Path, host: SandboxHost) -> tuple[int | None, bool]:
         """The harness (or the task's solve.sh) to its end or deadline; the key is revoked at
         the end. Returns (exit code or None if it could not start, timed_out)."""
         recorder = self.proxy.register(run.id, role_rule=self.spec.preset.role_rule)
@@ -429,7 +429,7 @@ class Launcher:
         port = await relay.start(pid)
         return relay, f"http://127.0.0.1:{port}"
 
-    async def _run_harness(self, run: Run, sandbox: Sandbox, folder: Path, key: str, base: str):
+    async def _run_harness(self, run: Execution, sandbox: Sandbox, folder: Path, key: str, base: str):
         preset = self._presets.pop(run.id, self.spec.preset)
         contained = self.backend.needs_image
         timeout = run.task.timeout_s or self.spec.preset.timeout_s or self.spec.timeout_s
@@ -478,7 +478,7 @@ class Launcher:
                 log.debug("execution %s: harness state not copied out: %s", run.id, e)
         return result.code, result.timed_out
 
-    async def _evaluate(self, run: Run, sandbox: Sandbox, folder: Path) -> Outcome:
+    async def _evaluate(self, run: Execution, sandbox: Sandbox, folder: Path) -> Outcome:
         task = run.task
         await sandbox.cancel()  # nothing of the agent's still runs while it is scored
         deadline = time.monotonic() + self.spec.eval_budget_s
@@ -502,7 +502,7 @@ class Launcher:
                 workspace.mkdir(parents=True, exist_ok=True)  # the agent removed its workdir
         return workspace
 
-    async def _close(self, run: Run, sandbox: Sandbox, folder: Path, failed: bool) -> None:
+    async def _close(self, run: Execution, sandbox: Sandbox, folder: Path, failed: bool) -> None:
         self._live.pop(run.id, None)
         try:
             await sandbox.cancel()

@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from gyre.coordinator import health, resume
-from gyre.coordinator.buffer import Group, Run, TrajectoryBuffer
+from gyre.coordinator.buffer import Group, Execution, TrajectoryBuffer
 from gyre.coordinator.config import CoordinatorConfig
 from gyre.coordinator.launcher import Launcher, launch_spec, open_sandboxes
 from gyre.coordinator.link import WorkerCallTimeout, WorkerDeadError, WorkerError
@@ -78,7 +78,7 @@ class Coordinator:
         self.spec = POLICIES[config.policy]
         self.wl = Waterlevel()
         self.buffer = TrajectoryBuffer(config.min_valid)
-        self.queue: deque[Run] = deque()
+        self.queue: deque[Execution] = deque()
         self.runs: dict[str, asyncio.Task] = {}
         self.roles = list(self.spec.initial_roles(config.cells, config.async_training_cells))
         self.version = 0  # published policy version
@@ -353,7 +353,7 @@ class Coordinator:
 
     # 1) launch
     def _launch(self, n: int) -> None:
-        waiting: list[Run] = []  # their task's image is still building: no slot is taken for that
+        waiting: list[Execution] = []  # their task's image is still building: no slot is taken for that
         while self.queue and n > 0:
             run = self.queue.popleft()
             if self.launcher.image_state(run.task) == "building":
@@ -364,7 +364,7 @@ class Coordinator:
             n -= 1
         self.queue.extendleft(reversed(waiting))
 
-    async def _execute(self, run: Run) -> None:
+    async def _execute(self, run: Execution) -> None:
         try:
             await self.launcher.run(run)
         except asyncio.CancelledError:
@@ -377,7 +377,7 @@ class Coordinator:
             run.status, run.reward, run.valid, run.ref = "aborted_infra", None, False, f"{type(e).__name__}: {e}"
         self._close(run)
 
-    def _close(self, run: Run) -> None:
+    def _close(self, run: Execution) -> None:
         if run.closed:
             return
         run.t_end = run.t_end or time.time()
@@ -417,7 +417,7 @@ class Coordinator:
             self.groups_dispatched += 1
             group = Group(gid, task, self.version, c.group_size)
             for i, tracked in enumerate(self.wl.dispatch(c.group_size + c.oversample)):
-                run = Run(f"g{gid:05d}-{i:02d}", gid, i, task, tracked, self.version)
+                run = Execution(f"g{gid:05d}-{i:02d}", gid, i, task, tracked, self.version)
                 group.runs.append(run)
                 self.queue.append(run)
             self.buffer.add(group)

@@ -32,7 +32,7 @@ from typing import Any
 
 import orjson
 
-from gyre.coordinator.buffer import Group, Run
+from gyre.coordinator.buffer import Group, Execution
 from gyre.proxy.records import load_execution
 from gyre.workerd import wire
 from gyre.workerd.wire import GyreError
@@ -190,12 +190,12 @@ async def restore(coord) -> None:
         if gid in consumed:
             group.state = "consumed"
             continue
-        closed: list[Run] = []
+        closed: list[Execution] = []
         for i, run_id in enumerate(ev["runs"]):  # every run first: the group settles on all of them
             out = outcomes.get(run_id)
             tracked = coord.wl.dispatch(1)[0]
             if out is not None and out["status"] != "cancelled":
-                run = Run(run_id, gid, i, group.task, tracked, group.version, status=out["status"],
+                run = Execution(run_id, gid, i, group.task, tracked, group.version, status=out["status"],
                           reward=out["reward"], valid=out["valid"], ref=out.get("ref", ""))
                 folder_ex = coord.c.run_dir / "executions" / run_id
                 run.recorder = load_execution(folder_ex) if folder_ex.is_dir() else None
@@ -204,7 +204,7 @@ async def restore(coord) -> None:
                 closed.append(run)
                 restored += 1
             else:
-                run = Run(redo_id(coord.c.run_dir, run_id), gid, i, group.task, tracked, coord.version)
+                run = Execution(redo_id(coord.c.run_dir, run_id), gid, i, group.task, tracked, coord.version)
             group.runs.append(run)
         surplus: set[str] = set()
         for run in closed:

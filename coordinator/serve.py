@@ -19,7 +19,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from gyre.coordinator.buffer import Run
+from gyre.coordinator.buffer import Execution
 from gyre.coordinator.harnesses import HarnessPreset
 from gyre.coordinator.launcher import LaunchSpec, Launcher, open_sandboxes
 from gyre.coordinator.local import LocalCluster
@@ -42,7 +42,7 @@ async def run_harness_once(proxy: ProxyServer, preset: HarnessPreset, prompt: st
                       limits=Limits(pids=4096))
     launcher = Launcher(proxy, run_dir, spec, default_evaluator={"type": "similarity"}, pool=sandboxes.pool,
                         owner=sandboxes.owner)
-    run = Run(id=execution, group=0, index=0, task=task or Task(id=execution, prompt=prompt), tracked=Tracked(),
+    run = Execution(id=execution, group=0, index=0, task=task or Task(id=execution, prompt=prompt), tracked=Tracked(),
               version_dispatched=0)
     folder = run_dir / "executions" / execution
     scored: dict = {}

@@ -15,7 +15,7 @@ import json
 import re
 from pathlib import Path
 
-from gyre.coordinator.buffer import Run
+from gyre.coordinator.buffer import Execution
 from gyre.coordinator.harnesses import HarnessPreset
 from gyre.coordinator.launcher import LaunchSpec, Launcher, open_sandboxes
 from gyre.coordinator.local import LocalCluster
@@ -56,7 +56,7 @@ async def run_tasks(tasks: list[Task], *, preset: HarnessPreset, model_dir: Path
 
             async def one(index: int, task: Task) -> dict:
                 async with gate:
-                    run = Run(id=execution_id(index, task), group=0, index=index, task=task, tracked=Tracked(),
+                    run = Execution(id=execution_id(index, task), group=0, index=index, task=task, tracked=Tracked(),
                               version_dispatched=0)
                     await launcher.run(run)
                     result = {"task": task.id, "status": run.status, "score": run.reward, "ref": run.ref,

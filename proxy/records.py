@@ -1,7 +1,7 @@
 """records.py: reads an execution's recorded files back (nodes.jsonl, calls.jsonl).
 
 The tree is rebuilt node by node in recording order, so `gyre inspect`, admission and the
-coordinator's resume see exactly what the proxy recorded. Not a writer: execution.py
+coordinator's resume see exactly what the proxy recorded. Not a writer: recorder.py
 appends the files as calls happen.
 """
 
@@ -25,7 +25,7 @@ class Recorded:
     leaf_roles: dict[int, str]
 
     def admit(self, j_max: int | None = 5, seed: int = 0) -> tuple[list[Trajectory], Rows]:
-        """As Execution.admit: a resumed coordinator trains recorded executions through this."""
+        """As Recorder.admit: a resumed coordinator trains recorded executions through this."""
         trajectories = admit(self.tree, self.leaf_roles, j_max=j_max, rng=random.Random(seed))
         return trajectories, materialise(self.tree, trajectories)
 

@@ -24,7 +24,7 @@ from aiohttp import web
 from gyre.proxy import api_anthropic, api_openai, api_responses
 from gyre.proxy.backend import Backend, BackendUnavailable, EngineRefused, GenParams
 from gyre.proxy.chat import ChatTokenizer
-from gyre.proxy.execution import Execution, Prepared, new_key
+from gyre.proxy.recorder import Recorder, Prepared, new_key
 from gyre.proxy.parser import OutputParser
 from gyre.proxy.roles import rule
 from gyre.proxy.types import ChatRequest, ChatResult, ContextOverflow, RequestError, Usage
@@ -61,27 +61,27 @@ class ProxyServer:
         self.backend = backend
         self.config = config or ProxyConfig()
         self.run_dir = run_dir
-        self.executions: dict[str, Execution] = {}
-        self._by_key: dict[str, Execution] = {}
+        self.executions: dict[str, Recorder] = {}
+        self._by_key: dict[str, Recorder] = {}
         self._runner: web.AppRunner | None = None
         self.base_url = ""
-        self.on_record: Callable[[Execution, dict], None] | None = None  # called as each call is recorded
+        self.on_record: Callable[[Recorder, dict], None] | None = None  # called as each call is recorded
         self.status_provider: Callable[[], dict] | None = None  # the coordinator's live state
 
     # --- executions ---------------------------------------------------------------------
 
-    def register(self, exec_id: str, role_rule: str | None = None) -> Execution:
+    def register(self, exec_id: str, role_rule: str | None = None) -> Recorder:
         """A new execution with a fresh random key; its calls are recorded under run_dir and
         classified by `role_rule` (default: the config's)."""
         if exec_id in self.executions:
             raise ValueError(f"execution {exec_id!r} already registered")
         folder = self.run_dir / "executions" / exec_id if self.run_dir else None
-        ex = Execution(exec_id, new_key(), self.tokenizer, rule(role_rule or self.config.role_rule), dir=folder)
+        ex = Recorder(exec_id, new_key(), self.tokenizer, rule(role_rule or self.config.role_rule), dir=folder)
         self.executions[exec_id] = ex
         self._by_key[ex.key] = ex
         return ex
 
-    def revoke(self, exec_id: str) -> Execution:
+    def revoke(self, exec_id: str) -> Recorder:
         """The execution ended: its key stops working; its records stay."""
         ex = self.executions[exec_id]
         self._by_key.pop(ex.key, None)
@@ -159,7 +159,7 @@ class ProxyServer:
 
     # --- model calls --------------------------------------------------------------------
 
-    def _auth(self, request: web.Request, api: ModuleType) -> Execution:
+    def _auth(self, request: web.Request, api: ModuleType) -> Recorder:
         key = request.headers.get("x-api-key")
         auth = request.headers.get("Authorization", "")
         if not key and auth.lower().startswith("bearer "):
@@ -219,7 +219,7 @@ class _Call:
     """One model call in flight: generation, parsing, streaming, recording."""
 
     def __init__(self, server: ProxyServer, request: web.Request, api: ModuleType, req: ChatRequest,
-                 execution: Execution, prep: Prepared, max_new: int):
+                 execution: Recorder, prep: Prepared, max_new: int):
         self.s, self.request, self.api, self.req, self.ex, self.prep = server, request, api, req, execution, prep
         tok = server.tokenizer
         # The run's sampling, whatever the harness asked (its values go into the record).

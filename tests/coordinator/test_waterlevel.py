@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gyre.coordinator.buffer import Group, Run, TrajectoryBuffer, advantages
+from gyre.coordinator.buffer import Group, Execution, TrajectoryBuffer, advantages
 from gyre.coordinator.config import CoordinatorConfig
 from gyre.coordinator.waterlevel import CounterError, ExecState, Waterlevel
 
@@ -47,7 +47,7 @@ def _group(gid, version, n, rewards):
     wl = Waterlevel()
     g = Group(gid, None, version, n)
     for i, t in enumerate(wl.dispatch(len(rewards))):
-        g.runs.append(Run(f"{gid}-{i}", gid, i, None, t, version))
+        g.runs.append(Execution(f"{gid}-{i}", gid, i, None, t, version))
     return wl, g
 
 
@@ -104,7 +104,7 @@ def simulate_staleness(phi: float, mu: int, b: int, steps: int, rng: random.Rand
                             min_valid=1, steps=steps)
     wl, buf = Waterlevel(), TrajectoryBuffer(min_valid=1)
     version = published = publications = 0
-    pending: list[Run] = []
+    pending: list[Execution] = []
     gid = 0
 
     def dispatch(n):
@@ -113,7 +113,7 @@ def simulate_staleness(phi: float, mu: int, b: int, steps: int, rng: random.Rand
             g = Group(gid, None, published, 1)
             (t,) = wl.dispatch(1)
             wl.launch(t)
-            g.runs.append(Run(str(gid), gid, 0, None, t, published))
+            g.runs.append(Execution(str(gid), gid, 0, None, t, published))
             buf.add(g)
             pending.append(g.runs[0])
             gid += 1

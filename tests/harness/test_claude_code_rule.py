@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from gyre.proxy import api_anthropic
-from gyre.proxy.execution import Execution
+from gyre.proxy.recorder import Recorder
 from gyre.proxy.roles import CallInfo, ClaudeCodeRule, GenericRule
 from gyre.proxy.types import ChatResult, ToolCall, Usage
 
@@ -23,7 +23,7 @@ FIXTURES = json.loads((Path(__file__).parent / "fixtures" / "claude_code_request
 
 def replay(tokenizer, recorded: list[dict], *, rule=None, outputs: dict[int, ChatResult] | None = None):
     """Prepare each request in turn (and complete it, with `outputs[i]` when given)."""
-    ex = Execution("x", "k", tokenizer, rule or ClaudeCodeRule())
+    ex = Recorder("x", "k", tokenizer, rule or ClaudeCodeRule())
     roles = []
     for i, r in enumerate(recorded):
         req = api_anthropic.parse_request(r["body"], r["headers"])

@@ -101,11 +101,11 @@ def test_special_token_text_in_content_is_plain_text(any_tokenizer):
 
 
 def test_content_markers_never_reach_the_records(any_tokenizer, tmp_path):
-    from gyre.proxy.execution import Execution
+    from gyre.proxy.recorder import Recorder
     from gyre.proxy.roles import GenericRule
     from gyre.proxy.types import ChatRequest
 
-    ex = Execution("x", "k", any_tokenizer, GenericRule(), dir=tmp_path)
+    ex = Recorder("x", "k", any_tokenizer, GenericRule(), dir=tmp_path)
     ex.prepare(ChatRequest(api="openai", model="m", messages=[Message("user", "hello")]), {})
     ex.close()
     from gyre.proxy.chat import _NONCE

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from gyre.proxy import api_openai
 from gyre.proxy.admission import admit, materialise
-from gyre.proxy.execution import Execution
+from gyre.proxy.recorder import Recorder
 from gyre.proxy.parser import OutputParser
 from gyre.proxy.roles import PRIORITY, GenericRule
 from gyre.proxy.tree import Tree
@@ -52,7 +52,7 @@ class Harness:
         self.last_path: list[int] = []  # its prompt path and output node
 
 
-def run_call(ex: Execution, tok, h: Harness, out, rng: random.Random, checks: list):
+def run_call(ex: Recorder, tok, h: Harness, out, rng: random.Random, checks: list):
     req = ChatRequest(api="openai", model="m", messages=list(h.messages), tools=TOOLS)
     prep = ex.prepare(req, {})
     # The prompt is exactly the tree's tokens on the path...
@@ -96,7 +96,7 @@ def test_recorded_tokens_round_trip(any_tokenizer, actions, seed):
     """On the byte-level tokenizer and on BPEs with merges (tool tags single tokens or text)."""
     rng = random.Random(seed)
     tok = any_tokenizer
-    ex = Execution("x", "k", tok, GenericRule())
+    ex = Recorder("x", "k", tok, GenericRule())
     main, sub = Harness(tok, "You are the main agent."), Harness(tok, "You are a sub-agent.")
     checks: list[bool] = []
     for kind, arg in actions:
@@ -120,7 +120,7 @@ def test_recorded_tokens_round_trip(any_tokenizer, actions, seed):
 
 def test_compaction_and_subagent_shapes(chat_tokenizer):
     tok = chat_tokenizer
-    ex = Execution("x", "k", tok, GenericRule())
+    ex = Recorder("x", "k", tok, GenericRule())
     rng = random.Random(0)
     main, sub = Harness(tok, "You are the main agent."), Harness(tok, "You are a sub-agent.")
     for _ in range(2):

@@ -134,7 +134,7 @@ def shell_preset(script: str, **kw):
 async def run_task(proxy, backend, task, run_dir: Path, preset, *, timeout_s: float = 60.0, owner: str | None = None,
                    run_id: str = "e1", **spec_kw):
     """One execution of `task` through the launcher's whole lifecycle; returns the Run."""
-    from gyre.coordinator.buffer import Run
+    from gyre.coordinator.buffer import Execution
     from gyre.coordinator.launcher import LaunchSpec, Launcher
     from gyre.coordinator.sandbox import Limits
     from gyre.coordinator.waterlevel import Tracked
@@ -142,7 +142,7 @@ async def run_task(proxy, backend, task, run_dir: Path, preset, *, timeout_s: fl
     spec_kw.setdefault("limits", Limits(pids=512))
     spec = LaunchSpec(preset=preset, timeout_s=timeout_s, eval_attempts=1, eval_budget_s=60.0, **spec_kw)
     launcher = Launcher(proxy, run_dir, spec, default_evaluator={"type": "similarity"}, backend=backend, owner=owner)
-    run = Run(id=run_id, group=0, index=0, task=task, tracked=Tracked(), version_dispatched=0)
+    run = Execution(id=run_id, group=0, index=0, task=task, tracked=Tracked(), version_dispatched=0)
     await launcher.run(run)
     return run
 

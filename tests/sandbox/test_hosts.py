@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gyre.coordinator.buffer import Run
+from gyre.coordinator.buffer import Execution
 from gyre.coordinator.launcher import LaunchSpec, Launcher, open_sandboxes
 from gyre.coordinator.sandbox import Limits
 from gyre.coordinator.sandbox.podman import podman_env
@@ -71,11 +71,11 @@ def _launcher(proxy, run_dir, sandboxes, script: str) -> Launcher:
     return Launcher(proxy, run_dir, spec, pool=sandboxes.pool, owner=sandboxes.owner)
 
 
-def _run(i: int, task) -> Run:
-    return Run(id=f"e{i}", group=0, index=i, task=task, tracked=Tracked(), version_dispatched=0)
+def _run(i: int, task) -> Execution:
+    return Execution(id=f"e{i}", group=0, index=i, task=task, tracked=Tracked(), version_dispatched=0)
 
 
-def _host(run_dir: Path, run: Run) -> str:
+def _host(run_dir: Path, run: Execution) -> str:
     return json.loads((run_dir / "executions" / run.id / "sandbox.json").read_text())["host"]
 
 

@@ -1,4 +1,4 @@
-"""execution.py: one execution's recorder: its tree, its calls, its files in the run dir.
+"""recorder.py: one execution's recorder: its tree, its calls, its files in the run dir.
 
 `prepare()` turns a parsed request into the exact prompt token ids (recorded tokens for
 the matched prefix, fresh tokens only for new segments) and `complete()` records the
@@ -38,7 +38,7 @@ class Prepared:
 
 
 @dataclass
-class Execution:
+class Recorder:
     id: str
     key: str
     tokenizer: ChatTokenizer
