@@ -20,6 +20,7 @@ from gyre.cli.options import (CellOpt, CoordinatorOpt, DebugOpt, DevicesOpt, Hea
                               ResumeOpt, TaskDirOpt, ServeSandboxOpt, ServeSandboxUrlOpt,
                               KeysOpt, KeyNameOpt, KeysDirArg, WorkerNamesOpt, KeyNameArg, EngineBackendOpt,
                               TrainerBackendOpt, ServeSetOpt, WheelOpt, DtypeOpt, ExecutionsOpt)
+from gyre.proxy.admission import J_MAX
 
 # No rich markup in help texts: they name extras and tables in brackets ('gyre[gpu]', [harnesses.NAME], E[d]).
 app = typer.Typer(name="gyre", no_args_is_help=True, add_completion=False, rich_markup_mode=None,
@@ -330,7 +331,7 @@ def _reason(e: Exception) -> str:
 
 
 @app.command()
-def inspect(run_dir: RunDirArg, execution: ExecutionOpt = None, as_json: JsonOpt = False, j_max: JMaxOpt = 5) -> None:
+def inspect(run_dir: RunDirArg, execution: ExecutionOpt = None, as_json: JsonOpt = False, j_max: JMaxOpt = J_MAX) -> None:
     """Show each execution's trajectory tree and admission statistics."""
     import json
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from gyre.coordinator.policies import POLICIES
 from gyre.coordinator.schedule import dispatch_target
+from gyre.proxy.admission import J_MAX
 from gyre.workerd.wire import ENGINE_BACKENDS, TRAINER_BACKENDS
 
 
@@ -66,7 +67,7 @@ class CoordinatorConfig:
     execution_timeout_s: float = 120.0
     eval_attempts: int = 3
     eval_budget_s: float = 60.0
-    j_max: int | None = 5
+    j_max: int | None = J_MAX
     micro_step_tokens: int = 8192  # per-rank token budget of one micro-step (rows x width)
     lr: float | None = None  # None: the model directory's gyre.json, else 1e-6 (a real model's)
     seed: int = 0

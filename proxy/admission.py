@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from gyre.proxy.roles import PRIORITY
 from gyre.proxy.tree import Tree
 
+J_MAX = 5  # trajectories admitted per execution by default (`j_max`; None: all)
+
 
 @dataclass(frozen=True, slots=True)
 class Trajectory:
@@ -40,7 +42,7 @@ class Rows:
     targets: int  # L_i
 
 
-def admit(tree: Tree, leaf_roles: dict[int, str], *, j_max: int | None = 5,
+def admit(tree: Tree, leaf_roles: dict[int, str], *, j_max: int | None = J_MAX,
           rng: random.Random | None = None) -> list[Trajectory]:
     rng = rng or random.Random(0)
     masked: set[int] = set()

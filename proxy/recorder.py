@@ -18,7 +18,7 @@ from typing import IO, Any
 
 import orjson
 
-from gyre.proxy.admission import Rows, Trajectory, admit, materialise
+from gyre.proxy.admission import J_MAX, Rows, Trajectory, admit, materialise
 from gyre.proxy.chat import ChatTokenizer, Ref, display_key
 from gyre.proxy.roles import CallInfo, RoleRule, delegation_prompt
 from gyre.proxy.segmenter import Segmenter
@@ -250,7 +250,7 @@ class Recorder:
         """Role of each current leaf (a node later extended by another call is no leaf)."""
         return {n: r for n, r in self._roles.items() if not self.tree.nodes[n].children}
 
-    def admit(self, j_max: int | None = 5, seed: int = 0) -> tuple[list[Trajectory], Rows]:
+    def admit(self, j_max: int | None = J_MAX, seed: int = 0) -> tuple[list[Trajectory], Rows]:
         trajectories = admit(self.tree, self.leaf_roles, j_max=j_max, rng=random.Random(seed))
         return trajectories, materialise(self.tree, trajectories)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import orjson
 
-from gyre.proxy.admission import Rows, Trajectory, admit, materialise
+from gyre.proxy.admission import J_MAX, Rows, Trajectory, admit, materialise
 from gyre.proxy.tree import Node, Tree
 
 
@@ -24,7 +24,7 @@ class Recorded:
     calls: list[dict]
     leaf_roles: dict[int, str]
 
-    def admit(self, j_max: int | None = 5, seed: int = 0) -> tuple[list[Trajectory], Rows]:
+    def admit(self, j_max: int | None = J_MAX, seed: int = 0) -> tuple[list[Trajectory], Rows]:
         """As Recorder.admit: a resumed coordinator trains recorded executions through this."""
         trajectories = admit(self.tree, self.leaf_roles, j_max=j_max, rng=random.Random(seed))
         return trajectories, materialise(self.tree, trajectories)
