@@ -54,9 +54,14 @@ async def test_bash_and_edit_task_completes_with_exact_round_trips(cc_proxy, cla
     server, engine = cc_proxy
     ws = server.run_dir / "executions" / "cc" / "workspace"
     # Keys out of order and a float: Claude Code re-serialises tool_use input (sorted keys,
-    # 60000.0 -> 60000); the proxy must put back the tokens the policy actually produced.
+    # 600000.0 -> 600000); the proxy must put back the tokens the policy actually produced.
+    # In the foreground, with Claude Code's longest timeout: its Bash tool backgrounds a
+    # command still running at the timeout ("Command running in background with ID: ...",
+    # whatever run_in_background says), and the command runs in a login shell whose profile
+    # may be slow (pyenv's rehash waits 60 s on a stale lock), so the Read and Edit that
+    # follow would find no counter.txt.
     bash = ('<tool_call>\n{"name": "Bash", "arguments": {"description": "write counter", '
-            '"command": "echo 1 > counter.txt", "timeout": 60000.0}}\n</tool_call>')
+            '"command": "echo 1 > counter.txt", "timeout": 600000.0, "run_in_background": false}}\n</tool_call>')
 
     def script(prompt: str) -> str:
         return [bash,
@@ -68,6 +73,8 @@ async def test_bash_and_edit_task_completes_with_exact_round_trips(cc_proxy, cla
     summary = await run_harness_once(server, preset(claude_bin), TASK, run_dir=server.run_dir, execution="cc")
     log = Path(summary["harness_log"]).read_text()
     assert summary["status"] == "completed", log[-3000:]
+    bash_result = json.dumps(requests(server.run_dir, "cc")[1]["body"]["messages"][-1])
+    assert "running in background" not in bash_result, bash_result  # the Bash call ran to its end
     assert (ws / "counter.txt").read_text() == "2\n"
     assert json.loads(log.strip().splitlines()[-1])["result"] == "Done: counter.txt now holds 2."
 
@@ -81,8 +88,8 @@ async def test_bash_and_edit_task_completes_with_exact_round_trips(cc_proxy, cla
     # What Claude Code sent back for the Bash call differs from what the policy produced...
     sent = requests(server.run_dir, "cc")[1]["body"]["messages"]
     (tool_use,) = [b for m in sent if m["role"] == "assistant" for b in m["content"] if b["type"] == "tool_use"]
-    assert tool_use["name"] == "Bash" and tool_use["input"]["timeout"] == 60000
-    assert '"timeout": 60000.0' not in json.dumps(tool_use["input"])
+    assert tool_use["name"] == "Bash" and tool_use["input"]["timeout"] == 600000
+    assert '"timeout": 600000.0' not in json.dumps(tool_use["input"])
     # ... but the next prompt carries the policy's exact tokens for it.
     second = server.tokenizer.decode(engine.prompts[1])
     assert bash in second
