@@ -234,13 +234,12 @@ def run_checks(eng, trainer, old, report: dict) -> None:
 
 
 def main() -> int:
+    import sglang
 
     from gyre.workerd.engines.sglang import SglangEngine
     from gyre.workerd.model import load_model
     from gyre.workerd.modeldir import init_tiny
     from gyre.workerd.trainers.cpu import CpuTrainer
-
-    import sglang
 
     report: dict = {"sglang": sglang.__version__, "torch": torch.__version__}
     with tempfile.TemporaryDirectory() as tmp:
