@@ -59,7 +59,8 @@ def main() -> None:
                      "import_prefill_s": round(handover, 4), "kv_bytes": nbytes,
                      "saved_s": round(recompute - transfer - handover, 4),
                      "ratio": round(recompute / (transfer + handover), 1)})
-    print(f"{'tokens':>8}{'recompute s':>13}{'kv bytes':>12}{'frames s':>10}{'import s':>10}{'saved s':>10}{'ratio':>8}")
+    print(f"{'tokens':>8}{'recompute s':>13}{'kv bytes':>12}{'frames s':>10}{'import s':>10}{'saved s':>10}"
+          f"{'ratio':>8}")
     for r in rows:
         print(f"{r['tokens']:>8}{r['recompute_s']:>13.4f}{r['kv_bytes']:>12}{r['transfer_s']:>10.4f}"
               f"{r['import_prefill_s']:>10.4f}{r['saved_s']:>10.4f}{r['ratio']:>7.1f}x")

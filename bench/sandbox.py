@@ -29,8 +29,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from gyre.coordinator.sandbox import Limits, SandboxError, SandboxSpec, make_backend
-from gyre.coordinator.sandbox import images
+from gyre.coordinator.sandbox import Limits, SandboxError, SandboxSpec, images, make_backend
 from gyre.coordinator.sandbox.base import LABEL_EXECUTION, LABEL_OWNER, LABEL_PROCESS, LABEL_RUN_DIR, process_label
 from gyre.coordinator.sandbox.netns import ProxyRelay
 
@@ -180,7 +179,8 @@ async def run_backend(name: str, args, root: Path) -> dict:
         finally:
             await asyncio.gather(*(b.stop() for b in boxes))
         return {"backend": name, "start_median_s": statistics.median(serial), "start_p95_s": pct(serial, 0.95),
-                "concurrent": args.concurrent, "concurrent_wall_s": wall, "concurrent_median_s": statistics.median(each),
+                "concurrent": args.concurrent, "concurrent_wall_s": wall,
+                "concurrent_median_s": statistics.median(each),
                 "concurrent_p95_s": pct(each, 0.95), "idle_mb": idle, **{f"rt_{k}": v for k, v in rt.items()}}
     finally:
         await bench.backend.reap(lambda labels: labels.get(LABEL_OWNER) != OWNER)
@@ -215,7 +215,8 @@ async def main() -> None:
         x = r["start_median_s"] / base["start_median_s"] if base else float("nan")
         idle = "n/a" if r["idle_mb"] is None else f"{r['idle_mb']:.1f}"
         print(f"{r['backend']:<11} {r['start_median_s']:>8.3f}s {r['start_p95_s']:>6.3f}s {x:>6.1f}x | "
-              f"{'':>10}{r['concurrent_wall_s']:>6.2f}s {r['concurrent_median_s']:>5.2f}s {r['concurrent_p95_s']:>5.2f}s | "
+              f"{'':>10}{r['concurrent_wall_s']:>6.2f}s {r['concurrent_median_s']:>5.2f}s "
+              f"{r['concurrent_p95_s']:>5.2f}s | "
               f"{idle:>7} | {r['rt_direct_ms']:>7.3f}ms {r['rt_inside_ms']:>5.3f}ms {r['rt_ratio']:>5.2f}x")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

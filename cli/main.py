@@ -8,18 +8,61 @@ import shutil
 import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-from gyre.cli.options import (CellOpt, CoordinatorOpt, DebugOpt, DevicesOpt, HeartbeatOpt, ModelDirArg,
-                              ModelKindArg, ModelOpt, NodeIdOpt, NodeRankOpt, RunDirOpt, SeedOpt, StepsOpt,
-                              WelcomeTimeoutOpt, HostOpt, PortOpt, RunDirArg, ExecutionOpt, JsonOpt, JMaxOpt,
-                              ConfigArg, PolicyOpt, NoLiveOpt, ParentPidOpt, HarnessOpt, TaskOpt, TimeoutOpt,
-                              MaxContextOpt, ServeConfigOpt, TopTargetArg, IntervalOpt, OnceOpt, SetOpt, RunSeedOpt,
-                              ResumeOpt, TaskDirOpt, ServeSandboxOpt, ServeSandboxUrlOpt,
-                              KeysOpt, KeyNameOpt, KeysDirArg, WorkerNamesOpt, KeyNameArg, EngineBackendOpt,
-                              TrainerBackendOpt, ServeSetOpt, WheelOpt, DtypeOpt, ExecutionsOpt)
+from gyre.cli.options import (
+    CellOpt,
+    ConfigArg,
+    CoordinatorOpt,
+    DebugOpt,
+    DevicesOpt,
+    DtypeOpt,
+    EngineBackendOpt,
+    ExecutionOpt,
+    ExecutionsOpt,
+    HarnessOpt,
+    HeartbeatOpt,
+    HostOpt,
+    IntervalOpt,
+    JMaxOpt,
+    JsonOpt,
+    KeyNameArg,
+    KeyNameOpt,
+    KeysDirArg,
+    KeysOpt,
+    MaxContextOpt,
+    ModelDirArg,
+    ModelKindArg,
+    ModelOpt,
+    NodeIdOpt,
+    NodeRankOpt,
+    NoLiveOpt,
+    OnceOpt,
+    ParentPidOpt,
+    PolicyOpt,
+    PortOpt,
+    ResumeOpt,
+    RunDirArg,
+    RunDirOpt,
+    RunSeedOpt,
+    SeedOpt,
+    ServeConfigOpt,
+    ServeSandboxOpt,
+    ServeSandboxUrlOpt,
+    ServeSetOpt,
+    SetOpt,
+    StepsOpt,
+    TaskDirOpt,
+    TaskOpt,
+    TimeoutOpt,
+    TopTargetArg,
+    TrainerBackendOpt,
+    WelcomeTimeoutOpt,
+    WheelOpt,
+    WorkerNamesOpt,
+)
 from gyre.proxy.admission import J_MAX
 
 # No rich markup in help texts: they name extras and tables in brackets ('gyre[gpu]', [harnesses.NAME], E[d]).
@@ -38,7 +81,8 @@ def _add_subapps() -> None:
     app.add_typer(tasks_app, name="tasks")
 
 
-keys_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="CURVE keys for the coordinator <-> workerd link.")
+keys_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
+                       help="CURVE keys for the coordinator <-> workerd link.")
 
 
 @keys_app.command("init")
@@ -68,9 +112,7 @@ def config_show(config: ConfigArg = None, set_: SetOpt = None, steps: StepsOpt =
     """Print the resolved run config: every field, its value and where it came from."""
     import json
 
-    from gyre.coordinator.runconfig import resolved, show_text
-
-    from gyre.coordinator.runconfig import with_model_defaults
+    from gyre.coordinator.runconfig import resolved, show_text, with_model_defaults
 
     cfg, file_values, overrides = _resolve_config(config, set_ or [], steps=steps, policy=policy,
                                                   run_dir=run_dir or Path("runs") / "up-<timestamp>", model=model)
@@ -99,7 +141,7 @@ def _on_version(value: bool) -> None:
 
 @app.callback()
 def root(
-    version_: Annotated[Optional[bool], typer.Option("--version", callback=_on_version, is_eager=True,
+    version_: Annotated[bool | None, typer.Option("--version", callback=_on_version, is_eager=True,
                                                      help="Print the version and exit.")] = None,
     debug: DebugOpt = False,
 ) -> None:
@@ -238,9 +280,8 @@ def serve(model: ModelOpt = None, run_dir: RunDirOpt = None, host: HostOpt = "12
     serve until stopped; or, with --harness and --task (or --task-dir), run that harness once
     and exit."""
     from gyre.coordinator.rundir import absolute, claim
-    from gyre.coordinator.serve import run_serve, serve_fields, serve_settings
-
     from gyre.coordinator.sandbox import BACKENDS
+    from gyre.coordinator.serve import run_serve, serve_fields, serve_settings
 
     preset = task_obj = None
     if sandbox not in BACKENDS:
@@ -331,7 +372,8 @@ def _reason(e: Exception) -> str:
 
 
 @app.command()
-def inspect(run_dir: RunDirArg, execution: ExecutionOpt = None, as_json: JsonOpt = False, j_max: JMaxOpt = J_MAX) -> None:
+def inspect(run_dir: RunDirArg, execution: ExecutionOpt = None, as_json: JsonOpt = False,
+            j_max: JMaxOpt = J_MAX) -> None:
     """Show each execution's trajectory tree and admission statistics."""
     import json
 

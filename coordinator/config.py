@@ -14,7 +14,6 @@ from gyre.coordinator.schedule import dispatch_target
 from gyre.proxy.admission import J_MAX
 from gyre.workerd.wire import ENGINE_BACKENDS, TRAINER_BACKENDS
 
-
 # (field, bound, strict): value > bound (strict) or >= bound; None passes (optional fields).
 _RANGES = [
     ("steps", 1, False), ("mu", 1, False), ("groups_per_step", 1, False), ("group_size", 1, False),
@@ -22,8 +21,10 @@ _RANGES = [
     ("exec_slots_per_cell", 1, False), ("engine_max_running", 1, False), ("execution_timeout_s", 0, True),
     ("eval_attempts", 1, False), ("eval_budget_s", 0, False), ("j_max", 1, False), ("micro_step_tokens", 1, False),
     ("lr", 0, True), ("topology_timeout_s", 0, True), ("checkpoint_every", 0, False), ("worker_timeout_s", 0, True),
-    ("worker_call_timeout_s", 0, True), ("checkpoint_timeout_s", 0, True), ("default_max_tokens", 1, False), ("max_tokens_cap", 1, False),
-    ("max_context", 2, False), ("infra_failures_in_row", 0, False), ("rollout_temperature", 0, True), ("transfer_port", 0, False), ("proxy_port", 0, False),
+    ("worker_call_timeout_s", 0, True), ("checkpoint_timeout_s", 0, True), ("default_max_tokens", 1, False),
+    ("max_tokens_cap", 1, False),
+    ("max_context", 2, False), ("infra_failures_in_row", 0, False), ("rollout_temperature", 0, True),
+    ("transfer_port", 0, False), ("proxy_port", 0, False),
 ]
 
 
@@ -50,7 +51,8 @@ class CoordinatorConfig:
     # podman | docker (a container per execution from the task's image, proxy-only network) |
     # bubblewrap (a light local sandbox, no image).
     sandbox: str = "process"
-    sandbox_url: str | None = None  # podman/docker: the engine's Docker-compatible endpoint; None: podman's own service, docker's socket
+    # podman/docker: the engine's Docker-compatible endpoint; None: podman's own service, docker's socket
+    sandbox_url: str | None = None
     infra_failure: str = "aborted_infra"  # a sandbox that fails: aborted_infra (invalid) | placeholder (a valid zero)
     # Stop the run when this many executions in a row ended aborted_infra (a broken sandbox, engine
     # or image would otherwise replace group after group forever); 0: never.
@@ -76,7 +78,8 @@ class CoordinatorConfig:
     topology_timeout_s: float = 600.0  # external: how long to wait for every cell's worker
     reducer_init: str | None = None  # torch.distributed init for the gradient reducer; None: auto
     weight_transfer: str = "zmq"  # how weights reach other cells: zmq (via the link) | mooncake (pulled) | broadcast
-    transfer_host: str | None = None  # Mooncake/broadcast: the address peers reach a node at; None: loopback or its host
+    # Mooncake/broadcast: the address peers reach a node at; None: loopback or its host
+    transfer_host: str | None = None
     transfer_port: int = 29510  # broadcast: the rendezvous port on the core's host (workers on other hosts)
     checkpoint_every: int = 5  # steps between checkpoints (at a publication); 0: never
     worker_timeout_s: float = 10.0  # a worker silent this long is dead (heartbeats every 0.5 s)
@@ -86,7 +89,8 @@ class CoordinatorConfig:
     engine_backend: str = "cpu"  # the rollout engine of workerds this run spawns: cpu | sglang
     trainer_backend: str = "cpu"  # their trainer: cpu | megatron (external workerds pick their own flags)
     engine_options: dict = field(default_factory=dict)  # to every engine (sglang: server = {tp_size = 2, ...})
-    trainer_options: dict = field(default_factory=dict)  # to every trainer (megatron: tp, pp, microbatches, offload; weight_decay)
+    # to every trainer (megatron: tp, pp, microbatches, offload; weight_decay)
+    trainer_options: dict = field(default_factory=dict)
     proxy_host: str = "127.0.0.1"
     proxy_port: int = 0
     # Output limits per model call. None: the model directory's gyre.json, else the remaining

@@ -36,12 +36,25 @@ from urllib.parse import urlsplit
 from gyre.coordinator.buffer import Execution
 from gyre.coordinator.evaluator import Outcome, build_evaluator, evaluate_with_retries
 from gyre.coordinator.harnesses import HarnessError, HarnessPreset
-from gyre.coordinator.sandbox import (ImageBuildError, Limits, Sandbox, SandboxBackend, SandboxError, SandboxSpec,
-                                     make_backend)
-from gyre.coordinator.sandbox import reaper
+from gyre.coordinator.sandbox import (
+    ImageBuildError,
+    Limits,
+    Sandbox,
+    SandboxBackend,
+    SandboxError,
+    SandboxSpec,
+    make_backend,
+    reaper,
+)
+from gyre.coordinator.sandbox.base import (
+    LABEL_EXECUTION,
+    LABEL_OWNER,
+    LABEL_PROCESS,
+    LABEL_RUN_DIR,
+    LABEL_TASK,
+    process_label,
+)
 from gyre.coordinator.sandbox.hosts import PING_INTERVAL_S, PING_TIMEOUT_S, HostPool, SandboxHost, host_specs
-from gyre.coordinator.sandbox.base import (LABEL_EXECUTION, LABEL_OWNER, LABEL_PROCESS, LABEL_RUN_DIR, LABEL_TASK,
-                                           process_label)
 from gyre.coordinator.sandbox.netns import ProxyRelay
 from gyre.coordinator.sandbox.process import ProcessBackend
 from gyre.coordinator.tasks import Task, make_workspace
@@ -394,7 +407,8 @@ class Launcher:
             await sandbox.upload(folder / "task-files", sandbox.workdir)
         return sandbox
 
-    async def _harness(self, run: Execution, sandbox: Sandbox, folder: Path, host: SandboxHost) -> tuple[int | None, bool]:
+    async def _harness(self, run: Execution, sandbox: Sandbox, folder: Path,
+                       host: SandboxHost) -> tuple[int | None, bool]:
         """The harness (or the task's solve.sh) to its end or deadline; the key is revoked at
         the end. Returns (exit code or None if it could not start, timed_out)."""
         recorder = self.proxy.register(run.id, role_rule=self.spec.preset.role_rule)

@@ -32,7 +32,7 @@ from typing import Any
 
 import orjson
 
-from gyre.coordinator.buffer import Group, Execution
+from gyre.coordinator.buffer import Execution, Group
 from gyre.proxy.records import load_execution
 from gyre.workerd import wire
 from gyre.workerd.wire import GyreError
@@ -230,7 +230,8 @@ async def restore(coord) -> None:
                        executions_restored=restored, executions_redispatched=redone,
                        groups=len(dispatches) - len(consumed & set(dispatches)))
     log.info("resumed at step %d (version %d, %s): %d closed executions restored, %d dispatched again",
-             coord.steps_done, coord.version, folder.name if folder is not None else "no checkpoint yet: from the start",
+             coord.steps_done, coord.version,
+             folder.name if folder is not None else "no checkpoint yet: from the start",
              restored, redone)
     # A run checkpointed at its last step made no boundary dispatch for a next one (there
     # was none): extended with `--steps`, it dispatches up to the target now, or it would wait

@@ -48,7 +48,8 @@ def test_workerd_passes_its_config(monkeypatch):
                             "--node-rank", "1", "--devices", "0,1", "--heartbeat", "0.5"])
     assert r.exit_code == 0, r.output
     c = seen["config"]
-    assert (c.coordinator, c.cell, c.node_rank, c.devices, c.heartbeat_s) == ("tcp://127.0.0.1:5555", 2, 1, ("0", "1"), 0.5)
+    assert (c.coordinator, c.cell, c.node_rank, c.devices, c.heartbeat_s) == (
+        "tcp://127.0.0.1:5555", 2, 1, ("0", "1"), 0.5)
 
 
 @pytest.mark.slow

@@ -40,7 +40,8 @@ def test_compare_json_contract():
         assert ("training_cells" in p) == name.startswith("async")
         assert p["hours"] == min(r["hours"] for r in p["tried"])  # the fastest setting tried is reported
     for key, name in (("vs_async", "async"), ("vs_async_streaming", "async-streaming"), ("vs_colocate", "colocate")):
-        assert out["speedup"][key] == pytest.approx(out["policies"][name]["hours"] / out["policies"]["elastic"]["hours"])
+        assert out["speedup"][key] == pytest.approx(
+            out["policies"][name]["hours"] / out["policies"]["elastic"]["hours"])
 
 
 def test_unknown_workload_is_a_one_line_error():

@@ -20,12 +20,15 @@ LEFT, WIDTH = 60, 800  # the plot area of role_timeline_svg
 def _write_run(tmp_path: Path) -> Path:
     """A 3-minute real run of 2 cells: cell 0 trains from 40 s to 100 s, publications at 60 s and 150 s."""
     lines = [{"event": "role", "t": 40.0, "cell": 0, "from": "rollout", "to": "training", "seconds": 1.5},
-             {"event": "step", "t": 55.0, "step": 1, "seconds": 10.0, "groups": 2, "cells_training": 1, "staleness_mean": 0.0},
+             {"event": "step", "t": 55.0, "step": 1, "seconds": 10.0, "groups": 2, "cells_training": 1,
+              "staleness_mean": 0.0},
              {"event": "publish", "t": 60.0, "version": 1, "seconds": 2.0, "bytes": 10},
              {"event": "role", "t": 100.0, "cell": 0, "from": "training", "to": "rollout", "seconds": 0.5},
-             {"event": "step", "t": 140.0, "step": 2, "seconds": 10.0, "groups": 2, "cells_training": 1, "staleness_mean": 0.0},
+             {"event": "step", "t": 140.0, "step": 2, "seconds": 10.0, "groups": 2, "cells_training": 1,
+              "staleness_mean": 0.0},
              {"event": "publish", "t": 150.0, "version": 2, "seconds": 2.0, "bytes": 10},
-             {"event": "step", "t": 180.0, "step": 3, "seconds": 10.0, "groups": 2, "cells_training": 1, "staleness_mean": 0.0}]
+             {"event": "step", "t": 180.0, "step": 3, "seconds": 10.0, "groups": 2, "cells_training": 1,
+              "staleness_mean": 0.0}]
     path = tmp_path / "metrics.jsonl"
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     (tmp_path / "config.json").write_text(json.dumps({"cells": 2, "policy": "elastic", "phi": 0.5, "mu": 1}))

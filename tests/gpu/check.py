@@ -165,7 +165,8 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engine", default="sglang", choices=["sglang", "cpu"])
     p.add_argument("--trainer", default="megatron", choices=["megatron", "cpu"])
-    p.add_argument("--server", default="", help="SGLang ServerArgs fields as JSON, e.g. '{\"mem_fraction_static\": 0.3}'")
+    p.add_argument("--server", default="",
+                   help="SGLang ServerArgs fields as JSON, e.g. '{\"mem_fraction_static\": 0.3}'")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--tolerance", type=float, default=0.1,

@@ -12,8 +12,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from gyre.proxy import api_responses as api
-from gyre.proxy.types import (ChatResult, Message, RequestError, TextDelta, ToolCall, ToolCallDelta, ToolSpec,
-                              Usage)
+from gyre.proxy.types import ChatResult, Message, RequestError, TextDelta, ToolCall, ToolCallDelta, ToolSpec, Usage
 
 EVENT = TypeAdapter(ResponseStreamEvent)
 
@@ -421,5 +420,6 @@ def test_a_ping_is_a_real_event_codex_counts_as_activity():
     kinds = [e["type"] for e in events]
     assert kinds[:2] == HEAD and kinds.count("response.in_progress") == 2
     ping = events[kinds.index("response.in_progress", 2)]
-    assert ping["response"]["status"] == "in_progress" and [i["type"] for i in ping["response"]["output"]] == ["message"]
+    assert (ping["response"]["status"] == "in_progress"
+            and [i["type"] for i in ping["response"]["output"]] == ["message"])
     check_stream(events)  # sequence numbers stay consecutive across the keep-alive

@@ -109,7 +109,8 @@ def _template_dir(tiny_dir: Path, tmp_path: Path, template: str) -> Path:
     "{{ messages|length }}{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}",
     # Qwen3-style: thinking stripped from assistant turns before the last user message.
     "{% set ns = namespace(last=0) %}{% for m in messages %}{% if m.role == 'user' %}{% set ns.last = loop.index0 %}"
-    "{% endif %}{% endfor %}{% for m in messages %}<{{ m.role }}>{% if m.role == 'assistant' and loop.index0 < ns.last %}"
+    "{% endif %}{% endfor %}{% for m in messages %}<{{ m.role }}>"
+    "{% if m.role == 'assistant' and loop.index0 < ns.last %}"
     "{{ m.content.split('</think>')[-1] }}{% else %}{{ m.content }}{% endif %}{% endfor %}",
     # Later text depends on a message two back.
     "{% for m in messages %}{% if loop.index0 > 1 %}[{{ messages[loop.index0 - 2].role }}]{% endif %}"

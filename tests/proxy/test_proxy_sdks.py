@@ -77,7 +77,8 @@ async def test_anthropic_messages_with_claude_code_rewrites(live, clients, strea
         "$schema": "http://json-schema.org/draft-07/schema#", "type": "object", "properties": {}}}]
     system = [{"type": "text", "text": "x-billing-header: abc"},
               {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}]
-    user = {"role": "user", "content": [{"type": "text", "text": "write b.txt", "cache_control": {"type": "ephemeral"}}]}
+    user = {"role": "user",
+            "content": [{"type": "text", "text": "write b.txt", "cache_control": {"type": "ephemeral"}}]}
     if stream:
         async with client.messages.stream(model="claude-x", max_tokens=32000, system=system, messages=[user],
                                           tools=tools) as s:

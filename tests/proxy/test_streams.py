@@ -98,7 +98,8 @@ async def test_an_engine_refusal_after_the_stream_started_is_an_error_event_not_
     oa = clients(openai.AsyncOpenAI, base_url=f"{live.url}/v1", api_key=ex.key, max_retries=0)
     with pytest.raises(openai.BadRequestError, match="the engine refused the request"):
         await oa.chat.completions.create(model="m", messages=[{"role": "user", "content": "forbidden"}])
-    stream = await oa.chat.completions.create(model="m", stream=True, messages=[{"role": "user", "content": "forbidden"}])
+    stream = await oa.chat.completions.create(model="m", stream=True,
+                                              messages=[{"role": "user", "content": "forbidden"}])
     with pytest.raises(openai.APIError, match="the engine refused the request"):
         async for _ in stream:
             pass
@@ -106,7 +107,8 @@ async def test_an_engine_refusal_after_the_stream_started_is_an_error_event_not_
     assert events[-1].type == "response.failed" and events[-1].response.error.code == "invalid_prompt"
     an = clients(anthropic.AsyncAnthropic, base_url=live.url, api_key=ex.key, max_retries=0)
     with pytest.raises(anthropic.APIStatusError, match="the engine refused the request"):
-        async with an.messages.stream(model="m", max_tokens=20, messages=[{"role": "user", "content": "forbidden"}]) as s:
+        async with an.messages.stream(model="m", max_tokens=20,
+                                      messages=[{"role": "user", "content": "forbidden"}]) as s:
             await s.get_final_message()
     assert [c["status"] for c in ex.calls] == ["error"] * 4
     assert {c["finish_reason"] for c in ex.calls} == {"error"}

@@ -94,7 +94,8 @@ async def test_malformed_arguments_once_streamed_stay_a_call(slow, clients, api)
         client = clients(openai.AsyncOpenAI, base_url=f"{slow.url}/v1", api_key=ex.key, max_retries=0)
         chunks = [c async for c in await client.chat.completions.create(
             model="m", stream=True, tools=TOOLS, messages=[{"role": "user", "content": "w"}])]
-        args = "".join(tc.function.arguments for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or []))
+        args = "".join(tc.function.arguments
+                       for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or []))
         assert args.strip() == '{"path": "a.txt", "content": "hi'
     else:
         client = clients(openai.AsyncOpenAI, base_url=f"{slow.url}/v1", api_key=ex.key, max_retries=0)

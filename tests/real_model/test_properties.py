@@ -38,7 +38,8 @@ def tok(request, smol_tok, qwen2_split_tok):
     return smol_tok if request.param == "smollm2" else qwen2_split_tok
 
 
-PROPERTIES = [rules.test_external_text_tokenises_as_the_whole_text, rules.test_special_token_text_in_content_is_plain_text,
+PROPERTIES = [rules.test_external_text_tokenises_as_the_whole_text,
+              rules.test_special_token_text_in_content_is_plain_text,
               rules.test_streamed_text_is_the_whole_decoding_with_work_per_new_token,
               rules.test_tool_calls_are_found_in_the_text,
               rules.test_a_stop_string_ends_the_output_on_a_token_the_record_keeps,

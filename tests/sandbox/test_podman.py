@@ -86,7 +86,8 @@ async def test_a_memory_hog_is_killed_and_scored_on_its_work(podman_ready, scrip
     finally:
         await backend.close()
     assert run.status == "harness_error" and run.reward == 0.5 and run.valid, (run.status, run.ref)
-    assert "MemoryError" not in (tmp_path / "run" / "executions" / "e1" / "harness.log").read_text()  # killed, not refused
+    # killed, not refused
+    assert "MemoryError" not in (tmp_path / "run" / "executions" / "e1" / "harness.log").read_text()
     assert not (tmp_path / "oom").exists()  # conmon's OOM marker stays in the podman service's own folder
 
 
@@ -163,7 +164,8 @@ async def test_an_evaluator_that_fails_is_evaluator_error_never_zero(podman, scr
 
 
 async def test_a_non_binary_reward_json(podman, scripted_proxy, tmp_path):
-    folder = harbor_task(tmp_path, "json", test_sh="echo '{\"reward\": 0.625, \"passed\": 5}' > /logs/verifier/reward.json\n")
+    folder = harbor_task(tmp_path, "json",
+                         test_sh="echo '{\"reward\": 0.625, \"passed\": 5}' > /logs/verifier/reward.json\n")
     run = await run_task(scripted_proxy, podman, load_harbor_task(folder), tmp_path / "run", shell_preset("true"))
     assert run.status == "completed" and run.reward == 0.625, run.ref
 
