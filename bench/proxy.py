@@ -43,8 +43,8 @@ from gyre.proxy import api_openai
 from gyre.proxy.admission import admit
 from gyre.proxy.backend import GenParams
 from gyre.proxy.chat import ChatTokenizer
-from gyre.proxy.recorder import Recorder
 from gyre.proxy.parser import OutputParser
+from gyre.proxy.recorder import Recorder
 from gyre.proxy.roles import GenericRule
 from gyre.proxy.server import ProxyConfig, ProxyServer
 from gyre.proxy.types import ChatRequest, ChatResult, Message, ToolCall, ToolSpec, Usage
@@ -196,7 +196,7 @@ async def null_server() -> tuple[web.AppRunner, str]:
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
-    return runner, "http://127.0.0.1:%d/null" % runner.addresses[0][1]
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}/null"
 
 
 async def part1(tok: ChatTokenizer, sizes: dict[str, tuple[int, int]], verbose: bool, warmup: int = 5) -> dict:
@@ -210,7 +210,9 @@ async def part1(tok: ChatTokenizer, sizes: dict[str, tuple[int, int]], verbose: 
     null_runner, null_url = await null_server()
     gcs: list[tuple[float, int]] = []  # (pause, generation) of each collection in this process
 
-    def on_gc(phase, info, t0=[0.0]):
+    t0 = [0.0]  # the current collection's start
+
+    def on_gc(phase, info):
         if phase == "start":
             t0[0] = time.perf_counter()
         else:

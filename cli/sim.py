@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -22,15 +22,15 @@ SimPolicyOpt = Annotated[str, typer.Option("--policy", help="elastic, colocate, 
                                                         "split, a step from the first ready group).")]
 PhiOpt = Annotated[float, typer.Option("--phi", help="Boundary-dispatch lead phi (batches).")]
 MuOpt = Annotated[int, typer.Option("--mu", help="Steps per burst mu.")]
-CellsOpt = Annotated[Optional[int], typer.Option("--cells", help="Override the workload's cell count.")]
-CellNodesOpt = Annotated[Optional[int], typer.Option("--cell-nodes", help="Override nodes per cell.")]
+CellsOpt = Annotated[int | None, typer.Option("--cells", help="Override the workload's cell count.")]
+CellNodesOpt = Annotated[int | None, typer.Option("--cell-nodes", help="Override nodes per cell.")]
 StandaloneOpt = Annotated[int, typer.Option("--standalone", help="Executions a never-training rollout pool serves.")]
 SimStepsOpt = Annotated[int, typer.Option("--steps", help="Optimizer steps to simulate.")]
 SimSeedOpt = Annotated[int, typer.Option("--seed", help="Random seed.")]
 SimJsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 EdOpt = Annotated[float, typer.Option("--ed", help="Matched mean staleness E[d] = phi + (mu-1)/2.")]
 SeedsOpt = Annotated[int, typer.Option("--seeds", help="Number of seeds (0..n-1) to average over.")]
-TimelineOpt = Annotated[Optional[Path], typer.Option("--timeline", help="Write the role timeline as SVG here.")]
+TimelineOpt = Annotated[Path | None, typer.Option("--timeline", help="Write the role timeline as SVG here.")]
 
 
 def _fail(message: str) -> None:
@@ -79,9 +79,9 @@ def sim(ctx: typer.Context, workload: WorkloadOpt = "nl2repo", policy: SimPolicy
     if ctx.invoked_subcommand is not None:
         ctx.obj = {"workload": workload, "cells": cells, "cell_nodes": cell_nodes, "standalone": standalone}
         return
+    from gyre.cli.timeline import role_timeline_svg, role_timeline_text
     from gyre.coordinator.sim import simulate
     from gyre.workerd.wire import GyreError
-    from gyre.cli.timeline import role_timeline_svg, role_timeline_text
 
     _check_policy(policy)
     _check(steps=steps, mu=mu, phi=phi, cells=cells, cell_nodes=cell_nodes, standalone=standalone)
@@ -104,10 +104,10 @@ def sim(ctx: typer.Context, workload: WorkloadOpt = "nl2repo", policy: SimPolicy
 
 
 @sim_app.command("compare")
-def compare_cmd(ctx: typer.Context, workload: Annotated[Optional[str], typer.Option(
+def compare_cmd(ctx: typer.Context, workload: Annotated[str | None, typer.Option(
                     "--workload", help="Preset or metrics.jsonl (default: the one given to `gyre sim`).")] = None,
                 cells: CellsOpt = None, cell_nodes: CellNodesOpt = None,
-                standalone: Annotated[Optional[int], typer.Option("--standalone", help="Standalone pool size.")] = None,
+                standalone: Annotated[int | None, typer.Option("--standalone", help="Standalone pool size.")] = None,
                 ed: EdOpt = 1.5, steps: SimStepsOpt = 20, seeds: SeedsOpt = 3, as_json: SimJsonOpt = False) -> None:
     """Every policy at matched mean staleness, each at its best (phi, mu) (and split); speedups of elastic."""
     from gyre.coordinator.sim import compare

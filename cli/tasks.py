@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -16,10 +16,10 @@ tasks_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
 TaskPathArg = Annotated[Path, typer.Argument(help="A Harbor task folder, a folder of them, or a JSONL file (SWE-style rows or gyre tasks).")]
 TaskHarnessOpt = Annotated[str, typer.Option("--harness", help="The harness preset that works on each task (demo, claude-code, codex, or one from --config).")]
 SandboxOpt = Annotated[str, typer.Option("--sandbox", help="Where each task runs: podman, docker, bubblewrap or process.")]
-SandboxUrlOpt = Annotated[Optional[str], typer.Option("--sandbox-url", help="The engine's Docker-compatible endpoint (default: gyre's own podman service; docker's socket).")]
+SandboxUrlOpt = Annotated[str | None, typer.Option("--sandbox-url", help="The engine's Docker-compatible endpoint (default: gyre's own podman service; docker's socket).")]
 SolutionOpt = Annotated[bool, typer.Option("--solution", help="Run each task's own solution/solve.sh instead of a harness: checks that the task is solvable and its tests score it.")]
 ConcurrencyOpt = Annotated[int, typer.Option("--concurrency", help="Tasks running at once.")]
-TaskTimeoutOpt = Annotated[Optional[float], typer.Option("--timeout", help="Seconds each agent may run where its task sets none ([agent].timeout_sec wins); default 600.")]
+TaskTimeoutOpt = Annotated[float | None, typer.Option("--timeout", help="Seconds each agent may run where its task sets none ([agent].timeout_sec wins); default 600.")]
 KeepOpt = Annotated[str, typer.Option("--keep-sandbox", help="Keep sandboxes afterwards: never, on_failure or always.")]
 
 

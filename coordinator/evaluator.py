@@ -19,9 +19,10 @@ import math
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from gyre.coordinator.tasks import Task
 from gyre.workerd.wire import GyreError

@@ -29,9 +29,10 @@ import os
 import shutil
 import string
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 APIS = ("openai", "anthropic", "responses", "any")
 PLACEHOLDERS = ("task", "workspace", "execution", "state", "model", "base_url", "openai_base_url", "api_key",
@@ -94,7 +95,7 @@ class HarnessPreset:
             return exe if os.path.isfile(exe) and os.access(exe, os.X_OK) else None
         return shutil.which(exe)
 
-    def in_sandbox(self) -> tuple["HarnessPreset", dict[str, str]]:
+    def in_sandbox(self) -> tuple[HarnessPreset, dict[str, str]]:
         """This preset as it runs inside a container, and the read-only mounts it needs
         there. HarnessError when its executable is not on this host to mount."""
         mounts = dict(self.mounts)

@@ -12,9 +12,10 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -146,7 +147,7 @@ class WorkerLink:
         try:
             await self.send(node, msg, tensors)
             reply, frames = await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise WorkerCallTimeout(f"{self.describe(node)} did not answer {what} within {timeout:g} s"
                                     f"{bound}") from None
         finally:
@@ -234,7 +235,7 @@ class WorkerLink:
 
     def silent_nodes(self, timeout_s: float) -> list[str]:
         now = time.monotonic()
-        return [n for n, l in self.nodes.items() if l.alive and now - l.last_seen > timeout_s]
+        return [n for n, node in self.nodes.items() if node.alive and now - node.last_seen > timeout_s]
 
 
 def _fail(p: _Pending, err: Exception) -> None:

@@ -12,9 +12,9 @@ import asyncio
 import logging
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from gyre.coordinator.link import WorkerLink
 from gyre.workerd import wire
@@ -182,7 +182,7 @@ class LocalCluster:
                 out.close()
         try:
             await asyncio.wait_for(self._wait_ready(), self.start_timeout_s)
-        except (asyncio.TimeoutError, ClusterStartError) as e:
+        except (TimeoutError, ClusterStartError) as e:
             await self.__aexit__(None, None, None)
             ready = sorted(n.node_id for n in self.nodes.values() if n.ready)
             raise ClusterStartError(f"{self.cells} workerd processes did not become ready in "
@@ -210,7 +210,7 @@ class LocalCluster:
         for p in self.procs:
             try:
                 await asyncio.wait_for(p.wait(), 10)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 p.kill()
                 await p.wait()
         if self._reader is not None:

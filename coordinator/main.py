@@ -23,21 +23,21 @@ from collections import deque
 from dataclasses import dataclass
 
 from gyre.coordinator import health, resume
-from gyre.coordinator.buffer import Group, Execution, TrajectoryBuffer
+from gyre.coordinator.buffer import Execution, Group, TrajectoryBuffer
 from gyre.coordinator.config import CoordinatorConfig
 from gyre.coordinator.launcher import Launcher, launch_spec, open_sandboxes
 from gyre.coordinator.link import WorkerCallTimeout, WorkerDeadError, WorkerError
-from gyre.coordinator.sandbox import SandboxError
 from gyre.coordinator.local import LocalCluster
 from gyre.coordinator.metrics import Metrics
-from gyre.coordinator.publisher import WeightPublisher, memcpy_seconds
-from gyre.coordinator.training import Batch
 from gyre.coordinator.policies import POLICIES
+from gyre.coordinator.publisher import WeightPublisher, memcpy_seconds
 from gyre.coordinator.routing import LinkBackend, RoutingTable
+from gyre.coordinator.sandbox import SandboxError
 from gyre.coordinator.schedule import BatchView, State, decide, topup
 from gyre.coordinator.status import Rates, snapshot
 from gyre.coordinator.taskformats import load_task_source
 from gyre.coordinator.tasks import TaskSource, default_tasks
+from gyre.coordinator.training import Batch
 from gyre.coordinator.waterlevel import Waterlevel
 from gyre.proxy.chat import ChatTokenizer
 from gyre.proxy.server import ProxyConfig, ProxyServer
@@ -233,7 +233,7 @@ class Coordinator:
         for t in (self.step_task, self.side_task):
             if t is not None and not t.done():
                 t.cancel()
-        for run_id, task in list(self.runs.items()):
+        for task in list(self.runs.values()):
             task.cancel()
         await asyncio.gather(*self.runs.values(), return_exceptions=True)
         if self.sandboxes is not None:

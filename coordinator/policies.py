@@ -11,8 +11,8 @@ is the core), which is what the prebuilt prefix process groups need.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

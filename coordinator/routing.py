@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 from gyre.coordinator.link import WorkerDeadError, WorkerError, WorkerLink
 from gyre.proxy.backend import BackendUnavailable, Chunk, EngineRefused, GenParams

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from gyre.coordinator.buffer import Execution
 from gyre.coordinator.harnesses import HarnessPreset
-from gyre.coordinator.launcher import LaunchSpec, Launcher, open_sandboxes
+from gyre.coordinator.launcher import Launcher, LaunchSpec, open_sandboxes
 from gyre.coordinator.local import LocalCluster
 from gyre.coordinator.routing import LinkBackend, RoutingTable
 from gyre.coordinator.sandbox import Limits

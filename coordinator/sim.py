@@ -36,14 +36,13 @@ import itertools
 import math
 import random
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from gyre.coordinator.policies import POLICIES, Snapshot
 from gyre.coordinator.schedule import BatchView, Decisions, State, decide, dispatch_target, policy_snapshot, topup
 from gyre.coordinator.waterlevel import ExecState, Waterlevel
-from gyre.coordinator.workloads import (  # noqa: F401 - the workloads, re-exported for `gyre sim`'s users
-    PRESETS, SimError, Workload, duration_stats, sample_query, workload_from_metrics)
+from gyre.coordinator.workloads import PRESETS, SimError, Workload, duration_stats, sample_query, workload_from_metrics  # noqa: F401 - the workloads, re-exported for `gyre sim`'s users
 
 ROLLOUT, TRAINING, SWITCHING = "rollout", "training", "switching"
 Trace = Callable[[float, Snapshot, tuple[str, ...]], None]

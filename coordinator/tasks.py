@@ -12,9 +12,10 @@ import json
 import math
 import random
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable
+from typing import Any
 
 from gyre.workerd.wire import GyreError
 

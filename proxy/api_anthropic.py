@@ -11,14 +11,28 @@ from __future__ import annotations
 
 import json
 import secrets
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import orjson
 
 from gyre.proxy.api_openai import expect, optional_int, optional_number, stop_list
 from gyre.proxy.jsonprefix import JsonPrefix
-from gyre.proxy.types import (ChatRequest, ChatResult, Delta, Message, ParseMemo, RequestError, TextDelta, ToolArgsDelta,
-                              ToolCall, ToolCallDelta, ToolCallEnd, ToolCallStart, ToolSpec)
+from gyre.proxy.types import (
+    ChatRequest,
+    ChatResult,
+    Delta,
+    Message,
+    ParseMemo,
+    RequestError,
+    TextDelta,
+    ToolArgsDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    ToolSpec,
+)
 
 NAME = "anthropic"
 

@@ -10,12 +10,26 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import orjson
 
-from gyre.proxy.types import (ChatRequest, ChatResult, Delta, Message, ParseMemo, RequestError, TextDelta, ToolArgsDelta,
-                              ToolCall, ToolCallDelta, ToolCallEnd, ToolCallStart, ToolSpec)
+from gyre.proxy.types import (
+    ChatRequest,
+    ChatResult,
+    Delta,
+    Message,
+    ParseMemo,
+    RequestError,
+    TextDelta,
+    ToolArgsDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    ToolSpec,
+)
 
 NAME = "openai"
 

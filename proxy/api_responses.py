@@ -13,15 +13,36 @@ import json
 import re
 import secrets
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import orjson
 
 # error_body: the Responses API answers errors in the same shape as Chat Completions.
-from gyre.proxy.api_openai import (arguments_text, error_body, expect, optional_int, optional_number, overflow_body,
-                                   text_of)
-from gyre.proxy.types import (ChatRequest, ChatResult, Delta, Message, ParseMemo, RequestError, TextDelta, ToolArgsDelta,
-                              ToolCall, ToolCallDelta, ToolCallEnd, ToolCallStart, ToolSpec)
+from gyre.proxy.api_openai import (
+    arguments_text,
+    error_body,
+    expect,
+    optional_int,
+    optional_number,
+    overflow_body,
+    text_of,
+)
+from gyre.proxy.types import (
+    ChatRequest,
+    ChatResult,
+    Delta,
+    Message,
+    ParseMemo,
+    RequestError,
+    TextDelta,
+    ToolArgsDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    ToolSpec,
+)
 
 __all__ = ["NAME", "Stream", "error_body", "new_response_id", "new_tool_call_id", "overflow_body", "parse_request",
            "render_result"]
@@ -409,7 +430,7 @@ class Stream:
         assert isinstance(d, ToolCallDelta)
         return self._close_text() + self._tool_call(d.call)
 
-    def _argument_events(self, index: int, item_id: str, spec: ToolSpec | None, text: "_InputText",
+    def _argument_events(self, index: int, item_id: str, spec: ToolSpec | None, text: _InputText,
                          piece: str) -> list[bytes]:
         where = {"item_id": item_id, "output_index": index}
         kind = spec.kind if spec is not None else "function"

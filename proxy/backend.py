@@ -8,8 +8,9 @@ Not a router: choosing an engine is the coordinator's job.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator, Protocol
+from typing import Protocol
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

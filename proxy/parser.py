@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import re
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 from gyre.proxy.types import Delta, TextDelta, ToolArgsDelta, ToolCall, ToolCallDelta, ToolCallEnd, ToolCallStart
 

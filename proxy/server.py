@@ -13,10 +13,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -24,8 +25,8 @@ from aiohttp import web
 from gyre.proxy import api_anthropic, api_openai, api_responses
 from gyre.proxy.backend import Backend, BackendUnavailable, EngineRefused, GenParams
 from gyre.proxy.chat import ChatTokenizer
-from gyre.proxy.recorder import Recorder, Prepared, new_key
 from gyre.proxy.parser import OutputParser
+from gyre.proxy.recorder import Prepared, Recorder, new_key
 from gyre.proxy.roles import rule
 from gyre.proxy.types import ChatRequest, ChatResult, ContextOverflow, RequestError, Usage
 
@@ -277,7 +278,7 @@ class _Call:
         while True:
             try:
                 item = await asyncio.wait_for(queue.get(), self.s.config.ping_interval_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 if ping is not None:
                     await ping()
                 continue

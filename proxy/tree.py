@@ -11,8 +11,8 @@ renderer (chat.py) and not the HTTP layer.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 
 @dataclass(slots=True)

@@ -9,7 +9,7 @@ chat.py's job, and recording is tree.py's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 
 class RequestError(ValueError):
@@ -147,7 +147,7 @@ class ToolCallEnd:
     valid: bool
 
 
-Delta = Union[TextDelta, ToolCallDelta, ToolCallStart, ToolArgsDelta, ToolCallEnd]
+Delta = TextDelta | ToolCallDelta | ToolCallStart | ToolArgsDelta | ToolCallEnd
 
 
 class ParseMemo:

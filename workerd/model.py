@@ -190,7 +190,8 @@ class CausalLM(nn.Module):
                         raise ModelDirError(f"weight {name!r} does not belong to {self.config.architecture}")
                     continue
                 if tuple(own[name].shape) != tuple(tensor.shape):
-                    raise ModelDirError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(own[name].shape)}")
+                    raise ModelDirError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                                        f"expected {tuple(own[name].shape)}")
                 own[name].copy_(tensor)
                 seen.add(name)
                 nbytes += tensor.numel() * tensor.element_size()

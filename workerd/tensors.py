@@ -44,7 +44,8 @@ def from_frame(f: TensorFrame) -> torch.Tensor:
         if dtype == torch.bfloat16:
             t = torch.from_numpy(np.frombuffer(f.data, dtype=np.int16)).view(torch.bfloat16)
         else:
-            t = torch.frombuffer(f.data, dtype=dtype) if len(memoryview(f.data).cast("B")) else torch.empty(0, dtype=dtype)
+            empty = not len(memoryview(f.data).cast("B"))
+            t = torch.empty(0, dtype=dtype) if empty else torch.frombuffer(f.data, dtype=dtype)
     expected = int(np.prod(f.shape)) if f.shape else 1
     if t.numel() != expected:
         raise ValueError(f"tensor {f.name!r}: {t.numel()} elements for shape {f.shape}")

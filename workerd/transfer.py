@@ -67,7 +67,7 @@ def pack(named: dict[str, torch.Tensor]) -> Packed:
         manifest.append([name, _DTYPES[t.dtype], list(t.shape), offset, n])
         offset += -(-n // 64) * 64
     buf = torch.empty(offset, dtype=torch.uint8)
-    for (name, _, _, off, n), t in zip(manifest, named.values()):
+    for (_, _, _, off, n), t in zip(manifest, named.values()):
         buf[off:off + n].copy_(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8))
     return Packed(buf, manifest)
 

@@ -15,7 +15,8 @@ import enum
 import logging
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-from gyre.coordinator.sandbox.base import (ExecResult, ImageBuildError, Limits, Sandbox, SandboxBackend,
-                                           SandboxError, SandboxSpec)
+from gyre.coordinator.sandbox.base import (
+    ExecResult,
+    ImageBuildError,
+    Limits,
+    Sandbox,
+    SandboxBackend,
+    SandboxError,
+    SandboxSpec,
+)
 
 BACKENDS = ("process", "podman", "docker", "bubblewrap")
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import abc
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Mapping
+from typing import BinaryIO
 
 from gyre.workerd.wire import GyreError
 

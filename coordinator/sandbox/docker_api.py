@@ -27,11 +27,19 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, BinaryIO, Mapping
+from typing import Any, BinaryIO
 
 from gyre.coordinator.sandbox import images
-from gyre.coordinator.sandbox.base import (LABEL_EXECUTION, LABEL_OWNER, ExecResult, ImageBuildError, Sandbox,
-                                           SandboxBackend, SandboxError, SandboxSpec)
+from gyre.coordinator.sandbox.base import (
+    LABEL_EXECUTION,
+    LABEL_OWNER,
+    ExecResult,
+    ImageBuildError,
+    Sandbox,
+    SandboxBackend,
+    SandboxError,
+    SandboxSpec,
+)
 
 log = logging.getLogger("gyre.coordinator")
 OUTPUT_TAIL = 64 * 1024
@@ -118,7 +126,7 @@ def _untar(chunks, dest: Path, is_dir: bool) -> None:
 
 
 class ContainerSandbox(Sandbox):
-    def __init__(self, backend: "DockerAPIBackend", container: Any, spec: SandboxSpec, workdir: str, pid: int | None):
+    def __init__(self, backend: DockerAPIBackend, container: Any, spec: SandboxSpec, workdir: str, pid: int | None):
         self.backend = backend
         self.container = container
         self.spec = spec
@@ -149,7 +157,7 @@ class ContainerSandbox(Sandbox):
         job = _own_thread(self._run, wrapped, dict(env or {}), cwd or self.workdir, user, log)
         try:
             code, output = await asyncio.wait_for(asyncio.shield(job), host_wait)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             await self._kill(token)
             code, output = None, b"gyre: the engine did not end the exec after its deadline\n"
         except asyncio.CancelledError:

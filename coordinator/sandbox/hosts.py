@@ -95,7 +95,7 @@ class HostPool:
     async def ping(self, host: SandboxHost) -> bool:
         try:
             await asyncio.wait_for(host.backend.ping(self.ping_timeout_s), self.ping_timeout_s + 1.0)
-        except (SandboxError, asyncio.TimeoutError, OSError) as e:
+        except (TimeoutError, SandboxError, OSError) as e:
             host.misses += 1
             if host.misses >= MISSES_DOWN:
                 detail = f": {e}" if str(e) else f" after {self.ping_timeout_s:g} s"

@@ -113,7 +113,7 @@ async def build(backend, folder: Path, tag: str, *, dockerfile: str | None, time
 
     try:
         await asyncio.wait_for(backend.io(run), timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise ImageBuildError(f"building {folder}: not done after {timeout_s:g}s (build_timeout_sec)") from None
 
 
@@ -133,7 +133,7 @@ async def ensure_present(backend, image: str, *, timeout_s: float) -> None:
 
     try:
         await asyncio.wait_for(backend.io(pull), timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise ImageBuildError(f"pulling {image}: not done after {timeout_s:g}s") from None
 
 

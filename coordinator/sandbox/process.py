@@ -13,11 +13,20 @@ import asyncio
 import os
 import shutil
 import signal
+from collections.abc import Mapping
 from pathlib import Path
-from typing import BinaryIO, Mapping
+from typing import BinaryIO
 
-from gyre.coordinator.sandbox.base import (LABEL_OWNER, LABEL_PROCESS, LABEL_RUN_DIR, ExecResult, Sandbox, SandboxBackend,
-                                           SandboxError, SandboxSpec)
+from gyre.coordinator.sandbox.base import (
+    LABEL_OWNER,
+    LABEL_PROCESS,
+    LABEL_RUN_DIR,
+    ExecResult,
+    Sandbox,
+    SandboxBackend,
+    SandboxError,
+    SandboxSpec,
+)
 
 OUTPUT_TAIL = 64 * 1024
 ENV_OWNER, ENV_RUN_DIR, ENV_PROCESS = "GYRE_SANDBOX_OWNER", "GYRE_SANDBOX_RUN_DIR", "GYRE_SANDBOX_PROCESS"
@@ -65,7 +74,7 @@ async def run_group(argv: list[str], *, env: Mapping[str, str], cwd: str | None,
     try:
         try:
             await asyncio.wait_for(proc.wait(), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             timed_out = True
             await stop_group(proc, grace_s)
         except asyncio.CancelledError:
@@ -74,7 +83,7 @@ async def run_group(argv: list[str], *, env: Mapping[str, str], cwd: str | None,
         # A child that kept the pipe open (a daemon it forked) must not hold the call.
         try:
             output = await asyncio.wait_for(asyncio.shield(reader), 5.0)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             killpg(proc.pid, signal.SIGKILL)
             output = await reader
         return ExecResult(proc.returncode, timed_out, output)
@@ -92,7 +101,7 @@ async def stop_group(proc: asyncio.subprocess.Process, grace_s: float) -> None:
         try:
             await asyncio.wait_for(proc.wait(), wait)
             return
-        except asyncio.TimeoutError:
+        except TimeoutError:
             continue
 
 

@@ -11,12 +11,18 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Callable, Mapping
 
 from gyre.coordinator.rundir import held, live_coordinator
-from gyre.coordinator.sandbox.base import (LABEL_EXECUTION, LABEL_OWNER, LABEL_PROCESS, LABEL_RUN_DIR,
-                                           SandboxBackend, process_alive)
+from gyre.coordinator.sandbox.base import (
+    LABEL_EXECUTION,
+    LABEL_OWNER,
+    LABEL_PROCESS,
+    LABEL_RUN_DIR,
+    SandboxBackend,
+    process_alive,
+)
 
 log = logging.getLogger("gyre.coordinator")
 KEPT_FILE = "sandbox-kept.json"

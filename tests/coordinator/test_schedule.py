@@ -168,6 +168,5 @@ def test_decisions_keep_the_rules(s):
     want = target_roles(s)
     k = next((c for c in range(s.cells) if c in s.dead or c in s.no_reducer), s.cells)
     trains = [want[c] == T for c in range(k)]
-    members = set(s.batch.members) if s.batch else set()
     assert all(trains[:sum(trains)]), (want, s)  # training stays a prefix
     assert all(want[c] == R for c in range(k, s.cells) if c not in s.dead)  # after a gap: rollout only

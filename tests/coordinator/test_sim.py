@@ -11,11 +11,20 @@ from pathlib import Path
 
 import pytest
 
-from gyre.coordinator.config import CoordinatorConfig
 from gyre.cli.timeline import role_timeline_svg, role_timeline_text
-from gyre.coordinator.sim import (PRESETS, SimError, Workload, compare, dispatch_target, duration_stats,
-                                  matched_pairs, matched_settings, simulate,
-                                  workload_from_metrics)
+from gyre.coordinator.config import CoordinatorConfig
+from gyre.coordinator.sim import (
+    PRESETS,
+    SimError,
+    Workload,
+    compare,
+    dispatch_target,
+    duration_stats,
+    matched_pairs,
+    matched_settings,
+    simulate,
+    workload_from_metrics,
+)
 
 # Small enough for hundreds of steps in well under a second.
 TINY = Workload(name="tiny", cells=4, cell_nodes=1, group_size=4, groups_per_step=4, exec_slots_per_cell=8,
@@ -98,7 +107,7 @@ def test_invariants_on_every_event(policy, phi, mu, standalone):
 
 def test_elastic_moves_the_core_first_and_satellites_follow():
     r, events = _traced("elastic", phi=0.5, mu=3, steps=40, seed=2)
-    for _, s, phases in events:
+    for _, s, _ in events:
         if any(role == "training" for role in s.roles[1:]):
             assert s.roles[0] == "training"
     entries = [(t, c) for t, c, role in r.role_timeline if role == "switching"]
@@ -155,13 +164,13 @@ def test_compare_shape():
     json.dumps(out)
     assert out["workload"] == "tiny" and out["ed"] == 1.5 and out["steps"] == 6 and out["seeds"] == [0, 1]
     assert set(out["policies"]) == {"elastic", "async", "async-streaming", "colocate"}
-    for name, p in out["policies"].items():
+    for p in out["policies"].values():
         assert p["hours"] > 0 and len(p["hours_by_seed"]) == 2
         assert p["hours"] == pytest.approx(sum(p["hours_by_seed"]) / 2)
         assert {"phi", "mu", "staleness_mean", "training_share"} <= set(p) and len(p["training_share"]) == TINY.cells
     for name in ("async", "async-streaming"):
         assert 1 <= out["policies"][name]["training_cells"] < TINY.cells
-    for name, p in out["policies"].items():  # the best of the settings tried at this E[d], each tried once
+    for p in out["policies"].values():  # the best of the settings tried at this E[d], each tried once
         assert p["hours"] == min(r["hours"] for r in p["tried"])
         settings = [(r["phi"], r["mu"], r.get("training_cells")) for r in p["tried"]]
         assert len(settings) == len(set(settings)) and {(phi, mu) for phi, mu, _ in settings} <= set(matched_pairs(1.5))
@@ -250,5 +259,5 @@ def test_a_micro_step_shorter_than_a_role_switch():
     for seed in range(6):
         r, events = _traced_on(quick, "elastic", phi=1.0, mu=2, steps=30, seed=seed)
         assert r.steps == 30
-        for _, s, phases in events:
+        for _, _, phases in events:
             assert _is_prefix([p == "training" for p in phases])

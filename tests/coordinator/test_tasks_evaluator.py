@@ -16,10 +16,18 @@ from pathlib import Path
 import pytest
 
 from gyre.coordinator import evaluator as ev
-from gyre.coordinator.evaluator import (CallableEvaluator, CommandEvaluator, EvaluatorError, EvaluatorFailed,
-                                        Outcome, SimilarityEvaluator, build_evaluator, evaluate_with_retries,
-                                        similarity)
-from gyre.coordinator.tasks import (Task, TaskError, TaskSource, default_tasks, load_tasks, make_workspace)
+from gyre.coordinator.evaluator import (
+    CallableEvaluator,
+    CommandEvaluator,
+    EvaluatorError,
+    EvaluatorFailed,
+    Outcome,
+    SimilarityEvaluator,
+    build_evaluator,
+    evaluate_with_retries,
+    similarity,
+)
+from gyre.coordinator.tasks import Task, TaskError, TaskSource, default_tasks, load_tasks, make_workspace
 from gyre.workerd.wire import GyreError
 
 TASK = Task(id="t1", prompt="Reply with: hello", target="hello")

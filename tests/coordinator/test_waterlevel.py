@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gyre.coordinator.buffer import Group, Execution, TrajectoryBuffer, advantages
+from gyre.coordinator.buffer import Execution, Group, TrajectoryBuffer, advantages
 from gyre.coordinator.config import CoordinatorConfig
 from gyre.coordinator.waterlevel import CounterError, ExecState, Waterlevel
 

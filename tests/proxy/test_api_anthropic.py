@@ -4,9 +4,8 @@ transport)."""
 
 from __future__ import annotations
 
-import json
-
 import copy
+import json
 
 import anthropic
 import httpx2
@@ -18,8 +17,17 @@ from anthropic.types.shared import ErrorResponse
 from pydantic import TypeAdapter
 
 from gyre.proxy import api_anthropic as api
-from gyre.proxy.types import (ChatRequest, ChatResult, Message, RequestError, TextDelta, ToolCall, ToolCallDelta,
-                              ToolSpec, Usage)
+from gyre.proxy.types import (
+    ChatRequest,
+    ChatResult,
+    Message,
+    RequestError,
+    TextDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolSpec,
+    Usage,
+)
 
 SCHEMA = "http://json-schema.org/draft-07/schema#"
 BASH_SCHEMA = {"type": "object", "properties": {"command": {"type": "string"}, "timeout": {"type": "number"}},

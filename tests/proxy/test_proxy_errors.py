@@ -9,7 +9,6 @@ import aiohttp
 import openai
 import pytest
 
-
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 

@@ -14,8 +14,7 @@ from hypothesis import strategies as st
 
 from gyre.proxy import api_openai
 from gyre.proxy.parser import IncrementalDecoder, OutputParser
-from gyre.proxy.types import (Message, TextDelta, ToolArgsDelta, ToolCall, ToolCallEnd, ToolCallStart,
-                              ToolSpec)
+from gyre.proxy.types import Message, TextDelta, ToolArgsDelta, ToolCall, ToolCallEnd, ToolCallStart, ToolSpec
 
 TOOLS = [ToolSpec("write_file", "Write a file", {"type": "object", "properties": {"path": {"type": "string"}}})]
 # Text that stresses pre-tokenisation boundaries: runs of newlines and spaces, tabs, punctuation.

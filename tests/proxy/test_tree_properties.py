@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from gyre.proxy import api_openai
 from gyre.proxy.admission import admit, materialise
-from gyre.proxy.recorder import Recorder
 from gyre.proxy.parser import OutputParser
+from gyre.proxy.recorder import Recorder
 from gyre.proxy.roles import PRIORITY, GenericRule
 from gyre.proxy.tree import Tree
 from gyre.proxy.types import ChatRequest, Message, ToolCall, ToolSpec

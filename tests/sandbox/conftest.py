@@ -135,7 +135,7 @@ async def run_task(proxy, backend, task, run_dir: Path, preset, *, timeout_s: fl
                    run_id: str = "e1", **spec_kw):
     """One execution of `task` through the launcher's whole lifecycle; returns the Run."""
     from gyre.coordinator.buffer import Execution
-    from gyre.coordinator.launcher import LaunchSpec, Launcher
+    from gyre.coordinator.launcher import Launcher, LaunchSpec
     from gyre.coordinator.sandbox import Limits
     from gyre.coordinator.waterlevel import Tracked
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from gyre.coordinator.buffer import Execution
-from gyre.coordinator.launcher import LaunchSpec, Launcher, open_sandboxes
+from gyre.coordinator.launcher import Launcher, LaunchSpec, open_sandboxes
 from gyre.coordinator.sandbox import Limits
 from gyre.coordinator.sandbox.podman import podman_env
 from gyre.coordinator.taskformats import load_harbor_task

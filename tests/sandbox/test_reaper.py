@@ -10,9 +10,8 @@ import textwrap
 
 from gyre.coordinator.launcher import open_sandboxes
 from gyre.coordinator.rundir import claim
-from gyre.coordinator.sandbox import SandboxSpec, images
+from gyre.coordinator.sandbox import SandboxSpec, images, reaper
 from gyre.coordinator.sandbox.base import LABEL_EXECUTION, LABEL_OWNER, LABEL_PROCESS, LABEL_RUN_DIR, process_label
-from gyre.coordinator.sandbox import reaper
 from gyre.coordinator.sandbox.reaper import mark_kept
 from tests.sandbox.conftest import REPO, containers
 

@@ -100,7 +100,7 @@ class FakeTokenizerManager:
             return FlushCacheReqOutput(success=self._e.flushable())
         try:
             await asyncio.wait_for(self._e.until(lambda: not self._e.busy()), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return FlushCacheReqOutput(success=False, message="Timed out waiting for idle state.")
         return FlushCacheReqOutput(success=True)
 

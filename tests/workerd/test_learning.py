@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.workerd.helpers import build_micro_step, byte_reward, prompt_ids
 from gyre.workerd.engines.base import SamplingParams
 from gyre.workerd.engines.cpu import CpuEngine
 from gyre.workerd.model import load_model
 from gyre.workerd.trainers.base import MicroBatch
 from gyre.workerd.trainers.cpu import CpuTrainer
+from tests.workerd.helpers import build_micro_step, byte_reward, prompt_ids
 
 TARGET = ord("a")
 

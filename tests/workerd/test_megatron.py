@@ -67,7 +67,8 @@ def test_names_and_values_round_trip_exactly(family_dirs, family, tp):
         assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     if tp == 2:  # every rank holds half of each split tensor, and the halves differ
         qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
-        assert shards[0][qkv].shape[0] * 2 == (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
+        heads = config.num_attention_heads + 2 * config.num_key_value_heads
+        assert shards[0][qkv].shape[0] * 2 == heads * config.head_dim
         assert not torch.equal(shards[0][qkv], shards[1][qkv])
 
 

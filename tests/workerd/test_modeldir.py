@@ -125,7 +125,7 @@ def test_logits_equal_transformers_other_families(tmp_path, arch, model_type):
         assert torch.allclose(ours(ids), hf(ids).logits, atol=1e-5)
 
 
-def _with(tiny_dir, tmp_path, **changes) -> "object":
+def _with(tiny_dir, tmp_path, **changes) -> object:
     d = tmp_path / "m"
     shutil.copytree(tiny_dir, d)
     cfg = json.loads((d / "config.json").read_text())

@@ -17,7 +17,8 @@ SAMPLES = {int: 7, float: 0.5, str: "x", bool: True}
 
 def _sample(tp):
     origin = typing.get_origin(tp)
-    if origin is typing.Union or str(tp).startswith("int | None") or origin is getattr(__import__("types"), "UnionType", None):
+    union = getattr(__import__("types"), "UnionType", None)
+    if origin is typing.Union or str(tp).startswith("int | None") or origin is union:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         return _sample(args[0])
     if origin is list:

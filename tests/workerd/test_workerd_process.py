@@ -14,8 +14,8 @@ import torch
 
 from gyre.coordinator.link import WorkerError, _Pending
 from gyre.coordinator.local import ClusterStartError, LocalCluster
-from tests.workerd.helpers import build_micro_step
 from gyre.workerd import wire
+from tests.workerd.helpers import build_micro_step
 
 pytestmark = pytest.mark.timeout(180)
 PROMPT = list(b"<|im_start|>user\nhi")
@@ -235,7 +235,7 @@ async def test_a_slow_start_up_is_not_silence(tiny_dir):
             silent.extend(cluster.link.silent_nodes(1.0))
             try:
                 await asyncio.wait_for(done.wait(), 0.1)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     watcher = asyncio.create_task(watch())

@@ -8,8 +8,9 @@ the last call. Not a scheduler of executions: that is the coordinator's job.
 from __future__ import annotations
 
 import abc
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 

@@ -8,8 +8,8 @@ trainer uses. Not thread-safe: the workerd's main loop is its only caller.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 import torch
 

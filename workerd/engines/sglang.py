@@ -14,9 +14,10 @@ import asyncio
 import itertools
 import logging
 import os
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 

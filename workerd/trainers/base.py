@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import abc
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
-from typing import Iterable
 
 import torch
 

@@ -8,15 +8,21 @@ settings. Not the packer and not the reducer's owner: both are handed in.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
 
 from gyre.workerd.loss import chunked_logprobs
 from gyre.workerd.model import CausalLM
-from gyre.workerd.trainers.base import (MicroBatch, MicroStepStats, Trainer, backward_micro_step, step_or_drop,
-                                        sum_and_normalise)
+from gyre.workerd.trainers.base import (
+    MicroBatch,
+    MicroStepStats,
+    Trainer,
+    backward_micro_step,
+    step_or_drop,
+    sum_and_normalise,
+)
 
 
 class CpuTrainer(Trainer):

@@ -4,8 +4,9 @@ One mapping serves loading a checkpoint into a Megatron cell and publishing its 
 rollout engines (SGLang and the CPU engine take HF names). Pure torch on whole tensors:
 `to_megatron` cuts one tensor-parallel rank's shard of one pipeline stage out of HF
 tensors; `to_hf` joins every TP rank's shards of a stage back (a stage's layers are
-numbered from 0 in Megatron, from its `Stage.offset` in HF). Covers the dense decoder families gyre supports (Qwen2, Qwen3, Llama,
-Mistral) with megatron-core's local layer spec (`get_gpt_layer_local_spec`):
+numbered from 0 in Megatron, from its `Stage.offset` in HF). Covers the dense decoder
+families gyre supports (Qwen2, Qwen3, Llama, Mistral) with megatron-core's local layer spec
+(`get_gpt_layer_local_spec`):
 
     model.embed_tokens.weight               embedding.word_embeddings.weight   rows split
     model.layers.N.input_layernorm.weight   decoder.layers.N.input_layernorm.weight

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -51,11 +51,24 @@ import torch.nn.functional as F
 # ModelDirError and to_megatron stay importable from here (megatron_weights.py is their user now).
 from gyre.workerd.modeldir import ModelConfig, ModelDirError  # noqa: F401
 from gyre.workerd.trainers import megatron_state, megatron_weights
-from gyre.workerd.trainers.base import (MicroBatch, MicroStepStats, Trainer, backward_micro_step, step_or_drop,
-                                        sum_and_normalise)
+from gyre.workerd.trainers.base import (
+    MicroBatch,
+    MicroStepStats,
+    Trainer,
+    backward_micro_step,
+    step_or_drop,
+    sum_and_normalise,
+)
 from gyre.workerd.trainers.hf_megatron import check_pp, check_tp, holds, is_tp_split, to_hf, to_megatron  # noqa: F401
-from gyre.workerd.trainers.megatron_model import (build_gpt, pp_group, quiet_import, setup_parallel, stage_of,
-                                                  tp_rank, tp_size)
+from gyre.workerd.trainers.megatron_model import (
+    build_gpt,
+    pp_group,
+    quiet_import,
+    setup_parallel,
+    stage_of,
+    tp_rank,
+    tp_size,
+)
 from gyre.workerd.trainers.pipeline import GPipe
 from gyre.workerd.weightfiles import iter_weights
 

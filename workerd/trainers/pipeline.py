@@ -15,7 +15,7 @@ agreement (trainers/megatron.py): this module moves activations and gradients on
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

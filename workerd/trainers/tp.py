@@ -17,10 +17,11 @@ workerds and not a scheduler: the worker calls it exactly as it calls a one-rank
 from __future__ import annotations
 
 import tempfile
-from datetime import timedelta
 import traceback
+from collections.abc import Iterable
+from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.distributed
