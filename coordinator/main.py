@@ -469,12 +469,20 @@ class Coordinator:
         return await self.weights.level(cells, self.trainer_version)
 
     # 3) training
+    def _new_batch(self, cells: list[int]) -> Batch:
+        return Batch(cells, link=self.link, nodes=self.nodes, buffer=self.buffer, config=self.c, changed=self.changed,
+                     trains=self._trains, step=self.steps_done, train_busy_s=self.train_busy_s)
+
+    def _trains(self, cell: int) -> bool:
+        return self.roles[cell] == "training" and self.settled(cell)
+
     async def _step(self, cells: list[int]) -> None:
         t0 = time.monotonic()
         if cells != list(range(len(cells))):
             raise RuntimeError(f"training cells {cells} are not a prefix 0..k-1 (prefix groups)")
-        self.batch = Batch(self, cells)
+        self.batch = self._new_batch(cells)
         await self._level(cells)  # a cell that trained no step of this burst yet starts level
+        await self.weights.prepare(self.trainer_version)  # while the core is idle: joins pull from there
         res = await self.batch.run()
         version_before = self.trainer_version
         self.trainer_version = res.version

@@ -15,9 +15,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gyre.coordinator.buffer import Group
+from gyre.coordinator.buffer import Group, TrajectoryBuffer
 from gyre.coordinator.packing import MicroStep, group_rows, pack
 from gyre.workerd import wire
 
@@ -36,8 +37,15 @@ class BatchResult:
 
 
 class Batch:
-    def __init__(self, coord, participants: list[int]):
-        self.c = coord  # the Coordinator: link, nodes, buffer, config, changed event
+    """One step's batch. `trains(cell)`: the cell holds the training role now (not paused,
+    not switching); `changed` is set whenever an execution closes; claimed micro-steps'
+    seconds add up in `train_busy_s` (the coordinator's per-cell tally)."""
+
+    def __init__(self, participants: list[int], *, link, nodes: list[str], buffer: TrajectoryBuffer,
+                 config, changed: asyncio.Event, trains: Callable[[int], bool], step: int,
+                 train_busy_s: dict[int, float]):
+        self.link, self.nodes, self.buffer, self.config, self.changed = link, nodes, buffer, config, changed
+        self.trains, self.step, self.train_busy_s = trains, step, train_busy_s
         self.participants: list[int] = list(participants)
         self.pending: deque[MicroStep] = deque()
         self.packing_done = False
@@ -67,24 +75,22 @@ class Batch:
         return True
 
     async def run(self) -> BatchResult:
-        c = self.c
-        nodes = c.nodes
-        await c.weights.prepare(c.trainer_version)  # before the core gets busy: joins read it from there
+        c, nodes, link = self.config, self.nodes, self.link
         for cell in self.participants:
             self.workers[cell] = asyncio.create_task(self._worker(cell), name=f"gyre-claim-{cell}")
         exec_index = 0
-        while len(self.groups) < c.c.groups_per_step:  # streaming: pack groups as they become ready
-            group = c.buffer.take()
+        while len(self.groups) < c.groups_per_step:  # streaming: pack groups as they become ready
+            group = self.buffer.take()
             if group is None:
-                c.changed.clear()
-                await c.changed.wait()
+                self.changed.clear()
+                await self.changed.wait()
                 continue
-            rows, exec_index, counted = group_rows(group, j_max=c.c.j_max, seed=c.c.seed + group.id,
+            rows, exec_index, counted = group_rows(group, j_max=c.j_max, seed=c.seed + group.id,
                                                    next_exec=exec_index)
             self.executions += counted
             self.groups.append(group)
             async with self.cond:
-                self.pending.extend(pack(rows, c.c.micro_step_tokens))
+                self.pending.extend(pack(rows, c.micro_step_tokens))
                 self.cond.notify_all()
         async with self.cond:
             self.packing_done = True
@@ -97,9 +103,9 @@ class Batch:
         for t in self.workers.values():
             t.result()  # a failed micro-step fails the step
         async with self.cond:  # paused participants (schedule.py's pause/resume) resume first
-            await self.cond.wait_for(lambda: all(self._training(i) for i in self.participants))
+            await self.cond.wait_for(lambda: all(self.trains(i) for i in self.participants))
         # Reduce over the participants' prefix group; only the core applies the update.
-        k, link = len(self.participants), c.link
+        k = len(self.participants)
         await asyncio.gather(*(link.request(nodes[i], wire.SetParticipants(req_id=link.new_req_id(), participants=k))
                                for i in self.participants))
         replies = await asyncio.gather(*(link.request(nodes[i], wire.OptimizerStep(
@@ -107,29 +113,25 @@ class Batch:
             for i in self.participants))
         core = replies[0]
         for cell, r in zip(self.participants, replies):
-            c.train_busy_s[cell] = c.train_busy_s.get(cell, 0.0) + r.seconds
+            self.train_busy_s[cell] = self.train_busy_s.get(cell, 0.0) + r.seconds
         return BatchResult(self.groups, self.executions, self.results, list(self.participants), core.version,
                            core.grad_norm, dict(self.claimed))
 
-    def _training(self, cell: int) -> bool:
-        return self.c.roles[cell] == "training" and self.c.settled(cell)
-
     async def _worker(self, cell: int) -> None:
-        c = self.c
-        node = c.nodes[cell]
+        node, link = self.nodes[cell], self.link
         while True:
             async with self.cond:  # a paused cell (rollout for now) claims nothing
                 await self.cond.wait_for(lambda: not self.pending and self.packing_done or (
-                    self.pending and self._training(cell)))
+                    self.pending and self.trains(cell)))
                 if not self.pending:
                     return
                 ms = self.pending.popleft()
                 self.busy.add(cell)
             try:
-                res = await c.link.request(node, wire.TrainMicroStep(req_id=c.link.new_req_id(), step=c.steps_done),
-                                           ms.frames())
+                res = await link.request(node, wire.TrainMicroStep(req_id=link.new_req_id(), step=self.step),
+                                         ms.frames())
             finally:
                 self.busy.discard(cell)
             self.results.append(res)
             self.claimed[cell] = self.claimed.get(cell, 0) + 1
-            c.train_busy_s[cell] = c.train_busy_s.get(cell, 0.0) + res.seconds
+            self.train_busy_s[cell] = self.train_busy_s.get(cell, 0.0) + res.seconds

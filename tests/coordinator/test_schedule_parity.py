@@ -17,7 +17,6 @@ from gyre.coordinator.config import CoordinatorConfig
 from gyre.coordinator.main import Coordinator
 from gyre.coordinator.schedule import State, decide
 from gyre.coordinator.sim import Workload, _Sim
-from gyre.coordinator.training import Batch
 from gyre.coordinator.waterlevel import Waterlevel
 
 W = Workload(name="parity", cells=4, cell_nodes=1, group_size=4, groups_per_step=3, exec_slots_per_cell=6,
@@ -51,7 +50,7 @@ def mirror(coord: Coordinator, s: State, pending: asyncio.Future) -> None:
     coord.batch, coord.step_task = None, None
     if s.batch is not None:
         b = s.batch
-        batch = Batch(coord, list(b.members))
+        batch = coord._new_batch(list(b.members))
         batch.packing_done = b.packing_done
         batch.pending = deque([None] * (b.unclaimed - (0 if b.packing_done else 1)))
         batch.busy = set(s.busy)
