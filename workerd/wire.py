@@ -388,6 +388,9 @@ class GenerateChunk:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     prompt_tokens: int = 0
     kv_tokens: int = 0  # a handed-back request: frames carry its KV for this many context tokens
+    # Prompt tokens whose KV the engine reused (its prefix cache, or KV handed over) instead of
+    # computing them; None: the engine does not say (never read as zero).
+    cached_tokens: int | None = None
 
 
 @_msg

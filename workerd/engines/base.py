@@ -53,6 +53,9 @@ class TokenOutput:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     prompt_tokens: int = 0
+    # Prompt tokens whose KV was reused, not computed (prefix cache, handed-over KV); on every
+    # output once the engine knows it; None: the engine cannot say.
+    cached_tokens: int | None = None
 
 
 class RolloutEngine(abc.ABC):
