@@ -26,7 +26,7 @@ from rich.table import Table
 from rich.text import Text
 
 ROLE_STYLE = {"rollout": ("-", "cyan"), "training": ("#", "magenta")}
-FIXED_COLUMNS = 52  # cell, role, running, claimed, in-role and the table's borders
+FIXED_COLUMNS = 64  # cell, role, running, homes, hit, claimed, in-role and the table's borders
 
 
 def _num(v, fmt: str = "{:.3f}", none: str = "n/a") -> str:
@@ -79,8 +79,8 @@ def render(status: dict, width: int = 80) -> Group:
     speed = Text.assemble(("tokens/s ", "dim"), "rollout ", _num(tps["rollout"], "{:.0f}"),
                           "  training ", _num(tps["training"], "{:.0f}"))
     cells = Table(box=None, pad_edge=False, expand=False, header_style="dim")
-    for name, justify in (("cell", "right"), ("role", "left"), ("run", "right"), ("claim", "right"),
-                          ("in role", "right"), ("timeline", "left")):
+    for name, justify in (("cell", "right"), ("role", "left"), ("run", "right"), ("homes", "right"),
+                          ("hit", "right"), ("claim", "right"), ("in role", "right"), ("timeline", "left")):
         cells.add_column(name, justify=justify, no_wrap=True)
     strip_width = max(8, width - FIXED_COLUMNS)
     for cell in s["cells"]:
@@ -88,7 +88,9 @@ def render(status: dict, width: int = 80) -> Group:
         label = f"-> {cell['role']}" if cell.get("switching") else cell["role"]
         role = Text("dead", style="bold red") if dead else Text(label, style=ROLE_STYLE.get(
             cell["role"], ("", ""))[1])
-        cells.add_row(str(cell["cell"]), role, str(cell["running"]), str(cell["claimed"]),
+        hit = cell.get("hit_rate")  # the engine's prefix-cache hit rate over its calls so far
+        cells.add_row(str(cell["cell"]), role, str(cell["running"]), str(cell.get("homes", 0)),
+                      "-" if hit is None else f"{hit:.0%}", str(cell["claimed"]),
                       f"{cell['in_role_s']:.0f}s", strip(cell["timeline"], s["t"], strip_width))
     hosts = None
     if s.get("sandbox_hosts"):

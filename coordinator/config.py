@@ -24,7 +24,8 @@ _RANGES = [
     ("worker_call_timeout_s", 0, True), ("checkpoint_timeout_s", 0, True), ("default_max_tokens", 1, False),
     ("max_tokens_cap", 1, False),
     ("max_context", 2, False), ("infra_failures_in_row", 0, False), ("rollout_temperature", 0, True),
-    ("transfer_port", 0, False), ("proxy_port", 0, False),
+    ("transfer_port", 0, False), ("proxy_port", 0, False), ("route_balance_abs", 1, False),
+    ("route_balance_rel", 1, False), ("prefix_cache_mb", 0, False),
 ]
 
 
@@ -44,6 +45,14 @@ class CoordinatorConfig:
     async_training_cells: int = 1  # async: cells [0, t) train, the rest roll out
     exec_slots_per_cell: int = 8  # concurrent executions one rollout cell serves
     engine_max_running: int = 64  # concurrent inference requests one cell's engine batches
+    # Which engine serves a call (coordinator/routing.py): affine (each execution's calls go to
+    # its home engine, whose prefix cache holds its history's KV) | least-inflight (the baseline)
+    routing: str = "affine"
+    # The load bound: an engine with more than max(min + abs, min x rel) executions homed (min:
+    # the least-loaded accepting engine's) sheds its newest ones to the least loaded
+    route_balance_abs: int = 2
+    route_balance_rel: float = 1.5
+    prefix_cache_mb: int = 512  # the CPU engine's cache of finished requests' KV, per cell; 0: off
     harness: str | tuple[str, ...] = "demo"  # a preset name (harnesses.py) or a command argv
     harnesses: dict = field(default_factory=dict)  # user presets: name -> fields (may `extends`)
     tasks_path: Path | None = None  # Harbor task folder(s), SWE-style or gyre JSONL; None: the embedded set
@@ -111,6 +120,10 @@ class CoordinatorConfig:
             value = getattr(self, name)
             if value is not None and (value <= low if strict else value < low):
                 raise ValueError(f"{name} must be {'>' if strict else '>='} {low}, got {value}")
+        from gyre.coordinator.routing import ROUTINGS
+
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
         if not 0 < self.rollout_top_p <= 1:
             raise ValueError(f"rollout_top_p must be in (0, 1], got {self.rollout_top_p}")
         if self.rollout_top_p < 1 and not self.allow_rollout_top_p:

@@ -30,7 +30,7 @@ def watch(coord) -> None:
             continue
         coord.dead.add(cell)
         coord.weights.lost_member(cell)
-        coord.table.routes[node].accepting = False
+        coord.table.close(node)  # its executions re-homed; its requests fail over
         coord.record_role(cell, coord.roles[cell], "dead")
         log.error("cell %d (%s) is dead: excluded from rollout and training until a worker re-registers",
                   cell, node)
@@ -60,6 +60,7 @@ async def rejoin(coord, cell: int, node: str) -> None:
     cell is outside the reducer's world, so it does not train in this run."""
     coord.nodes[cell] = node
     coord.table.set_nodes(coord.nodes)
+    coord.table.close(node)  # no calls before its weights and role are in place
     try:
         await coord.weights.push([cell], engine=True, version=coord.trainer_version)
         await coord.link.request(node, wire.SetRole(req_id=coord.link.new_req_id(), role="rollout"))
@@ -69,7 +70,7 @@ async def rejoin(coord, cell: int, node: str) -> None:
     coord.dead.discard(cell)
     coord.no_reducer.add(cell)
     coord.roles[cell] = "rollout"
-    coord.table.routes[node].accepting = True
+    coord.table.open(node)
     coord.record_role(cell, "dead", "rollout")
     coord.metrics.emit("worker_rejoined", cell=cell, node=node, version=coord.trainer_version)
     log.warning("cell %d rejoined as %s (rollout only)", cell, node)

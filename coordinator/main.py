@@ -147,7 +147,8 @@ class Coordinator:
                                trainer={"lr": c.lr, "temperature": c.rollout_temperature,
                                         "micro_step_tokens": c.micro_step_tokens, **c.trainer_options},
                                log_dir=c.run_dir / "logs",
-                               engine={"seed": c.seed, "max_running": c.engine_max_running, **c.engine_options},
+                               engine={"seed": c.seed, "max_running": c.engine_max_running,
+                                       "prefix_cache_mb": c.prefix_cache_mb, **c.engine_options},
                                backends=(c.engine_backend, c.trainer_backend),
                                keys_dir=c.keys_dir, spawn=c.workers == "local", call_timeout_s=c.worker_call_timeout_s,
                                start_timeout_s=c.topology_timeout_s if c.workers == "external" else 120.0)
@@ -191,10 +192,11 @@ class Coordinator:
 
     async def _startup(self) -> None:
         c = self.c
-        self.table = RoutingTable()
+        self.table = RoutingTable(policy=c.routing, balance_abs=c.route_balance_abs, balance_rel=c.route_balance_rel)
         self.table.set_nodes(self.nodes)
         for node, role in zip(self.nodes, self.roles):
-            self.table.routes[node].accepting = role == "rollout"
+            if role != "rollout":
+                self.table.close(node)
         proxy_cfg = ProxyConfig(host=c.proxy_host, port=c.proxy_port, default_max_tokens=c.default_max_tokens,
                                 max_tokens_cap=c.max_tokens_cap, max_context=c.max_context,
                                 temperature=c.rollout_temperature, top_p=c.rollout_top_p)
@@ -435,14 +437,14 @@ class Coordinator:
         self.roles[cell] = new
         t0 = time.monotonic()
         if new == "training":
-            self.table.routes[node].accepting = False  # no new requests; running ones are handed back
+            self.table.close(node)  # no new requests, its executions re-homed; running ones are handed back
         try:
             reply = await self.link.request(node, wire.SetRole(req_id=self.link.new_req_id(), role=new))
         except WorkerDeadError as e:  # the health watch excludes the cell
             log.warning("role change of cell %d to %s: %s", cell, new, e)
             return
         if new == "rollout":
-            self.table.routes[node].accepting = True  # every node has a route since start-up
+            self.table.open(node)  # every node has a route since start-up
         if self.batch is not None:
             async with self.batch.cond:
                 self.batch.cond.notify_all()  # a paused participant may claim again
@@ -510,8 +512,11 @@ class Coordinator:
         # when the engines run the trainer's weights; a health signal for GPU backends.
         tokens = sum(r.tokens for r in results)
         mismatch = sum(r.mismatch_kl * r.tokens for r in results) / tokens if tokens else None
+        prefill, cached = prefill_of(runs)
         self.metrics.emit("step", **rep.__dict__, mismatch=mismatch, staleness=staleness,
-                          group_ids=[g.id for g in groups],
+                          group_ids=[g.id for g in groups], prefill_tokens=prefill, cached_tokens=cached,
+                          cache_hit_rate=None if prefill is None or not prefill + cached
+                          else round(cached / (prefill + cached), 4),
                           waterlevel=self.wl.c.waterlevel,
                           counters={"d": self.wl.c.d, "p": self.wl.c.p, "f": self.wl.c.f},
                           statuses=dict(self.status_counts))
@@ -539,3 +544,12 @@ class Coordinator:
             self._dispatch(topup(self.c.phi, self.c.mu, self.c.groups_per_step, self.publications))
         if self.c.checkpoint_every and self.steps_done % self.c.checkpoint_every == 0 and self.steps_done:
             await resume.checkpoint(self)
+
+
+def prefill_of(runs) -> tuple[int | None, int | None]:
+    """(computed, reused) prompt tokens over the model calls of a step's executions; None
+    where no call's engine said (an unknown is never counted as zero)."""
+    known = [c for r in runs if r.recorder is not None for c in r.recorder.calls if c.get("cached_tokens") is not None]
+    if not known:
+        return None, None
+    return sum(c["prefill_tokens"] for c in known), sum(c["cached_tokens"] for c in known)

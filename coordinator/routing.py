@@ -1,16 +1,29 @@
 """routing.py: the proxy's Backend over the coordinator's ZeroMQ link to workerds.
 
-Each request goes to the rollout node with the fewest requests in flight. If that node
-dies or hands the request back (abort during a role change or shutdown), the request
-continues on another rollout node from the prompt plus the tokens already produced, so
-the harness sees one slower response, not an error. Not a placement policy: which cells
-roll out is decided elsewhere; this module only routes among them.
+Routing is execution-affine (the default, `routing = "affine"`): an execution's first call
+places it on the accepting engine with the fewest executions homed there, and its later
+calls go back to that home, whose prefix cache holds the KV of the history the agent
+resends. A load bound keeps homes even: an engine with more than
+max(min + `balance_abs`, min x `balance_rel`) executions (min: the least-loaded accepting
+engine's) sheds its newest ones at their next call, to the least-loaded engine. When an
+engine stops accepting (its cell leaves rollout, or dies), its executions are re-homed at
+once in the paper's destination order (standalone engines first, then rollout cells from
+the last one down), each filling the first destination under the bound, and they stay at
+the new home. `routing = "least-inflight"` is the old baseline: every call to the engine
+with the fewest requests in flight.
+
+If the serving node dies or hands a request back (abort during a role change or shutdown),
+the request continues on another node (its execution's new home) from the prompt plus the
+tokens already produced, with the KV it brought where the engine can hand KV over, so the
+harness sees one slower response, not an error. Not a placement policy: which cells roll
+out is decided elsewhere; this module only routes among them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -20,15 +33,23 @@ from gyre.workerd import wire
 
 log = logging.getLogger("gyre.coordinator")
 
+ROUTINGS = ("affine", "least-inflight")
+
 
 @dataclass
 class Route:
     node: str
+    order: int = 0  # the cell's index: re-homing fills higher ones first
+    standalone: bool = False  # a never-training engine: the first destination when a cell leaves
     inflight: int = 0
     accepting: bool = True
     busy_s: float = 0.0  # time with at least one request in flight
     busy_since: float | None = None
     tokens: int = 0  # rollout tokens produced
+    homes: dict[str, None] = field(default_factory=dict)  # executions homed here, oldest first
+    calls: int = 0
+    prompt_tokens: int = 0  # of the calls whose engine said how many it reused
+    cached_tokens: int = 0
 
     def started(self, now: float) -> None:
         if self.inflight == 0:
@@ -41,21 +62,146 @@ class Route:
             self.busy_s += now - self.busy_since
             self.busy_since = None
 
+    @property
+    def hit_rate(self) -> float | None:
+        """Prompt tokens served from KV already there (prefix cache, handed-over KV); None
+        until a call with a known count."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
+
 
 @dataclass
 class RoutingTable:
     routes: dict[str, Route] = field(default_factory=dict)
+    policy: str = "affine"
+    balance_abs: int = 2
+    balance_rel: float = 1.5
+    homes: dict[str, str] = field(default_factory=dict)  # execution -> node
+    decisions: Counter = field(default_factory=Counter)  # home | placed | shed | rehomed | moved | least_inflight
 
-    def set_nodes(self, nodes: list[str]) -> None:
-        for n in nodes:
-            self.routes.setdefault(n, Route(n))
+    def __post_init__(self) -> None:
+        if self.policy not in ROUTINGS:
+            raise ValueError(f"unknown routing {self.policy!r} (known: {', '.join(ROUTINGS)})")
+        if self.balance_abs < 1 or self.balance_rel < 1:
+            raise ValueError(f"balance_abs must be >= 1 and balance_rel >= 1, got {self.balance_abs}, "
+                             f"{self.balance_rel}")
+
+    # --- the engines -------------------------------------------------------------------
+
+    def set_nodes(self, nodes: list[str], standalone: frozenset[str] = frozenset()) -> None:
+        """Routes for `nodes` (their order: cell index); a node no longer listed is closed."""
+        for i, n in enumerate(nodes):
+            route = self.routes.setdefault(n, Route(n))
+            route.order, route.standalone = i, n in standalone
         for n in list(self.routes):
             if n not in nodes:
-                self.routes[n].accepting = False
+                self.close(n)
 
-    def pick(self, exclude: set[str] = frozenset()) -> Route | None:
+    def open(self, node: str) -> None:
+        """The node takes requests again; executions re-homed elsewhere stay there."""
+        self.routes[node].accepting = True
+
+    def close(self, node: str) -> list[str]:
+        """The node takes no new requests (leaving rollout, dead): its executions are
+        re-homed now, in destination order; returns them."""
+        route = self.routes[node]
+        route.accepting = False
+        moved = list(route.homes)
+        route.homes.clear()
+        for ex in moved:
+            del self.homes[ex]
+            dest = self._destination()
+            if dest is not None:
+                self._home(ex, dest)
+                self.decisions["rehomed"] += 1
+        if moved:
+            log.info("%d executions re-homed from %s", len(moved), node)
+        return moved
+
+    def forget(self, execution: str) -> None:
+        """The execution ended: it no longer counts toward its home's load."""
+        node = self.homes.pop(execution, None)
+        if node is not None:
+            self.routes[node].homes.pop(execution, None)
+
+    # --- a call's engine ---------------------------------------------------------------
+
+    def bound(self) -> int | None:
+        """Executions an accepting engine may have before it sheds; None: none accepts."""
+        loads = [len(r.homes) for r in self.routes.values() if r.accepting]
+        if not loads:
+            return None
+        low = min(loads)
+        return max(low + self.balance_abs, int(low * self.balance_rel))
+
+    def pick(self, execution: str | None = None, exclude: set[str] = frozenset()) -> Route | None:
+        """The engine for one call of `execution` (None: no affinity), never a node in
+        `exclude` (it handed this request back) nor one not accepting."""
         candidates = [r for r in self.routes.values() if r.accepting and r.node not in exclude]
-        return min(candidates, key=lambda r: r.inflight, default=None)
+        if not candidates:
+            return None
+        if self.policy == "least-inflight" or execution is None:
+            self.decisions["least_inflight"] += 1
+            return min(candidates, key=lambda r: (r.inflight, r.order))
+        node = self.homes.get(execution)
+        if node is None:
+            dest = self._least_loaded(candidates)
+            self._home(execution, dest)
+            self.decisions["placed"] += 1
+            return dest
+        home = self.routes[node]
+        if home.accepting and home.node not in exclude:
+            bound = self.bound()
+            if len(home.homes) <= bound or _rank(home.homes, execution) < bound:
+                self.decisions["home"] += 1
+                return home
+            reason = "shed"  # the home is over the bound and this is one of its newest
+        else:
+            reason = "moved"  # the home handed this request back (it leaves rollout, or failed)
+        dest = self._least_loaded(candidates)
+        self.forget(execution)
+        self._home(execution, dest)
+        self.decisions[reason] += 1
+        return dest
+
+    def served(self, node: str, prompt_tokens: int, cached_tokens: int | None) -> None:
+        """One attempt of a call ended on `node`; counts toward its hit rate when known."""
+        route = self.routes[node]
+        route.calls += 1
+        if cached_tokens is not None:
+            route.prompt_tokens += prompt_tokens
+            route.cached_tokens += cached_tokens
+
+    def _home(self, execution: str, route: Route) -> None:
+        self.homes[execution] = route.node
+        route.homes[execution] = None
+
+    def _least_loaded(self, candidates: list[Route]) -> Route:
+        return min(candidates, key=lambda r: (len(r.homes), r.inflight, r.order))
+
+    def _destination(self) -> Route | None:
+        """Where a re-homed execution goes: the first accepting engine in destination order
+        (standalone, then cells from the last down) under the bound, else the least loaded."""
+        accepting = [r for r in self.routes.values() if r.accepting]
+        if not accepting:
+            return None
+        bound = self.bound()
+        for r in sorted(accepting, key=lambda r: (not r.standalone, -r.order)):
+            if len(r.homes) < bound:
+                return r
+        return self._least_loaded(accepting)
+
+    def status(self) -> dict:
+        """Plain data for /gyre/status: decisions, the bound, and each execution's home."""
+        return {"policy": self.policy, "balance_abs": self.balance_abs, "balance_rel": self.balance_rel,
+                "bound": self.bound(), "decisions": dict(self.decisions), "homes": dict(self.homes)}
+
+
+def _rank(homes: dict[str, None], execution: str) -> int:
+    """The execution's place among its home's executions, oldest first."""
+    for i, ex in enumerate(homes):
+        if ex == execution:
+            return i
+    raise KeyError(execution)
 
 
 class LinkBackend:
@@ -68,12 +214,17 @@ class LinkBackend:
         self.reroutes = 0
         self.kv_handovers = 0  # reroutes that carried the prefix KV instead of recomputing it
 
-    async def generate(self, rid: str, prompt_ids: list[int], params: GenParams) -> AsyncIterator[Chunk]:
+    def forget(self, execution: str) -> None:
+        self.table.forget(execution)
+
+    async def generate(self, rid: str, prompt_ids: list[int], params: GenParams,
+                       execution: str | None = None) -> AsyncIterator[Chunk]:
         produced: list[int] = []
         tried: set[str] = set()
         handover: dict = {}  # the KV a handed-back request brought along (CPU engine)
+        usage = _Usage()
         while True:
-            route = await self._route(tried)
+            route = await self._route(execution, tried)
             loop = asyncio.get_running_loop()
             route.started(loop.time())
             self._where[rid] = route.node
@@ -85,6 +236,7 @@ class LinkBackend:
             if frames:
                 self.kv_handovers += 1
             handed_back = False
+            attempt = usage.attempt(len(msg.prompt_ids))
 
             def keep_kv(chunk, tensors) -> None:
                 if chunk.kv_tokens:
@@ -92,15 +244,16 @@ class LinkBackend:
 
             try:
                 async for c in self.link.generate(route.node, msg, frames, on_frames=keep_kv):
+                    attempt.saw(c.cached_tokens)
                     if c.finished and c.finish_reason == "abort" and not self._aborted.pop(rid, False):
                         handed_back = True  # the node gave it back (role change, shutdown)
                         if c.token_ids:
                             produced += c.token_ids
-                            yield _chunk(c, route.node, finished=False)
+                            yield _chunk(c, route.node, usage, finished=False)
                         break
                     produced += c.token_ids
                     route.tokens += len(c.token_ids)
-                    yield _chunk(c, route.node)
+                    yield _chunk(c, route.node, usage)
                     if c.finished:
                         return
             except WorkerDeadError as e:
@@ -115,16 +268,17 @@ class LinkBackend:
                 handed_back = True  # the node stopped accepting between routing and arrival
             finally:
                 route.finished(loop.time())
+                self.table.served(route.node, attempt.prompt_tokens, attempt.cached)
                 self._where.pop(rid, None)
             if not handed_back or len(produced) >= params.max_new_tokens:
                 return
             tried.add(route.node)
             self.reroutes += 1
 
-    async def _route(self, tried: set[str]) -> Route:
+    async def _route(self, execution: str | None, tried: set[str]) -> Route:
         deadline = asyncio.get_running_loop().time() + self.wait_s
         while True:
-            route = self.table.pick(exclude=tried) or self.table.pick()
+            route = self.table.pick(execution, exclude=tried) or self.table.pick(execution)
             if route is not None:
                 return route
             if asyncio.get_running_loop().time() > deadline:
@@ -142,6 +296,40 @@ class LinkBackend:
             log.debug("abort of %s on %s: %s", rid, node, e)
 
 
-def _chunk(c: wire.GenerateChunk, node: str, finished: bool | None = None) -> Chunk:
+@dataclass
+class _Attempt:
+    prompt_tokens: int
+    cached: int | None = None  # as the engine reported it; None until (unless) it does
+
+    def saw(self, cached_tokens: int | None) -> None:
+        if cached_tokens is not None:
+            self.cached = cached_tokens
+
+
+@dataclass
+class _Usage:
+    """A call's prefill over its attempts (a rerouted call prefills again, from its KV if
+    it brought any): tokens reused and computed; None once any attempt's count is unknown."""
+
+    attempts: list[_Attempt] = field(default_factory=list)
+
+    def attempt(self, prompt_tokens: int) -> _Attempt:
+        self.attempts.append(_Attempt(prompt_tokens))
+        return self.attempts[-1]
+
+    @property
+    def cached(self) -> int | None:
+        if any(a.cached is None for a in self.attempts):
+            return None
+        return sum(a.cached for a in self.attempts)
+
+    @property
+    def prefill(self) -> int | None:
+        cached = self.cached
+        return None if cached is None else sum(a.prompt_tokens for a in self.attempts) - cached
+
+
+def _chunk(c: wire.GenerateChunk, node: str, usage: _Usage, finished: bool | None = None) -> Chunk:
     return Chunk(token_ids=c.token_ids, logprobs=c.logprobs, version=c.version,
-                 finished=c.finished if finished is None else finished, finish_reason=c.finish_reason, engine=node)
+                 finished=c.finished if finished is None else finished, finish_reason=c.finish_reason, engine=node,
+                 cached_tokens=usage.cached, prefill_tokens=usage.prefill)

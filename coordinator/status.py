@@ -55,6 +55,10 @@ def snapshot(coord) -> dict:
             "running": route.inflight if route else 0,
             "accepting": route.accepting if route else False,
             "rollout_tokens": route.tokens if route else 0,
+            "homes": len(route.homes) if route else 0,  # executions whose calls go here
+            "hit_rate": None if route is None or route.hit_rate is None else round(route.hit_rate, 4),
+            "cached_tokens": route.cached_tokens if route else 0,
+            "prompt_tokens": route.prompt_tokens if route else 0,
             "claimed": batch.claimed.get(i, 0) if batch else 0,
             "in_role_s": round(now - history[-1][0], 1),
             "timeline": [[round(t, 2), r] for t, r in history[-TIMELINE_KEEP:]],
@@ -81,6 +85,8 @@ def snapshot(coord) -> dict:
         "role_switches": coord.role_switches[-8:],
         "statuses": dict(coord.status_counts),
         "cells": cells,
+        # Which engine serves which execution: decisions so far, the load bound, every home.
+        "routing": coord.table.status() if coord.table else None,
         # Sandbox hosts where executions run in containers: state, running, building, failed.
         "sandbox_hosts": coord.launcher.pool.rows() if coord.launcher is not None
         and coord.launcher.backend.needs_image else [],

@@ -1,8 +1,10 @@
 """backend.py: where the proxy's generations run, behind one small async interface.
 
 `Backend.generate` streams chunks (token ids, log-probs, policy version) for one request
-and `abort` stops it. The coordinator implements it over its ZeroMQ routing table
-(coordinator/routing.py); tests drive an in-process engine behind it (tests/support.py).
+of one execution (its id lets the backend keep an execution's calls on the engine that
+holds its history's KV) and `abort` stops it; `forget` says the execution ended. The
+coordinator implements it over its ZeroMQ routing table (coordinator/routing.py); tests
+drive an in-process engine behind it (tests/support.py).
 Not a router: choosing an engine is the coordinator's job.
 """
 
@@ -30,6 +32,10 @@ class Chunk:
     finished: bool = False
     finish_reason: str | None = None
     engine: str = ""
+    # The call's prefill so far: prompt tokens whose KV was reused, and those computed (over
+    # every engine it ran on); None: an engine did not say.
+    cached_tokens: int | None = None
+    prefill_tokens: int | None = None
 
 
 class BackendUnavailable(RuntimeError):
@@ -42,6 +48,9 @@ class EngineRefused(ValueError):
 
 
 class Backend(Protocol):
-    def generate(self, rid: str, prompt_ids: list[int], params: GenParams) -> AsyncIterator[Chunk]: ...
+    def generate(self, rid: str, prompt_ids: list[int], params: GenParams,
+                 execution: str | None = None) -> AsyncIterator[Chunk]: ...
 
     async def abort(self, rid: str) -> None: ...
+
+    def forget(self, execution: str) -> None: ...

@@ -196,7 +196,8 @@ class Recorder:
 
     def complete(self, prep: Prepared, *, output_ids: list[int], logprobs: list[float], versions: list[int],
                  finish_reason: str, status: str, engine: str, result: ChatResult | None,
-                 request: ChatRequest, invalid_tool_calls: int = 0, sampling: dict | None = None) -> dict:
+                 request: ChatRequest, invalid_tool_calls: int = 0, sampling: dict | None = None,
+                 cached_tokens: int | None = None, prefill_tokens: int | None = None) -> dict:
         """Record the call. Only a call that ended normally leaves a trainable output."""
         parent = prep.path[-1]
         leaf = parent
@@ -225,6 +226,9 @@ class Recorder:
             "role": prep.role, "status": status, "finish_reason": finish_reason, "engine": engine,
             "t_start": prep.t_start, "t_end": time.time(), "stream": request.stream,
             "prompt_path": prep.path, "prompt_tokens": len(prep.prompt_ids), "new_prompt_tokens": prep.new_tokens,
+            # The engine's prefill: prompt tokens whose KV it reused, and those it computed
+            # (None: the engine did not say, or the call never reached one).
+            "cached_tokens": cached_tokens, "prefill_tokens": prefill_tokens,
             "output_node": out_node, "output_tokens": len(output_ids),
             "versions": sorted(set(versions)), "invalid_tool_calls": invalid_tool_calls,
             "tool_calls": [c.id for c in result.tool_calls] if result else [],

@@ -86,6 +86,7 @@ class ProxyServer:
         """The execution ended: its key stops working; its records stay."""
         ex = self.executions[exec_id]
         self._by_key.pop(ex.key, None)
+        self.backend.forget(exec_id)
         if not ex.closed:
             ex.close()
         return ex
@@ -233,6 +234,8 @@ class _Call:
         self.logprobs: list[float] = []
         self.versions: list[int] = []
         self.engine = ""
+        self.cached_tokens: int | None = None  # the backend's count; None: it did not say
+        self.prefill_tokens: int | None = None
         self.finish = "stop"
         self.response_id = api.new_response_id()
         self.recorded = False
@@ -268,7 +271,8 @@ class _Call:
 
     async def _pump(self, queue: asyncio.Queue) -> None:
         try:
-            async for chunk in self.s.backend.generate(self.prep.call_id, self.prep.prompt_ids, self.params):
+            async for chunk in self.s.backend.generate(self.prep.call_id, self.prep.prompt_ids, self.params,
+                                                        execution=self.ex.id):
                 queue.put_nowait(chunk)
         except Exception as e:  # noqa: BLE001 - handed to the handler
             queue.put_nowait(e)
@@ -291,6 +295,7 @@ class _Call:
         self.logprobs += chunk.logprobs
         self.versions += [chunk.version] * len(chunk.token_ids)
         self.engine = chunk.engine or self.engine
+        self.cached_tokens, self.prefill_tokens = chunk.cached_tokens, chunk.prefill_tokens
         deltas = self.parser.feed(chunk.token_ids)
         if chunk.finished:
             deltas += self.parser.finish()
@@ -377,6 +382,7 @@ class _Call:
                                   versions=self.versions[:n], finish_reason=finish, status=status,
                                   engine=self.engine, result=result, request=self.req,
                                   invalid_tool_calls=self.parser.invalid_tool_calls,
+                                  cached_tokens=self.cached_tokens, prefill_tokens=self.prefill_tokens,
                                   sampling={"temperature": self.params.temperature, "top_p": self.params.top_p,
                                             "client_temperature": self.req.temperature,
                                             "client_top_p": self.req.top_p})

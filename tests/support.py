@@ -50,7 +50,8 @@ class ThreadEngineBackend:
         self._inbox.put(None)
         self._thread.join(timeout)
 
-    async def generate(self, rid: str, prompt_ids: list[int], params: GenParams) -> AsyncIterator[Chunk]:
+    async def generate(self, rid: str, prompt_ids: list[int], params: GenParams,
+                       execution: str | None = None) -> AsyncIterator[Chunk]:
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
             self._streams[rid] = stream
@@ -71,6 +72,9 @@ class ThreadEngineBackend:
     async def abort(self, rid: str) -> None:
         self._inbox.put(("abort", rid))
 
+    def forget(self, execution: str) -> None:
+        """One engine: no homes to forget."""
+
     # --- engine thread ------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -88,9 +92,11 @@ class ThreadEngineBackend:
                     cmd = None
             if self.engine.running:
                 for out in self.engine.step():
+                    cached = getattr(out, "cached_tokens", None)  # stand-in engines do not say
                     self._deliver(out.rid, Chunk(token_ids=out.token_ids, logprobs=out.logprobs, version=out.version,
                                                  finished=out.finished, finish_reason=out.finish_reason,
-                                                 engine=self.name))
+                                                 engine=self.name, cached_tokens=cached,
+                                                 prefill_tokens=None if cached is None else out.prompt_tokens - cached))
 
     def _command(self, cmd) -> None:
         if cmd[0] == "add":

@@ -56,10 +56,10 @@ async def test_role_changes_under_load_lose_nothing(tiny_dir, tmp_path):
 
         async def set_role(node, role):
             if role == "training":
-                table.routes[node].accepting = False  # stop new requests, then hand back running ones
+                table.close(node)  # stop new requests (executions re-homed), then hand back running ones
             await link.call(node, wire.SetRole(req_id=link.new_req_id(), role=role))
             if role == "rollout":
-                table.routes[node].accepting = True
+                table.open(node)
 
         async def flip():
             for node in nodes * 2:  # each cell leaves and comes back, twice, under load
