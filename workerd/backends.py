@@ -5,13 +5,15 @@ library it does not use. Engines: cpu, sglang; trainers: cpu, megatron. Selectin
 backend whose package is missing says which package to install.
 
 Options come from the coordinator's Welcome (`engine` / `trainer` dicts): the CPU
-backends read threads, seed, max_running, version, lr, weight_decay, grad_clip, temperature
-(the rollout temperature: trainers compute log-probs of the distribution engines sample),
-checkpoint_layers (the CPU trainer recomputes each layer's activations in the backward pass;
-unset, it does when a micro-step's activations would pass ~2 GiB), micro_step_tokens; the GPU
-backends take theirs on top (sglang: `server` = SGLang ServerArgs fields such as tp_size,
-mem_fraction_static; megatron: tp and pp (a cell of tp x pp ranks, ranks 1.. as child
-processes, trainers/tp.py), microbatches (pipeline chunks per micro-step), offload).
+backends read threads, seed, max_running, version, prefix_cache_mb (the CPU engine's cache
+of finished requests' KV, in MiB: 512 unless given, 0 turns it off; SGLang keeps its own
+radix cache), lr, weight_decay, grad_clip, temperature (the rollout temperature: trainers
+compute log-probs of the distribution engines sample), checkpoint_layers (the CPU trainer
+recomputes each layer's activations in the backward pass; unset, it does when a micro-step's
+activations would pass ~2 GiB), micro_step_tokens; the GPU backends take theirs on top
+(sglang: `server` = SGLang ServerArgs fields such as tp_size, mem_fraction_static; megatron:
+tp and pp (a cell of tp x pp ranks, ranks 1.. as child processes, trainers/tp.py),
+microbatches (pipeline chunks per micro-step), offload).
 """
 
 from __future__ import annotations
@@ -88,10 +90,12 @@ def build_backends(model_dir: str, *, engine: str, trainer: str,
         eng = SglangEngine(model_dir, version=version, max_running=max_running, seed=seed,
                            options=server)
     else:
-        from gyre.workerd.engines.cpu import CpuEngine
+        from gyre.workerd.engines.cpu import PREFIX_CACHE_BYTES, CpuEngine
         from gyre.workerd.model import load_model
 
-        eng = CpuEngine(load_model(model_dir, config), version=version, max_running=max_running, seed=seed)
+        cache_mb = int(engine_options.get("prefix_cache_mb", PREFIX_CACHE_BYTES >> 20))
+        eng = CpuEngine(load_model(model_dir, config), version=version, max_running=max_running, seed=seed,
+                        prefix_cache_bytes=cache_mb << 20)
     eng.release_memory()  # the giving side frees first: the trainer is built into free memory
     common = dict(lr=float(trainer_options.get("lr", 1e-5)),
                   weight_decay=float(trainer_options.get("weight_decay", 0.01)),

@@ -138,7 +138,7 @@ class Worker:
             outs.append((wire.GenerateChunk(
                 req_id=req_id, rid=o.rid, token_ids=o.token_ids, logprobs=o.logprobs,
                 version=o.version, finished=o.finished, finish_reason=o.finish_reason,
-                prompt_tokens=o.prompt_tokens), None))
+                prompt_tokens=o.prompt_tokens, cached_tokens=o.cached_tokens), None))
         return outs
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -197,7 +197,8 @@ class Worker:
                 frames = kv_frames(kv) if kv is not None else None
                 outs.append((wire.GenerateChunk(req_id=req_id, rid=rid, token_ids=[], logprobs=[],
                              version=o.version, finished=True, finish_reason=reason,
-                             prompt_tokens=o.prompt_tokens, kv_tokens=kv.length if kv else 0), frames))
+                             prompt_tokens=o.prompt_tokens, kv_tokens=kv.length if kv else 0,
+                             cached_tokens=o.cached_tokens), frames))
         return outs
 
     # --- rollout ------------------------------------------------------------------------
@@ -221,7 +222,7 @@ class Worker:
         if o is not None and req_id is not None:
             outs.append((wire.GenerateChunk(req_id=req_id, rid=msg.rid, token_ids=[], logprobs=[],
                          version=o.version, finished=True, finish_reason="abort",
-                         prompt_tokens=o.prompt_tokens), None))
+                         prompt_tokens=o.prompt_tokens, cached_tokens=o.cached_tokens), None))
         outs.append((wire.Aborted(req_id=msg.req_id, found=o is not None), None))
         return outs
 

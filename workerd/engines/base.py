@@ -96,6 +96,11 @@ class RolloutEngine(abc.ABC):
         engine cannot hand its KV over, and the next one recomputes the prefill."""
         return None
 
+    def cache_stats(self) -> dict[str, int]:
+        """The engine's own prefix cache's counters (engines/prefix_cache.py names them). The
+        default, {}: it keeps none, or does not say (SGLang reports per request only)."""
+        return {}
+
     def shutdown(self) -> None:  # noqa: B027 - a no-op by default, not abstract
         """Stop what the engine runs outside this process (Worker.reset calls it before
         dropping the engine). The default: an engine that holds nothing there."""

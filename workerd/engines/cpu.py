@@ -3,7 +3,9 @@
 Each `step()` first prefills the requests that arrived since the last step, then runs
 one batched decode step over every other running request (continuous batching: requests
 join and leave between steps). Behaviour log-probs come from the same `CausalLM` the
-trainer uses. Not thread-safe: the workerd's main loop is its only caller.
+trainer uses. A prefix cache (engines/prefix_cache.py) keeps the KV of finished requests,
+so a prompt that extends an earlier sequence (an agent's next turn) prefills only what is
+new. Not thread-safe: the workerd's main loop is its only caller.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ from dataclasses import dataclass, field
 import torch
 
 from gyre.workerd.engines.base import RolloutEngine, SamplingParams, TokenOutput
+from gyre.workerd.engines.prefix_cache import PrefixCache
 from gyre.workerd.model import CausalLM, SeqCache
+
+PREFIX_CACHE_BYTES = 512 << 20
 
 
 class EngineReleased(RuntimeError):
@@ -27,7 +32,10 @@ class _Request:
     prompt_ids: list[int]
     params: SamplingParams
     generator: torch.Generator | None
+    epoch: int  # the engine's weights epoch when its KV began: older KV is never cached
     cache: SeqCache = field(default_factory=SeqCache)
+    cached: int = 0  # prompt tokens whose KV was reused (prefix cache or handed over)
+    exported: bool = False  # its KV left with export_kv: it is not the cache's to keep
     output_ids: list[int] = field(default_factory=list)
     last_token: int = -1
 
@@ -35,7 +43,9 @@ class _Request:
 class CpuEngine(RolloutEngine):
     """Rollout engine over a `CausalLM` on CPU; see engines/base.py for the contract."""
 
-    def __init__(self, model: CausalLM, *, version: int = 0, max_running: int = 64, seed: int = 0):
+    def __init__(self, model: CausalLM, *, version: int = 0, max_running: int = 64, seed: int = 0,
+                 prefix_cache_bytes: int = PREFIX_CACHE_BYTES):
+        """`prefix_cache_bytes`: the prefix cache's budget; 0 turns it off."""
         self.model = model.eval()
         self.version = version
         self.max_running = max_running
@@ -44,6 +54,8 @@ class CpuEngine(RolloutEngine):
         self._waiting: dict[str, _Request] = {}
         self._running: dict[str, _Request] = {}
         self._released = False
+        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
+        self._epoch = 0  # bumped by load_weights
 
     @property
     def running(self) -> int:
@@ -67,15 +79,18 @@ class CpuEngine(RolloutEngine):
         if kv is not None and not 0 < kv.length < len(prompt_ids):
             raise ValueError(f"handed-over KV covers {kv.length} tokens of a {len(prompt_ids)}-token prompt")
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        req = _Request(rid, list(prompt_ids), params, gen)
+        req = _Request(rid, list(prompt_ids), params, gen, self._epoch)
+        if kv is None and self.prefix_cache is not None:
+            kv = self.prefix_cache.lookup(prompt_ids)
         if kv is not None:
-            req.cache = kv
+            req.cache, req.cached = kv, kv.length
         self._waiting[rid] = req
 
     def abort(self, rid: str) -> TokenOutput | None:
         req = self._waiting.pop(rid, None) or self._running.pop(rid, None)
         if req is None:
             return None
+        self._keep(req)
         return self._out(req, [], [], finished=True, reason="abort")
 
     def export_kv(self, rid: str) -> SeqCache | None:
@@ -84,6 +99,7 @@ class CpuEngine(RolloutEngine):
         req = self._running.get(rid)
         if req is None or req.cache.length == 0:
             return None
+        req.exported = True
         return req.cache
 
     def step(self) -> list[TokenOutput]:
@@ -121,6 +137,7 @@ class CpuEngine(RolloutEngine):
                 reason = "length"
             if reason:
                 del self._running[req.rid]
+                self._keep(req)
             outs.append(self._out(req, [token], [lp], finished=reason is not None, reason=reason))
         return outs
 
@@ -144,7 +161,18 @@ class CpuEngine(RolloutEngine):
 
     def _out(self, req: _Request, ids, lps, *, finished: bool, reason: str | None) -> TokenOutput:
         return TokenOutput(rid=req.rid, token_ids=ids, logprobs=lps, version=self.version,
-                           finished=finished, finish_reason=reason, prompt_tokens=len(req.prompt_ids))
+                           finished=finished, finish_reason=reason, prompt_tokens=len(req.prompt_ids),
+                           cached_tokens=req.cached)
+
+    def _keep(self, req: _Request) -> None:
+        """A request that ended: its KV goes to the prefix cache, unless it left with export_kv
+        or was computed (partly) by weights older than the current ones."""
+        if self.prefix_cache is not None and not req.exported and req.epoch == self._epoch:
+            # The cache covers prompt + output but the last sampled token (never fed).
+            self.prefix_cache.insert((req.prompt_ids + req.output_ids)[: req.cache.length], req.cache)
+
+    def cache_stats(self) -> dict[str, int]:
+        return self.prefix_cache.stats() if self.prefix_cache is not None else {}
 
     # --- role changes and weights -------------------------------------------------------
 
@@ -152,7 +180,8 @@ class CpuEngine(RolloutEngine):
         if self.running:
             raise RuntimeError(f"release_memory with {self.running} requests running: abort them first")
         self._released = True
-        return 0  # caches die with their requests; weights stay resident on CPU
+        # Running requests' caches died with them; weights stay resident on CPU.
+        return self.prefix_cache.flush() if self.prefix_cache is not None else 0
 
     def resume_memory(self) -> None:
         self._released = False
@@ -160,8 +189,14 @@ class CpuEngine(RolloutEngine):
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
         nbytes = self.model.load_hf_weights(named)
         self.version = version
+        # KV computed by the old weights never serves the new ones: cached or still running.
+        self._epoch += 1
+        if self.prefix_cache is not None:
+            self.prefix_cache.flush()
         return nbytes
 
     @property
     def kv_bytes(self) -> int:
-        return sum(r.cache.nbytes for r in self._running.values())
+        """Bytes of KV held: requests' (waiting ones may hold a reused prefix) and the cache's."""
+        held = sum(r.cache.nbytes for r in (*self._waiting.values(), *self._running.values()))
+        return held + (self.prefix_cache.bytes if self.prefix_cache is not None else 0)
