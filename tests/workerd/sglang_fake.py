@@ -4,7 +4,9 @@ tokenizer manager and the pause/continue request types.
 Signatures are the real ones (a keyword SGLang lacks is a TypeError), streamed chunks have
 the real shape and cumulative semantics (intermediate chunks share the live lists), and
 the rules the adapter must honour fail as SGLang fails. Not a model: the test decides what
-the "scheduler" outputs, with `emit`. Every call lands in `calls`, in order.
+the "scheduler" outputs, with `emit`. Every call lands in `calls`, in order. Its radix
+cache is a list of the sequences finished since the last flush: a request's cached_tokens
+is its longest common prefix with any of them, at most all but its last prompt token.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ class FakeRequest:
     event: asyncio.Event = field(default_factory=asyncio.Event)
     error: Exception | None = None
     dispatched: bool = False  # sent to the scheduler (on the stream's first read)
+    cached_tokens: int = 0  # prompt tokens the radix cache held, known at dispatch
     finished: bool = False
     abort_sent: bool = False
 
@@ -97,12 +100,12 @@ class FakeTokenizerManager:
         (waiting requests count, paused or not) or the deadline passes."""
         self._e.calls.append(("flush_cache", {"timeout_s": timeout_s}))
         if not timeout_s:
-            return FlushCacheReqOutput(success=self._e.flushable())
+            return self._e.flushed(FlushCacheReqOutput(success=self._e.flushable()))
         try:
             await asyncio.wait_for(self._e.until(lambda: not self._e.busy()), timeout_s)
         except TimeoutError:
             return FlushCacheReqOutput(success=False, message="Timed out waiting for idle state.")
-        return FlushCacheReqOutput(success=True)
+        return self._e.flushed(FlushCacheReqOutput(success=True))
 
 
 class FakeSglangEngine:
@@ -125,6 +128,8 @@ class FakeSglangEngine:
         self.weights: dict[str, torch.Tensor] = {}
         self.is_shut_down = False
         self._waiters: list[asyncio.Event] = []
+        self.radix: list[list[int]] = []  # sequences whose KV the cache holds (until a flush)
+        self.report_cached = True  # False: meta_info lacks "cached_tokens" (a build that omits it)
 
     # --- test controls ------------------------------------------------------------------
 
@@ -145,12 +150,31 @@ class FakeSglangEngine:
         meta = {"id": rid, "finish_reason": finish, "prompt_tokens": len(req.input_ids),
                 "weight_version": "default", "num_retractions": 0, "input_token_logprobs": [],
                 "output_token_logprobs": req.logprobs, "output_token_logprobs_length": len(req.logprobs),
-                "reasoning_tokens": 0, "completion_tokens": len(req.output_ids), "cached_tokens": 0}
+                "reasoning_tokens": 0, "completion_tokens": len(req.output_ids)}
+        if self.report_cached:
+            meta["cached_tokens"] = req.cached_tokens
+        if finish is not None:
+            self.radix.append(req.input_ids + req.output_ids)
         # Intermediate chunks pass SGLang's live list; the final one a copy.
         ids = list(req.output_ids) if req.finished else req.output_ids
         req.out_list.append({"output_ids": ids, "meta_info": meta})
         req.event.set()
         self.changed()
+
+    def cached_prefix(self, input_ids: list[int]) -> int:
+        """The radix cache's match: the longest prefix held, leaving the last token to prefill."""
+        best = 0
+        for seq in self.radix:
+            n = 0
+            while n < min(len(seq), len(input_ids)) and seq[n] == input_ids[n]:
+                n += 1
+            best = max(best, n)
+        return min(best, len(input_ids) - 1)
+
+    def flushed(self, result: FlushCacheReqOutput) -> FlushCacheReqOutput:
+        if result.success:
+            self.radix.clear()
+        return result
 
     def busy(self) -> list[FakeRequest]:
         return [r for r in self.reqs.values() if r.dispatched and not r.finished]
@@ -221,6 +245,7 @@ class FakeSglangEngine:
         try:
             await self.until(lambda: self.paused is None)
             req.dispatched = True
+            req.cached_tokens = self.cached_prefix(req.input_ids)
             while True:
                 await req.event.wait()
                 out_list, req.out_list = req.out_list, []
@@ -239,7 +264,7 @@ class FakeSglangEngine:
 
     def flush_cache(self):
         self.calls.append(("flush_cache", {}))
-        return FlushCacheReqOutput(success=self.flushable())
+        return self.flushed(FlushCacheReqOutput(success=self.flushable()))
 
     def release_memory_occupation(self, tags: list[str] | None = None):
         self.calls.append(("release_memory_occupation", {"tags": tags}))
@@ -285,6 +310,8 @@ class FakeSglangEngine:
         if flush_cache and not self.flushable():
             return False, ("Weights were updated, but the cache was not flushed because requests are "
                            "still running or queued.")
+        if flush_cache:
+            self.radix.clear()
         return True, "Success"
 
     def shutdown(self):

@@ -98,9 +98,9 @@ def test_generate_streams_only_new_tokens_with_mapped_params(make):
     eng.version = 5
     outs = {o.rid: o for o in eng.step()}
     assert outs["a"] == TokenOutput(rid="a", token_ids=[12, 2], logprobs=[-1.0, -0.125], version=5,
-                                    finished=True, finish_reason="stop", prompt_tokens=3)
+                                    finished=True, finish_reason="stop", prompt_tokens=3, cached_tokens=0)
     assert outs["b"] == TokenOutput(rid="b", token_ids=[30, 31], logprobs=[-2.0, -3.0], version=5,
-                                    finished=True, finish_reason="length", prompt_tokens=1)
+                                    finished=True, finish_reason="length", prompt_tokens=1, cached_tokens=0)
     assert first.token_ids == [10, 11]  # copied, not SGLang's live list
     assert eng.running == 0 and eng.step() == []
 
@@ -155,6 +155,55 @@ def test_abort_before_the_stream_started_sends_nothing(make):
     eng.add_request("a", [1, 2], SamplingParams(max_new_tokens=3))
     assert eng.abort("a").finish_reason == "abort"
     assert not fake.req("a").dispatched and eng.running == 0 and eng.step() == []
+
+
+def finish(eng, fake, rid: str, prompt: list[int], tokens: list[int]) -> list[TokenOutput]:
+    """Runs one request to its end through the fake scheduler; returns its outputs."""
+    eng.add_request(rid, prompt, SamplingParams(max_new_tokens=8))
+    assert eng.step() == []
+    req = fake.req(rid)
+    fake.emit(req.rid, [(t, -0.5) for t in tokens[:1]])
+    outs = eng.step()
+    fake.emit(req.rid, [(t, -0.5) for t in tokens[1:]], finish={"type": "length", "length": len(tokens)})
+    return outs + eng.step()
+
+
+def test_cached_tokens_flow_from_sglangs_radix_cache(make):
+    """meta_info["cached_tokens"] (the radix cache, on by default) reaches every output of
+    the request, the abort too; a multi-turn prompt hits what the last turn left."""
+    eng, fake = make()
+    assert "disable_radix_cache" not in fake.server_args  # SGLang's default: the radix cache is on
+    first = finish(eng, fake, "t1", [1, 2, 3, 4], [5, 6, 7])
+    assert [o.cached_tokens for o in first] == [0, 0]
+    second = finish(eng, fake, "t2", [1, 2, 3, 4, 5, 6, 7, 8, 9], [10, 11])
+    assert [o.cached_tokens for o in second] == [7, 7]
+    [r] = started(eng, fake, "t3")  # prompt [3, 4]: nothing cached
+    fake.emit(r.rid, [(5, -0.5)])
+    assert [o.cached_tokens for o in eng.step()] == [0]
+    assert eng.abort("t3").cached_tokens == 0
+    repeat = finish(eng, fake, "t4", [1, 2, 3, 4], [5])  # a prompt the cache holds whole: its last token is prefilled
+    assert repeat[-1].cached_tokens == 3
+
+
+def test_cached_tokens_are_none_when_sglang_does_not_say(make):
+    eng, fake = make()
+    fake.report_cached = False
+    finish(eng, fake, "t1", [1, 2, 3], [4, 5])
+    outs = finish(eng, fake, "t2", [1, 2, 3, 4, 5, 6], [7, 8])
+    assert [o.cached_tokens for o in outs] == [None, None]  # unknown, never read as 0
+    [r] = started(eng, fake, "t3")
+    assert eng.abort("t3").cached_tokens is None  # no chunk read yet: nothing known
+
+
+def test_weight_updates_and_role_changes_still_flush_the_radix_cache(make):
+    eng, fake = make()
+    finish(eng, fake, "t1", [1, 2, 3], [4, 5])
+    eng.load_weights([("w", torch.zeros(2))], version=1)
+    assert finish(eng, fake, "t2", [1, 2, 3, 4, 5, 6], [7])[-1].cached_tokens == 0
+    assert fake.radix
+    eng.release_memory()
+    eng.resume_memory()
+    assert finish(eng, fake, "t3", [1, 2, 3, 4, 5, 6, 7, 8], [9])[-1].cached_tokens == 0
 
 
 # --- 3. role changes ------------------------------------------------------------------------

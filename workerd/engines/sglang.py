@@ -89,6 +89,7 @@ class _Stream:
     gen: AsyncIterator[dict]  # SGLang's stream of cumulative chunks
     task: asyncio.Task | None = None  # the pending read of its next chunk
     seen: int = 0  # output tokens already returned
+    cached_tokens: int | None = None  # meta_info["cached_tokens"] of its latest chunk
 
 
 class SglangEngine(RolloutEngine):
@@ -120,6 +121,8 @@ class SglangEngine(RolloutEngine):
         # the environment before the Engine starts.
         os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "0"
         server.setdefault("log_level", "warning")
+        # SGLang's radix cache stays on (disable_radix_cache is the operator's): an agent's next
+        # call reuses the KV its last one left. Weight updates and role changes flush it.
         # release/resume_memory_occupation free memory only with the memory saver
         # (torch_memory_saver, CUDA-only: on CPU they run their bookkeeping and free nothing).
         server.setdefault("enable_memory_saver", server.get("device") != "cpu")
@@ -198,6 +201,11 @@ class SglangEngine(RolloutEngine):
             log.warning("SGLang's stream for request %s ended without a finish reason", s.rid)
             return self._end(s, [], [], "abort")
         ids, lps = _new_tokens(s, chunk)
+        # Prompt tokens SGLang's radix cache served (srt/managers/tokenizer_manager.py puts it
+        # in every chunk's meta_info); absent, the engine does not say.
+        cached = chunk["meta_info"].get("cached_tokens")
+        if cached is not None:
+            s.cached_tokens = int(cached)
         reason = _finish_reason(chunk["meta_info"].get("finish_reason"), s.rid)
         if reason is not None:
             return self._end(s, ids, lps, reason)
@@ -210,7 +218,8 @@ class SglangEngine(RolloutEngine):
 
     def _out(self, s: _Stream, ids, lps, reason: str | None = None) -> TokenOutput:
         return TokenOutput(rid=s.rid, token_ids=ids, logprobs=lps, version=self.version,
-                           finished=reason is not None, finish_reason=reason, prompt_tokens=s.prompt_tokens)
+                           finished=reason is not None, finish_reason=reason, prompt_tokens=s.prompt_tokens,
+                           cached_tokens=s.cached_tokens)
 
     def abort(self, rid: str) -> TokenOutput | None:
         stream = self._streams.pop(rid, None)
