@@ -46,7 +46,16 @@ def run_policy(policy: str, phi: float, mu: int, args, model_dir: Path, root: Pa
         "idle_frac": [c["idle_frac"] for c in summary["cells"]],
         "staleness_mean": round(sum(e["staleness_mean"] for e in steps) / len(steps), 3),
         "statuses": summary["statuses"], "reward_by_step": [e["reward_mean"] for e in steps],
+        "cache_hit_rate": hit_rate(steps),
     }
+
+
+def hit_rate(steps: list[dict]) -> float | None:
+    """Prompt tokens the engines reused over those they were given, over the steps' calls
+    (None: no engine said)."""
+    known = [e for e in steps if e.get("cached_tokens") is not None]
+    total = sum(e["cached_tokens"] + e["prefill_tokens"] for e in known)
+    return round(sum(e["cached_tokens"] for e in known) / total, 4) if total else None
 
 
 def main() -> None:
@@ -67,11 +76,12 @@ def main() -> None:
     base = results[0]["s_per_step"]
     print(f"embedded default: {args.steps} steps per policy, {args.cells} cells, B=2 N=8, E[d]={args.ed}")
     print(f"{'policy':<10}{'phi':>5}{'mu':>4}{'s/step':>8}{'vs ' + policies[0]:>14}{'staleness':>11}"
-          f"{'rollout tok/s':>15}{'trained tok/s':>15}  idle per cell")
+          f"{'rollout tok/s':>15}{'trained tok/s':>15}{'cache hits':>12}  idle per cell")
     for r in results:
         idle = " ".join(f"{x:.2f}" for x in r["idle_frac"])
         print(f"{r['policy']:<10}{r['phi']:>5}{r['mu']:>4}{r['s_per_step']:>8.2f}{base / r['s_per_step']:>13.2f}x"
-              f"{r['staleness_mean']:>11.2f}{r['rollout_tok_s']:>15.1f}{r['trained_tok_s']:>15.1f}  {idle}")
+              f"{r['staleness_mean']:>11.2f}{r['rollout_tok_s']:>15.1f}{r['trained_tok_s']:>15.1f}"
+              f"{'n/a' if r['cache_hit_rate'] is None else format(r['cache_hit_rate'], '.1%'):>12}  {idle}")
     out = {"results": results, "speedup_vs_first": {r["policy"]: round(base / r["s_per_step"], 3) for r in results}}
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))

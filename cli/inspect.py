@@ -31,8 +31,20 @@ def summary(rec: Recorded, j_max: int) -> dict:
     for r in rec.leaf_roles.values():
         roles[r] = roles.get(r, 0) + 1
     return {"execution": rec.id, "calls": len(rec.calls), **s, "leaf_roles": roles,
-            "status": _count(c["status"] for c in rec.calls),
+            "status": _count(c["status"] for c in rec.calls), **prefill_stats(rec.calls),
             f"admission_j{j_max}": admission_stats(rec, j_max), "admission_all": admission_stats(rec, None)}
+
+
+def prefill_stats(calls: list[dict]) -> dict:
+    """The engines' prefill over these calls: prompt tokens reused (prefix cache, handed-over
+    KV) and computed, and the hit rate; None where no call's engine said (records from before
+    the cache have no such fields)."""
+    known = [c for c in calls if c.get("cached_tokens") is not None]
+    cached = sum(c["cached_tokens"] for c in known) if known else None
+    prefill = sum(c["prefill_tokens"] for c in known) if known else None
+    total = (cached or 0) + (prefill or 0)
+    return {"cached_tokens": cached, "prefill_tokens": prefill,
+            "cache_hit_rate": round(cached / total, 4) if known and total else None}
 
 
 def _count(items) -> dict:
@@ -86,10 +98,21 @@ def inspect_run(run_dir: Path, *, execution: str | None, as_json: bool, j_max: i
         console.print(render_tree(rec))
         t = Table(show_header=True, header_style="bold")
         for col in ("nodes", "roots", "leaves", "unique tokens", "expanded tokens",
-                    f"admitted @J={j_max}", "admitted @all"):
+                    f"admitted @J={j_max}", "admitted @all", "cache hits"):
             t.add_column(col, justify="right")
+        hit = s["cache_hit_rate"]
         t.add_row(str(s["nodes"]), str(s["roots"]), str(s["leaves"]), str(s["unique_tokens"]),
                   str(s["expanded_tokens"]), str(s[f"admission_j{j_max}"]["admitted_tokens"]),
-                  str(s["admission_all"]["admitted_tokens"]))
+                  str(s["admission_all"]["admitted_tokens"]), "n/a" if hit is None else f"{hit:.1%}")
         console.print(t)
+    if len(records) > 1:
+        total = prefill_stats([c for r in records for c in r.calls])
+        hit = total["cache_hit_rate"]
+        console.print(f"{len(records)} executions, {sum(len(r.calls) for r in records)} calls: prompt tokens "
+                      f"reused {_num(total['cached_tokens'])}, computed {_num(total['prefill_tokens'])}, "
+                      f"cache hits {'n/a' if hit is None else f'{hit:.1%}'}")
     return out
+
+
+def _num(v: int | None) -> str:
+    return "n/a" if v is None else str(v)

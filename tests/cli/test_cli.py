@@ -68,6 +68,11 @@ def test_gyre_up_runs_the_embedded_default(tmp_path):
     steps = [x for x in lines if x["event"] == "step"]
     assert [s["step"] for s in steps] == [1, 2, 3] and [s["version"] for s in steps] == [1, 2, 3]
     assert all(0.0 <= s["reward_mean"] <= 1.0 and s["reward_valid_frac"] == 1.0 for s in steps)
+    # Affine routing and the engines' prefix cache are the defaults: the demo harness's calls
+    # resend their history, which their home engine has cached.
+    assert all(s["prefill_tokens"] > 0 and s["cached_tokens"] > 0 for s in steps)
+    assert all(s["cache_hit_rate"] == round(s["cached_tokens"] / (s["cached_tokens"] + s["prefill_tokens"]), 4)
+               for s in steps)
     assert [x["version"] for x in lines if x["event"] == "publish"] == [1, 2, 3]
     roles = [x for x in lines if x["event"] == "role"]
     assert roles and {(x["from"], x["to"]) for x in roles} == {("rollout", "training"), ("training", "rollout")}

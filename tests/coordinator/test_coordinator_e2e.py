@@ -52,6 +52,10 @@ async def test_statuses_rewards_and_validity(tiny_dir, tmp_path):
     assert wl["d"] == wl["queued"] + wl["running"] + wl["finished"] and wl["finished"] >= 5
     info = json.loads((cfg.run_dir / "coordinator.json").read_text())
     assert info["status_url"].endswith("/gyre/status") and "gyre-" not in json.dumps(status)
+    # Each execution's home is shown; cell 0 trains, so every home is on the rollout cell.
+    routing = status["routing"]
+    assert routing["policy"] == "affine" and set(routing["homes"].values()) <= {status["cells"][1]["node"]}
+    assert routing["decisions"].get("placed", 0) >= 1 and status["cells"][1]["homes"] == len(routing["homes"])
     lines = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     execs = [x for x in lines if x["event"] == "execution"]
     by_task: dict[str, list[dict]] = {}

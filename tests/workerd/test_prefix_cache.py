@@ -152,7 +152,9 @@ def test_a_handed_over_request_seeds_the_destination_cache(tiny_model, tiny_dir)
     kv = a.export_kv("r")
     handed = kv.length  # b extends this very cache
     assert a.abort("r").finish_reason == "abort"
-    assert a.cache_stats()["entries"] == 0  # its KV left with it
+    # Its KV left with it: A keeps only the prompt's copy, shared when it was prefilled.
+    assert a.cache_stats()["entries"] == 1 and a.prefix_cache.covers(prompt)
+    assert not a.prefix_cache.covers(prompt + produced[:1])
     b.add_request("r", prompt + produced, SamplingParams(max_new_tokens=24 - len(produced), temperature=0), kv=kv)
     rest, _, cached = run(b)["r"]
     assert cached == {handed}  # handed-over KV counts as cached
@@ -352,3 +354,22 @@ def test_prefix_cache_mb_engine_option(tiny_dir, mb, expected):
     engine, _, _ = build_backends(str(tiny_dir), engine="cpu", trainer="cpu", engine_options=options,
                                   trainer_options={})
     assert (None if engine.prefix_cache is None else engine.prefix_cache.budget_bytes) == expected
+
+
+def test_requests_arriving_together_share_the_first_ones_prefill(tiny_model):
+    """A group's executions of one task send the same prompt at once: the first prefills it,
+    the others reuse its KV (shared at prefill, not only when it finishes); outputs equal an
+    engine without the cache, and later arrivals sharing only the system prompt reuse that."""
+    prompt = list(b"system: you are an agent with tools. user: fix the failing test")
+    other = prompt[:30] + list(b" something else entirely")
+    with_cache, without = CpuEngine(tiny_model), CpuEngine(tiny_model, prefix_cache_bytes=0)
+    for engine in (with_cache, without):
+        for i in range(4):
+            engine.add_request(f"g{i}", prompt, SamplingParams(max_new_tokens=6, temperature=0))
+        engine.add_request("o", other, SamplingParams(max_new_tokens=6, temperature=0))
+    got, ref = run(with_cache), run(without)
+    assert got["g0"][2] == {0} and all(got[f"g{i}"][2] == {len(prompt) - 1} for i in (1, 2, 3))
+    assert got["o"][2] == {30}
+    for rid in got:
+        assert got[rid][0] == ref[rid][0]
+        assert max(abs(x - y) for x, y in zip(got[rid][1], ref[rid][1])) < 1e-5

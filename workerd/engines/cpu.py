@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gyre.workerd.engines.base import RolloutEngine, SamplingParams, TokenOutput
-from gyre.workerd.engines.prefix_cache import PrefixCache
+from gyre.workerd.engines.prefix_cache import PrefixCache, copy_prefix
 from gyre.workerd.model import CausalLM, SeqCache
 
 PREFIX_CACHE_BYTES = 512 << 20
@@ -80,8 +80,6 @@ class CpuEngine(RolloutEngine):
             raise ValueError(f"handed-over KV covers {kv.length} tokens of a {len(prompt_ids)}-token prompt")
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         req = _Request(rid, list(prompt_ids), params, gen, self._epoch)
-        if kv is None and self.prefix_cache is not None:
-            kv = self.prefix_cache.lookup(prompt_ids)
         if kv is not None:
             req.cache, req.cached = kv, kv.length
         self._waiting[rid] = req
@@ -114,8 +112,15 @@ class CpuEngine(RolloutEngine):
         while self._waiting and len(self._running) < self.max_running:
             rid, req = next(iter(self._waiting.items()))
             del self._waiting[rid]
-            # A handed-over cache already holds the prompt's first tokens: prefill the rest.
+            # The cache is asked at prefill, not on arrival: a prompt that arrived with others
+            # sharing its prefix (a group's executions of one task) reuses the KV the first
+            # of them just computed. A handed-over cache holds the prompt's first tokens already.
+            if req.cache.length == 0 and self.prefix_cache is not None and req.epoch == self._epoch:
+                kv = self.prefix_cache.lookup(req.prompt_ids)
+                if kv is not None:
+                    req.cache, req.cached = kv, kv.length
             logits = self.model.extend(torch.tensor(req.prompt_ids[req.cache.length:]), req.cache)[-1:]
+            self._share(req)
             self._running[rid] = req
             outputs += self._sample([req], logits)
         return outputs
@@ -170,6 +175,15 @@ class CpuEngine(RolloutEngine):
         if self.prefix_cache is not None and not req.exported and req.epoch == self._epoch:
             # The cache covers prompt + output but the last sampled token (never fed).
             self.prefix_cache.insert((req.prompt_ids + req.output_ids)[: req.cache.length], req.cache)
+
+    def _share(self, req: _Request) -> None:
+        """A prompt just prefilled: a copy of its KV goes to the cache now, so requests
+        waiting with the same prefix skip it (unless an entry covers it already)."""
+        c = self.prefix_cache
+        if c is None or req.epoch != self._epoch or c.covers(req.prompt_ids):
+            return
+        n = req.cache.length
+        c.insert(req.prompt_ids[:n], copy_prefix(req.cache, n, capacity=n))
 
     def cache_stats(self) -> dict[str, int]:
         return self.prefix_cache.stats() if self.prefix_cache is not None else {}

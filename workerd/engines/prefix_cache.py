@@ -72,8 +72,8 @@ class PrefixCache:
         """The KV of `prompt_ids`' longest cached prefix, at most len(prompt_ids) - 1 tokens
         (the last prompt token is always prefilled: its logits sample the first output), or
         None. The caller owns the result (`length` says how many tokens it covers) and may
-        append to it: an entry the prompt covers whole moves out of the cache (it comes back,
-        longer, with `insert`); a partly shared one stays, and its prefix is copied."""
+        append to it: an entry the prompt extends moves out of the cache (it comes back, longer,
+        with `insert`); one it shares a prefix with, or equals, stays, and its prefix is copied."""
         prompt = np.asarray(prompt_ids, dtype=np.int32)
         self.lookups += 1
         self.tokens_looked_up += len(prompt)
@@ -82,12 +82,11 @@ class PrefixCache:
         if key is None or reuse <= 0:
             return None
         entry = self._entries[key]
-        if m == len(entry.tokens):
+        if m == len(entry.tokens) < len(prompt):  # the prompt extends it: the agent's next call
             del self._entries[key]
             self.bytes -= entry.nbytes
             cache = entry.cache
-            cache.length = reuse  # a prompt equal to the entry: the last position is recomputed, overwritten
-        else:
+        else:  # a shared prefix (or the same prompt again: others may want it too)
             self._entries.move_to_end(key)
             # Room for the whole prompt, as a fresh prefill's first append allocates.
             cache = copy_prefix(entry.cache, reuse, capacity=max(64, 2 * len(prompt)))
@@ -122,6 +121,12 @@ class PrefixCache:
             self.bytes -= old.nbytes
             self.evictions += 1
         return True
+
+    def covers(self, token_ids: Sequence[int]) -> bool:
+        """Whether an entry holds the KV of all of `token_ids` (inserting them would keep nothing)."""
+        tokens = np.asarray(token_ids, dtype=np.int32)
+        return any(len(e.tokens) >= len(tokens) and lcp(e.tokens, tokens) == len(tokens)
+                   for e in self._entries.values())
 
     def flush(self) -> int:
         """Drop every entry (new weights, or the memory goes to training); returns bytes freed."""
