@@ -44,6 +44,9 @@ def test_serve_demo_harness_inspect(tmp_path):
     assert ex["leaf_roles"].get("main", 0) >= 1
     assert ex["unique_tokens"] < ex["expanded_tokens"]  # the shared prefix is stored once
     assert ex["status"] == {"ok": ex["calls"]}
+    # Its turns resend the history, which the engine's prefix cache holds (one engine here).
+    assert ex["cached_tokens"] > 0 and ex["prefill_tokens"] > 0
+    assert ex["cache_hit_rate"] == round(ex["cached_tokens"] / (ex["cached_tokens"] + ex["prefill_tokens"]), 4)
     text = CliRunner().invoke(app, ["inspect", str(run)])
     assert text.exit_code == 0 and "main-summary leaf" in text.output and "sub-agent leaf" in text.output
 

@@ -139,3 +139,76 @@ def test_bad_settings_are_refused():
         RoutingTable(policy="random")
     with pytest.raises(ValueError, match="balance_abs"):
         RoutingTable(balance_abs=0)
+
+
+# --- over real workerds: homes hold the KV, calls come back to it ---------------------------
+
+TURN = "Tool result: the file holds a few lines of code that the agent reads before its next edit. "
+
+
+async def agent(proxy, name: str, turns: int, start: int = 0, messages=None):
+    """A multi-turn execution through the `openai` SDK: each call resends the history."""
+    import openai
+
+    ex = proxy.executions.get(name) or proxy.register(name)
+    messages = messages if messages is not None else [
+        {"role": "system", "content": "You are a coding agent."}, {"role": "user", "content": f"Task {name}."}]
+    async with openai.AsyncOpenAI(base_url=f"{proxy.base_url}/v1", api_key=ex.key, max_retries=0) as client:
+        for t in range(start, start + turns):
+            reply = await client.chat.completions.create(model="m", messages=messages, max_tokens=12)
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""},
+                         {"role": "user", "content": f"{TURN}({t})"}]
+    return ex, messages
+
+
+@pytest.mark.timeout(300)
+async def test_affine_calls_hit_their_homes_cache_and_rehome_when_a_cell_leaves(tiny_dir, tmp_path):
+    import asyncio
+
+    from gyre.coordinator.local import LocalCluster
+    from gyre.coordinator.routing import LinkBackend
+    from gyre.proxy.chat import ChatTokenizer
+    from gyre.proxy.server import ProxyConfig, ProxyServer
+    from gyre.workerd import wire
+
+    async with LocalCluster(tiny_dir, cells=2, roles=("rollout", "rollout")) as cluster:
+        nodes = [cluster.node_of_cell(0), cluster.node_of_cell(1)]
+        table = RoutingTable()
+        table.set_nodes(nodes)
+        proxy = ProxyServer(ChatTokenizer(tiny_dir), LinkBackend(cluster.link, table),
+                            ProxyConfig(temperature=0.0), run_dir=tmp_path)
+        await proxy.start()
+        try:
+            names = [f"x{i}" for i in range(4)]
+            done = await asyncio.gather(*(agent(proxy, n, turns=3) for n in names))
+            for ex, _ in done:
+                engines = {c["engine"] for c in ex.calls}
+                assert len(engines) == 1  # every call of an execution went to its home
+                assert ex.calls[0]["cached_tokens"] < ex.calls[0]["prompt_tokens"]
+                for c in ex.calls[1:]:  # the history it resends is the home's cached KV
+                    assert c["cached_tokens"] > 0
+                    assert c["prefill_tokens"] <= c["new_prompt_tokens"] + 1
+                    assert c["cached_tokens"] + c["prefill_tokens"] == c["prompt_tokens"]
+            assert {next(iter({c["engine"] for c in ex.calls})) for ex, _ in done} == set(nodes)  # spread by load
+            # Cell 0 leaves rollout: its executions are re-homed to cell 1 and stay there.
+            moved = table.close(nodes[0])
+            await cluster.link.call(nodes[0], wire.SetRole(req_id=cluster.link.new_req_id(), role="training"))
+            assert moved and all(table.homes[m] == nodes[1] for m in moved)
+            again = await asyncio.gather(*(agent(proxy, ex.id, turns=2, start=3, messages=msgs)
+                                           for ex, msgs in done if ex.id in moved))
+            for ex, _ in again:
+                first, second = ex.calls[3], ex.calls[4]
+                assert first["engine"] == second["engine"] == nodes[1]
+                assert second["cached_tokens"] > first["new_prompt_tokens"]  # the new home's cache now has it
+        finally:
+            await proxy.stop()
+    assert table.decisions["rehomed"] == len(moved)
+
+
+def test_the_run_config_names_a_bad_routing(tmp_path):
+    from gyre.coordinator.config import CoordinatorConfig
+
+    with pytest.raises(ValueError, match="routing must be one of affine, least-inflight"):
+        CoordinatorConfig(run_dir=tmp_path, model_dir=tmp_path, routing="random")
+    with pytest.raises(ValueError, match="route_balance_rel must be >= 1"):
+        CoordinatorConfig(run_dir=tmp_path, model_dir=tmp_path, route_balance_rel=0.5)
