@@ -44,6 +44,24 @@ def _chunk_logprobs(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
+def _picked(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
+            chunk: int) -> torch.Tensor:
+    """log p(targets[k] | h[k]) for predicting states h [K, H], `chunk` rows of logits at a time,
+    recomputed in the backward pass under autograd."""
+    grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    pieces = []
+    for s in range(0, h.shape[0], chunk):
+        args = (h[s:s + chunk], weight, targets[s:s + chunk], temperature)
+        if grad:
+            from torch.utils.checkpoint import checkpoint
+
+            pieces.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+        else:
+            pieces.append(_chunk_logprobs(*args))
+    # No position wanted: an empty slice, still in the graph (a backward of zero loss works).
+    return torch.cat(pieces) if pieces else h.reshape(-1)[:0].float()
+
+
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, input_ids: torch.Tensor,
                      positions: torch.Tensor | None = None, *, temperature: float = 1.0,
                      chunk: int = CHUNK_TOKENS) -> torch.Tensor:
@@ -57,21 +75,24 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, input_ids: torc
     want = torch.ones(b, t, dtype=torch.bool) if positions is None else positions.bool().clone()
     want[:, 0] = False
     rows, cols = want.nonzero(as_tuple=True)
-    h = hidden[rows, cols - 1]  # the state before token t predicts it
-    targets = input_ids[rows, cols]
-    grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-    pieces = []
-    for s in range(0, h.shape[0], chunk):
-        args = (h[s:s + chunk], weight, targets[s:s + chunk], temperature)
-        if grad:
-            from torch.utils.checkpoint import checkpoint
-
-            pieces.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
-        else:
-            pieces.append(_chunk_logprobs(*args))
-    # No position wanted: an empty slice, still in the graph (a backward of zero loss works).
-    picked = torch.cat(pieces) if pieces else hidden.reshape(-1)[:0].float()
+    # The state before token t predicts it.
+    picked = _picked(hidden[rows, cols - 1], weight, input_ids[rows, cols], temperature, chunk)
     return torch.zeros(b, t, dtype=torch.float32, device=hidden.device).index_put((rows, cols), picked)
+
+
+def tree_logprobs(hidden: torch.Tensor, weight: torch.Tensor, input_ids: torch.Tensor, prev_index: torch.Tensor,
+                  positions: torch.Tensor | None = None, *, temperature: float = 1.0,
+                  chunk: int = CHUNK_TOKENS) -> torch.Tensor:
+    """`chunked_logprobs` over a tree's unique tokens: hidden [N, H], input_ids and prev_index
+    [N] (the token before each on its own path, -1 for a root's first) -> log-probs [N], where
+    token k is predicted by `hidden[prev_index[k]]`; 0 at roots' first tokens and outside
+    `positions` ([N] bool, default all)."""
+    want = prev_index >= 0
+    if positions is not None:
+        want &= positions.bool()
+    (idx,) = want.nonzero(as_tuple=True)
+    picked = _picked(hidden[prev_index[idx]], weight, input_ids[idx], temperature, chunk)
+    return torch.zeros(input_ids.shape[0], dtype=torch.float32, device=hidden.device).index_put((idx,), picked)
 
 
 def gspo_loss(

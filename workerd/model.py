@@ -1,10 +1,10 @@
 """model.py: the Qwen2/Qwen3/Llama decoder in plain torch, with Hugging Face parameter names.
 
 One definition serves the CPU engine (`extend`, `decode` over per-sequence KV caches) and
-the CPU trainer (`forward` over padded rows), so behaviour and training log-probs come from
-the same math. State-dict keys are the HF names (`model.layers.0.self_attn.q_proj.weight`),
-so HF safetensors load without a mapping. Not a serving engine: batching policy and
-sampling live in engines/cpu.py.
+the CPU trainer (`forward` over padded rows, `tree_hidden` over a prefix-sharing tree's
+unique tokens), so behaviour and training log-probs come from the same math. State-dict
+keys are the HF names (`model.layers.0.self_attn.q_proj.weight`), so HF safetensors load
+without a mapping. Not a serving engine: batching policy and sampling live in engines/cpu.py.
 """
 
 from __future__ import annotations
@@ -233,6 +233,27 @@ class CausalLM(nn.Module):
         """input_ids [B, T] (right-padded) -> logits [B, T, V]."""
         return F.linear(self.hidden(input_ids, position_ids), self.output_weight)
 
+    # --- training: a tree of segments, each token attending to its own path --------------
+
+    def tree_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, seg_start: torch.Tensor,
+                    seg_len: torch.Tensor, seg_parent: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden states [N, H] of a tree's N unique tokens (input_ids and
+        position_ids [N]; segments [S] tiling the tokens in order, parents first, -1 a root):
+        each token attends to the tokens of its ancestor segments and causally to its own
+        segment's, so it equals the same token's state in its path's padded row."""
+        blocks = tree_blocks(seg_start.tolist(), seg_len.tolist(), seg_parent.tolist())
+        cos, sin = self.rope(position_ids.unsqueeze(0))
+        h = self.model.embed_tokens(input_ids.unsqueeze(0))
+        recompute = self.checkpoint_layers and torch.is_grad_enabled()
+        for layer in self.model.layers:
+            if recompute:
+                from torch.utils.checkpoint import checkpoint
+
+                h = checkpoint(_tree_layer_forward, layer, h, cos, sin, blocks, use_reentrant=False)
+            else:
+                h = _tree_layer_forward(layer, h, cos, sin, blocks)
+        return self.model.norm(h)[0]
+
     # --- inference: one sequence extended, many sequences decoded ------------------------
 
     @torch.no_grad()
@@ -289,6 +310,89 @@ def _layer_forward(layer: DecoderLayer, h: torch.Tensor, cos: torch.Tensor, sin:
     q, k, v = a.qkv(layer.input_layernorm(h), cos, sin)
     o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     h = h + a.out(o)
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+QUERY_CHUNK = 2048  # queries of one tree block per attention call: bounds its [queries, keys] mask
+
+
+@dataclass(frozen=True, slots=True)
+class TreeBlock:
+    """Tokens [start, end) of a chain of segments, each the parent of the next and stored
+    right after it, so one causal block serves them all; `context` is their ancestors'
+    tokens outside the block: a range (lo, start) when contiguous with it, else an index."""
+
+    start: int
+    end: int
+    context: tuple[int, int] | torch.Tensor
+
+
+def tree_blocks(seg_start: list[int], seg_len: list[int], seg_parent: list[int]) -> list[TreeBlock]:
+    """The attention blocks of a tree batch's segments (see TreeBlock), in token order. A
+    depth-first layout makes a block of each root-to-leaf path's new tokens, and the first
+    child's context a plain range."""
+    paths: list[list[tuple[int, int]]] = []  # per segment: its root-to-self token ranges, merged
+    blocks: list[TreeBlock] = []
+    for i, (start, n, p) in enumerate(zip(seg_start, seg_len, seg_parent)):
+        above = paths[p] if p >= 0 else []
+        paths.append(_extend_ranges(above, (start, start + n)))
+        if blocks and p == i - 1 and blocks[-1].end == start:
+            blocks[-1] = TreeBlock(blocks[-1].start, start + n, blocks[-1].context)
+            continue
+        if not above:
+            context: tuple[int, int] | torch.Tensor = (start, start)
+        elif len(above) == 1 and above[0][1] == start:
+            context = (above[0][0], start)
+        else:
+            context = torch.cat([torch.arange(a, b) for a, b in above])
+        blocks.append(TreeBlock(start, start + n, context))
+    return blocks
+
+
+def _extend_ranges(ranges: list[tuple[int, int]], r: tuple[int, int]) -> list[tuple[int, int]]:
+    if ranges and ranges[-1][1] == r[0]:
+        return [*ranges[:-1], (ranges[-1][0], r[1])]
+    return [*ranges, r]
+
+
+def _context_kv(x: torch.Tensor, block: TreeBlock) -> torch.Tensor | None:
+    """x [1, kv_heads, N, d] -> the keys (or values) of a block's context, when it is not a
+    range next to the block (that one is sliced with the block's own, no copy)."""
+    if isinstance(block.context, tuple):
+        return None
+    return x.index_select(2, block.context.to(x.device))
+
+
+def _tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list[TreeBlock]) -> torch.Tensor:
+    """q [1, heads, N, d], k, v [1, kv_heads, N, d] -> o [1, heads, N, d], block by block:
+    queries see all their context and causally their own block. Queries go `QUERY_CHUNK` at
+    a time, so no mask is larger than [QUERY_CHUNK, keys]."""
+    outs = []
+    for b in blocks:
+        ck, cv = _context_kv(k, b), _context_kv(v, b)
+        lo = b.context[0] if ck is None else b.start
+        ctx = b.start - lo if ck is None else ck.shape[2]
+        for s in range(b.start, b.end, QUERY_CHUNK):
+            e = min(s + QUERY_CHUNK, b.end)
+            kk, vv = k[:, :, lo:e], v[:, :, lo:e]
+            if ck is not None:
+                kk, vv = torch.cat([ck, kk], dim=2), torch.cat([cv, vv], dim=2)
+            seen = ctx + s - b.start  # keys before query s: the context and the block's earlier tokens
+            mask = None
+            if seen:  # query j sees keys 0..seen+j
+                mask = torch.ones(e - s, kk.shape[2], dtype=torch.bool, device=q.device).tril(diagonal=seen)
+            outs.append(F.scaled_dot_product_attention(q[:, :, s:e], kk, vv, attn_mask=mask,
+                                                       is_causal=mask is None, enable_gqa=True))
+    return torch.cat(outs, dim=2) if outs else q
+
+
+def _tree_layer_forward(layer: DecoderLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        blocks: list[TreeBlock]) -> torch.Tensor:
+    """One decoder layer over a tree's tokens [1, N, H]: projections and MLP over all N at
+    once, attention per block."""
+    a = layer.self_attn
+    q, k, v = a.qkv(layer.input_layernorm(h), cos, sin)
+    h = h + a.out(_tree_attention(q, k, v, blocks))
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
