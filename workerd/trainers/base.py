@@ -2,7 +2,9 @@
 
 A micro-step is a set of right-padded token rows with per-token arrays aligned to the
 input positions: `target_mask[r, t]` says token `input_ids[r, t]` is a trained target
-(predicted from position t-1). Not a packer: the coordinator builds micro-steps.
+(predicted from position t-1). A trainer may also take the tree form of trainers/tree.py
+(`TreeBatch`: each shared token once, flat [N] arrays). Not a packer: the coordinator
+builds micro-steps.
 """
 
 from __future__ import annotations
@@ -11,10 +13,14 @@ import abc
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
 
 from gyre.workerd import wire
+
+if TYPE_CHECKING:
+    from gyre.workerd.trainers.tree import TreeBatch
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -65,9 +71,10 @@ class MicroStepStats:
     seconds: float
 
 
-def backward_micro_step(logp: torch.Tensor, batch: MicroBatch, started: float) -> MicroStepStats:
-    """The GSPO loss of one micro-step from the trainer's current log-probs `logp` [R, T],
-    back-propagated (gradients accumulate); every trainer's `train_micro_step` ends here."""
+def backward_micro_step(logp: torch.Tensor, batch: MicroBatch | TreeBatch, started: float) -> MicroStepStats:
+    """The GSPO loss of one micro-step from the trainer's current log-probs `logp` ([R, T]
+    rows, or [N] for a tree batch), back-propagated (gradients accumulate); every trainer's
+    `train_micro_step` ends here."""
     import time
 
     from gyre.workerd.loss import gspo_loss
@@ -114,7 +121,9 @@ class Trainer(abc.ABC):
     version: int
 
     @abc.abstractmethod
-    def train_micro_step(self, batch: MicroBatch) -> MicroStepStats: ...
+    def train_micro_step(self, batch: MicroBatch) -> MicroStepStats:
+        """One micro-step's loss, back-propagated (gradients accumulate until `optimizer_step`).
+        The CPU trainer also takes a `TreeBatch`."""
 
     @abc.abstractmethod
     def current_logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:

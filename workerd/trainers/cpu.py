@@ -1,8 +1,9 @@
 """trainers/cpu.py: the embedded trainer, plain torch on CPU over the shared `CausalLM`.
 
-Accumulates the GSPO loss's gradients over micro-steps, reduces them over a gloo prefix
-group when cells train together, and applies one AdamW update per step with DESIGN.md's
-settings. Not the packer and not the reducer's owner: both are handed in.
+Accumulates the GSPO loss's gradients over micro-steps (padded rows, or a tree of shared
+segments: trainers/tree.py), reduces them over a gloo prefix group when cells train
+together, and applies one AdamW update per step with DESIGN.md's settings. Not the packer
+and not the reducer's owner: both are handed in.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from gyre.workerd.loss import chunked_logprobs
+from gyre.workerd.loss import chunked_logprobs, tree_logprobs
 from gyre.workerd.model import CausalLM
 from gyre.workerd.trainers.base import (
     MicroBatch,
@@ -23,6 +24,7 @@ from gyre.workerd.trainers.base import (
     step_or_drop,
     sum_and_normalise,
 )
+from gyre.workerd.trainers.tree import TreeBatch
 
 
 class CpuTrainer(Trainer):
@@ -39,11 +41,17 @@ class CpuTrainer(Trainer):
         )
         self.micro_steps = 0  # accumulated since the last update
 
-    def train_micro_step(self, batch: MicroBatch) -> MicroStepStats:
+    def train_micro_step(self, batch: MicroBatch | TreeBatch) -> MicroStepStats:
         t0 = time.perf_counter()
         # Log-probs only where the loss reads them (the targets), a chunk of positions at a time.
-        logp = chunked_logprobs(self.model.hidden(batch.input_ids), self.model.output_weight, batch.input_ids,
-                                batch.target_mask, temperature=self.temperature)
+        if isinstance(batch, TreeBatch):
+            h = self.model.tree_hidden(batch.input_ids, batch.position_ids, batch.seg_start, batch.seg_len,
+                                       batch.seg_parent)
+            logp = tree_logprobs(h, self.model.output_weight, batch.input_ids, batch.prev_index,
+                                 batch.target_mask, temperature=self.temperature)
+        else:
+            logp = chunked_logprobs(self.model.hidden(batch.input_ids), self.model.output_weight, batch.input_ids,
+                                    batch.target_mask, temperature=self.temperature)
         stats = backward_micro_step(logp, batch, t0)
         self.micro_steps += 1
         return stats
