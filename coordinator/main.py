@@ -494,9 +494,9 @@ class Coordinator:
         if satellites and self.steps_in_burst < self.c.mu:  # they train the next step of the burst too
             await self._level(satellites)
         self._report(res.groups, res.executions, res.results, version_before, len(res.participants),
-                     time.monotonic() - t0)
+                     time.monotonic() - t0, res.tokens)
 
-    def _report(self, groups, executions, results, version_before, n_cells, seconds) -> None:
+    def _report(self, groups, executions, results, version_before, n_cells, seconds, packed) -> None:
         runs = [r for g in groups for r in g.runs if r.status != "cancelled"]
         valid = [r.reward for r in runs if r.valid and r.reward is not None]
         staleness = [version_before - g.version for g in groups]
@@ -515,6 +515,11 @@ class Coordinator:
         prefill, cached = prefill_of(runs)
         self.metrics.emit("step", **rep.__dict__, mismatch=mismatch, staleness=staleness,
                           group_ids=[g.id for g in groups], prefill_tokens=prefill, cached_tokens=cached,
+                          # The forward pass: tokens computed, unique admitted (each tree node on
+                          # an admitted path once), path-expanded, and the trainers' seconds.
+                          packing=self.c.packing, forward_tokens=packed.forward,
+                          unique_admitted_tokens=packed.unique, expanded_tokens=packed.expanded,
+                          trainer_seconds=round(sum(r.seconds for r in results), 4),
                           cache_hit_rate=None if prefill is None or not prefill + cached
                           else round(cached / (prefill + cached), 4),
                           waterlevel=self.wl.c.waterlevel,
