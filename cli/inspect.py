@@ -19,20 +19,30 @@ from gyre.proxy.tree import Tree
 
 
 def admission_stats(rec: Recorded, j_max: int | None) -> dict:
+    """Admitted trajectories and their tokens: targets, the path-expanded forward pass
+    (`forward_tokens`, as `packing = "paths"` computes it), and the tree form's (each node on
+    an admitted path once: `forward_tokens_tree`, equal to the unique admitted tokens)."""
     trajectories = admit(rec.tree, rec.leaf_roles, j_max=j_max)
+    unique = sum(len(rec.tree.nodes[n].tokens) for n in {n for t in trajectories for n in t.path})
+    expanded = sum(rec.tree.nodes[t.path[-1]].end for t in trajectories)
     return {"trajectories": len(trajectories),
             "admitted_tokens": sum(t.target_tokens(rec.tree) for t in trajectories),
-            "forward_tokens": sum(rec.tree.nodes[t.path[-1]].end for t in trajectories)}
+            "forward_tokens": expanded, "forward_tokens_tree": unique,
+            "unique_admitted_tokens": unique, "expanded_tokens": expanded}
 
 
 def summary(rec: Recorded, j_max: int) -> dict:
     s = rec.tree.stats()
+    s["tree_expanded_tokens"] = s.pop("expanded_tokens")  # every leaf's path; `expanded_tokens` is training's
+    admitted = admission_stats(rec, j_max)
+    # What training at this J_max forwards, tree form against path rows (the run's default J_max).
+    training = {k: admitted[k] for k in ("forward_tokens_tree", "unique_admitted_tokens", "expanded_tokens")}
     roles: dict[str, int] = {}
     for r in rec.leaf_roles.values():
         roles[r] = roles.get(r, 0) + 1
     return {"execution": rec.id, "calls": len(rec.calls), **s, "leaf_roles": roles,
-            "status": _count(c["status"] for c in rec.calls), **prefill_stats(rec.calls),
-            f"admission_j{j_max}": admission_stats(rec, j_max), "admission_all": admission_stats(rec, None)}
+            "status": _count(c["status"] for c in rec.calls), **prefill_stats(rec.calls), **training,
+            f"admission_j{j_max}": admitted, "admission_all": admission_stats(rec, None)}
 
 
 def prefill_stats(calls: list[dict]) -> dict:
@@ -102,7 +112,7 @@ def inspect_run(run_dir: Path, *, execution: str | None, as_json: bool, j_max: i
             t.add_column(col, justify="right")
         hit = s["cache_hit_rate"]
         t.add_row(str(s["nodes"]), str(s["roots"]), str(s["leaves"]), str(s["unique_tokens"]),
-                  str(s["expanded_tokens"]), str(s[f"admission_j{j_max}"]["admitted_tokens"]),
+                  str(s["tree_expanded_tokens"]), str(s[f"admission_j{j_max}"]["admitted_tokens"]),
                   str(s["admission_all"]["admitted_tokens"]), "n/a" if hit is None else f"{hit:.1%}")
         console.print(t)
     if len(records) > 1:

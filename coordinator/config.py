@@ -79,7 +79,11 @@ class CoordinatorConfig:
     eval_attempts: int = 3
     eval_budget_s: float = 60.0
     j_max: int | None = J_MAX
-    micro_step_tokens: int = 8192  # per-rank token budget of one micro-step (rows x width)
+    micro_step_tokens: int = 8192  # per-rank token budget of one micro-step (tree: unique tokens; paths: rows x width)
+    # How a micro-step carries trajectories (coordinator/packing.py): tree (each execution's
+    # admitted paths as one tree, every shared token sent and computed once) | paths (one
+    # padded row per path)
+    packing: str = "tree"
     lr: float | None = None  # None: the model directory's gyre.json, else 1e-6 (a real model's)
     seed: int = 0
     address: str = "tcp://127.0.0.1:0"  # ZeroMQ bind for workerds
@@ -120,7 +124,11 @@ class CoordinatorConfig:
             value = getattr(self, name)
             if value is not None and (value <= low if strict else value < low):
                 raise ValueError(f"{name} must be {'>' if strict else '>='} {low}, got {value}")
+        from gyre.coordinator.packing import PACKINGS
         from gyre.coordinator.routing import ROUTINGS
+
+        if self.packing not in PACKINGS:
+            raise ValueError(f"packing must be one of {', '.join(PACKINGS)}, got {self.packing!r}")
 
         if self.routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")

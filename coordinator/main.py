@@ -28,6 +28,7 @@ from gyre.coordinator.config import CoordinatorConfig
 from gyre.coordinator.launcher import Launcher, launch_spec, open_sandboxes
 from gyre.coordinator.link import WorkerCallTimeout, WorkerDeadError, WorkerError
 from gyre.coordinator.local import LocalCluster
+from gyre.coordinator.loopprobe import LoopProbe
 from gyre.coordinator.metrics import Metrics
 from gyre.coordinator.policies import POLICIES
 from gyre.coordinator.publisher import WeightPublisher, memcpy_seconds
@@ -104,6 +105,7 @@ class Coordinator:
         self.role_history: list[list[tuple[float, str]]] = [[(0.0, r)] for r in self.roles]  # per cell
         self.role_switches: list[dict] = []
         self.rates = Rates()
+        self.probe = LoopProbe()  # the event loop's lateness: every harness call waits on it
         self.tokens_trained = 0
         self.dead: set[int] = set()  # cells whose worker died; excluded until a worker re-registers
         self.no_reducer: set[int] = set()  # rejoined cells: they roll out, they cannot reduce gradients
@@ -229,9 +231,11 @@ class Coordinator:
         else:
             self._dispatch(c.initial_groups)
         gc.freeze()  # start-up objects out of the collector's way: full GCs were the proxy's p99
+        self.probe.start()
         log.info("coordinator up: %d cells, policy %s, proxy %s", c.cells, c.policy, self.proxy.base_url)
 
     async def _shutdown(self) -> None:
+        await self.probe.stop()
         for t in (self.step_task, self.side_task):
             if t is not None and not t.done():
                 t.cancel()
@@ -480,6 +484,7 @@ class Coordinator:
 
     async def _step(self, cells: list[int]) -> None:
         t0 = time.monotonic()
+        self._step_began = asyncio.get_running_loop().time()
         if cells != list(range(len(cells))):
             raise RuntimeError(f"training cells {cells} are not a prefix 0..k-1 (prefix groups)")
         self.batch = self._new_batch(cells)
@@ -494,9 +499,9 @@ class Coordinator:
         if satellites and self.steps_in_burst < self.c.mu:  # they train the next step of the burst too
             await self._level(satellites)
         self._report(res.groups, res.executions, res.results, version_before, len(res.participants),
-                     time.monotonic() - t0)
+                     time.monotonic() - t0, res.tokens)
 
-    def _report(self, groups, executions, results, version_before, n_cells, seconds) -> None:
+    def _report(self, groups, executions, results, version_before, n_cells, seconds, packed) -> None:
         runs = [r for g in groups for r in g.runs if r.status != "cancelled"]
         valid = [r.reward for r in runs if r.valid and r.reward is not None]
         staleness = [version_before - g.version for g in groups]
@@ -515,6 +520,12 @@ class Coordinator:
         prefill, cached = prefill_of(runs)
         self.metrics.emit("step", **rep.__dict__, mismatch=mismatch, staleness=staleness,
                           group_ids=[g.id for g in groups], prefill_tokens=prefill, cached_tokens=cached,
+                          # The forward pass: tokens computed, unique admitted (each tree node on
+                          # an admitted path once), path-expanded, and the trainers' seconds.
+                          packing=self.c.packing, forward_tokens=packed.forward,
+                          unique_admitted_tokens=packed.unique, expanded_tokens=packed.expanded,
+                          trainer_seconds=round(sum(r.seconds for r in results), 4),
+                          loop_lag_ms=self.probe.lag_ms(since=self._step_began),
                           cache_hit_rate=None if prefill is None or not prefill + cached
                           else round(cached / (prefill + cached), 4),
                           waterlevel=self.wl.c.waterlevel,

@@ -83,6 +83,9 @@ def snapshot(coord) -> dict:
         "tokens_per_s": {"rollout": None if rollout_tps is None else round(rollout_tps, 1),
                          "training": None if train_tps is None else round(train_tps, 1)},
         "role_switches": coord.role_switches[-8:],
+        # How late the event loop ran over the last window (ms): what a harness call waited.
+        "loop_lag_ms": coord.probe.lag_ms(since=coord.probe.samples[-1][0] - WINDOW_S)
+        if coord.probe.samples else None,
         "statuses": dict(coord.status_counts),
         "cells": cells,
         # Which engine serves which execution: decisions so far, the load bound, every home.

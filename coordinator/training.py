@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gyre.coordinator.buffer import Group, TrajectoryBuffer
-from gyre.coordinator.packing import MicroStep, group_rows, pack
+from gyre.coordinator.packing import MicroStep, Stats, pack_group
 from gyre.workerd import wire
 
 log = logging.getLogger("gyre.coordinator")
@@ -34,6 +34,7 @@ class BatchResult:
     version: int
     grad_norm: float
     claimed: dict[int, int] = field(default_factory=dict)  # cell -> micro-steps it trained
+    tokens: Stats = field(default_factory=Stats)
 
 
 class Batch:
@@ -56,6 +57,7 @@ class Batch:
         self.groups: list[Group] = []
         self.executions = 0
         self.busy: set[int] = set()  # cells with a micro-step in flight (the scheduler holds their role)
+        self.tokens = Stats()  # forward, unique admitted, path-expanded and target tokens of the step
 
     @property
     def window_open(self) -> bool:
@@ -85,12 +87,17 @@ class Batch:
                 self.changed.clear()
                 await self.changed.wait()
                 continue
-            rows, exec_index, counted = group_rows(group, j_max=c.j_max, seed=c.seed + group.id,
-                                                   next_exec=exec_index)
+            # Admission, materialisation and encoding on a worker thread: the event loop keeps
+            # serving harness calls while a group is packed (the group's trees are closed).
+            steps, exec_index, counted = await asyncio.to_thread(
+                pack_group, group, j_max=c.j_max, seed=c.seed + group.id, next_exec=exec_index,
+                budget_tokens=c.micro_step_tokens, form=c.packing)
             self.executions += counted
             self.groups.append(group)
+            for ms in steps:
+                self.tokens.add(ms.stats)
             async with self.cond:
-                self.pending.extend(pack(rows, c.micro_step_tokens))
+                self.pending.extend(steps)
                 self.cond.notify_all()
         async with self.cond:
             self.packing_done = True
@@ -115,7 +122,7 @@ class Batch:
         for cell, r in zip(self.participants, replies):
             self.train_busy_s[cell] = self.train_busy_s.get(cell, 0.0) + r.seconds
         return BatchResult(self.groups, self.executions, self.results, list(self.participants), core.version,
-                           core.grad_norm, dict(self.claimed))
+                           core.grad_norm, dict(self.claimed), self.tokens)
 
     async def _worker(self, cell: int) -> None:
         node, link = self.nodes[cell], self.link

@@ -13,8 +13,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+import numpy as np
+
 from gyre.proxy.roles import PRIORITY
-from gyre.proxy.tree import Tree
+from gyre.proxy.tree import LOGPROB_DTYPE, VERSION_DTYPE, Tree
 
 J_MAX = 5  # trajectories admitted per execution by default (`j_max`; None: all)
 
@@ -32,12 +34,12 @@ class Trajectory:
 
 @dataclass(slots=True)
 class Rows:
-    """Materialised trajectories of one execution, one row each (plain lists, no torch)."""
+    """Materialised trajectories of one execution, one row each (numpy arrays, no torch)."""
 
-    input_ids: list[list[int]]
-    target_mask: list[list[bool]]
-    behaviour_logprobs: list[list[float]]
-    versions: list[list[int]]  # policy version of each target token (-1 elsewhere)
+    input_ids: list[np.ndarray]  # the tree's id dtype
+    target_mask: list[np.ndarray]  # bool
+    behaviour_logprobs: list[np.ndarray]  # float32 (0 off the targets)
+    versions: list[np.ndarray]  # int32 policy version of each target token (-1 elsewhere)
     loss_weight: float  # 1 / L_i
     targets: int  # L_i
 
@@ -73,28 +75,18 @@ def _unmasked(tree: Tree, path: list[int], masked: set[int]) -> int:
 
 
 def materialise(tree: Tree, trajectories: list[Trajectory]) -> Rows:
+    """One row per trajectory: its path's tokens, the targets' mask, log-probs and versions
+    (array concatenations: nothing per token in Python)."""
     rows = Rows([], [], [], [], 0.0, 0)
     for traj in trajectories:
-        ids: list[int] = []
-        mask: list[bool] = []
-        lps: list[float] = []
-        vers: list[int] = []
-        for n in traj.path:
-            node = tree.nodes[n]
-            k = len(node.tokens)
-            ids.extend(node.tokens)
-            if n in traj.targets:
-                mask.extend([True] * k)
-                lps.extend(node.logprobs)
-                vers.extend(node.versions)
-            else:
-                mask.extend([False] * k)
-                lps.extend([0.0] * k)
-                vers.extend([-1] * k)
-        rows.input_ids.append(ids)
-        rows.target_mask.append(mask)
-        rows.behaviour_logprobs.append(lps)
-        rows.versions.append(vers)
-        rows.targets += sum(mask)
+        nodes = [tree.nodes[n] for n in traj.path]
+        trained = [n in traj.targets for n in traj.path]
+        rows.input_ids.append(np.concatenate([node.tokens for node in nodes]))
+        rows.target_mask.append(np.concatenate([np.full(len(node.tokens), t) for node, t in zip(nodes, trained)]))
+        rows.behaviour_logprobs.append(np.concatenate([
+            node.logprobs if t else np.zeros(len(node.tokens), LOGPROB_DTYPE) for node, t in zip(nodes, trained)]))
+        rows.versions.append(np.concatenate([
+            node.versions if t else np.full(len(node.tokens), -1, VERSION_DTYPE) for node, t in zip(nodes, trained)]))
+        rows.targets += int(rows.target_mask[-1].sum())
     rows.loss_weight = 1.0 / rows.targets if rows.targets else 0.0
     return rows

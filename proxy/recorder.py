@@ -49,6 +49,8 @@ class Recorder:
     closed: bool = False
 
     def __post_init__(self) -> None:
+        if not self.tree.nodes:  # ids as narrow as the vocabulary allows
+            self.tree = Tree(getattr(self.tokenizer, "vocab_size", None))
         self._outputs: dict[str, int] = {}  # call id -> its (policy) output node
         self._by_tool_id: dict[str, str] = {}
         self._text_last: dict[str, str] = {}  # reply text -> the latest call that produced it
@@ -121,7 +123,7 @@ class Recorder:
                 kind, key = refs[int(seg.key)]
                 source = self._recorded_output(kind, key, parent if not plan else None)
                 nid = None if plan else self.tree.child(parent, "output", source.key)
-                last = source.tokens[-1] if source.tokens else None
+                last = int(source.tokens[-1]) if len(source.tokens) else None
                 strip = self.tokenizer.token_text(last) if last in self.tokenizer.stop_token_ids else None
                 if nid is None:
                     plan.append(("copy", source, kind, key, int(seg.key)))
@@ -272,7 +274,7 @@ class Recorder:
         f = self._files.get(name)
         if f is None:
             f = self._files[name] = open(self.dir / f"{name}.jsonl", "ab")
-        f.write(orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS) + b"\n")
+        f.write(orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY) + b"\n")
         f.flush()
 
     def close(self) -> None:

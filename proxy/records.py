@@ -11,10 +11,11 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import orjson
 
 from gyre.proxy.admission import J_MAX, Rows, Trajectory, admit, materialise
-from gyre.proxy.tree import Node, Tree
+from gyre.proxy.tree import LOGPROB_DTYPE, VERSION_DTYPE, Node, Tree
 
 
 @dataclass
@@ -49,8 +50,11 @@ def load_execution(folder: Path) -> Recorded:
             raise ValueError(f"{folder}/nodes.jsonl: node {n['id']} out of order")
         parent = tree.nodes[n["parent"]] if n["parent"] >= 0 else None
         key = n["key"]
-        node = Node(id=n["id"], parent=n["parent"], kind=n["kind"], key=key, tokens=n["tokens"],
-                    policy=n["policy"], call_id=n["call_id"], logprobs=n["logprobs"], versions=n["versions"],
+        lps = None if n["logprobs"] is None else np.asarray(n["logprobs"], LOGPROB_DTYPE)
+        vers = None if n["versions"] is None else np.asarray(n["versions"], VERSION_DTYPE)
+        node = Node(id=n["id"], parent=n["parent"], kind=n["kind"], key=key,
+                    tokens=np.asarray(n["tokens"], tree.ids), policy=n["policy"], call_id=n["call_id"],
+                    logprobs=lps, versions=vers,
                     end=(parent.end if parent else 0) + len(n["tokens"]),
                     root=parent.root if parent else len(tree.roots))
         tree.nodes.append(node)

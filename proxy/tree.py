@@ -5,14 +5,28 @@ template glue) or one recorded model output. A request's segments are matched fr
 root by key (a dictionary lookup per segment), so the deepest existing path that is a
 prefix of the request supplies its recorded tokens and only the new segments are added;
 a divergent segment starts a branch, an unseen first segment a new root. Nodes are never
-changed once added: a recorded output keeps its conditioning context for ever. Not the
-renderer (chat.py) and not the HTTP layer.
+changed once added: a recorded output keeps its conditioning context for ever.
+
+Tokens, log-probs and versions are compact numpy arrays (ids uint16 where the vocabulary
+fits, else int32; log-probs float32; versions int32), not Python lists: a coordinator holds
+a thousand executions' histories of hundreds of thousands of tokens each. Not the renderer
+(chat.py) and not the HTTP layer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
+
+LOGPROB_DTYPE = np.float32
+VERSION_DTYPE = np.int32
+
+
+def id_dtype(vocab_size: int | None) -> np.dtype:
+    """The narrowest id type for a vocabulary: uint16 up to 65,536 ids, else int32."""
+    return np.dtype(np.uint16 if vocab_size is not None and vocab_size <= 1 << 16 else np.int32)
 
 
 @dataclass(slots=True)
@@ -21,24 +35,29 @@ class Node:
     parent: int  # -1 for a root
     kind: str  # "text" | "output"
     key: str  # text segment, or the output's call id
-    tokens: list[int]
+    tokens: np.ndarray  # ids (Tree.ids dtype)
     policy: bool  # sampled by our engine in this very context (trainable)
     call_id: str  # the call that added it
-    logprobs: list[float] | None = None  # behaviour log-probs (policy outputs)
-    versions: list[int] | None = None  # policy version per output token
+    logprobs: np.ndarray | None = None  # float32 behaviour log-probs (policy outputs)
+    versions: np.ndarray | None = None  # int32 policy version per output token
     end: int = 0  # tokens from the root through this node
     children: dict[tuple[str, str], int] = field(default_factory=dict)
     root: int = 0  # index of its root among roots, in creation order
 
 
 class Tree:
-    def __init__(self) -> None:
+    def __init__(self, vocab_size: int | None = None) -> None:
         self.nodes: list[Node] = []
         self.roots: dict[tuple[str, str], int] = {}
+        self.ids = id_dtype(vocab_size)
 
-    def _add(self, parent: int, kind: str, key: str, tokens: list[int], policy: bool, call_id: str,
+    def _add(self, parent: int, kind: str, key: str, tokens: Sequence[int], policy: bool, call_id: str,
              logprobs=None, versions=None) -> Node:
         p = self.nodes[parent] if parent >= 0 else None
+        tokens = np.asarray(tokens, dtype=self.ids)
+        if logprobs is not None:
+            logprobs = np.asarray(logprobs, dtype=LOGPROB_DTYPE)
+            versions = np.asarray(versions, dtype=VERSION_DTYPE)
         node = Node(id=len(self.nodes), parent=parent, kind=kind, key=key, tokens=tokens, policy=policy,
                     call_id=call_id, logprobs=logprobs, versions=versions,
                     end=(p.end if p else 0) + len(tokens), root=p.root if p else len(self.roots))
@@ -50,11 +69,11 @@ class Tree:
         table = self.nodes[parent].children if parent >= 0 else self.roots
         return table.get((kind, key))
 
-    def add_text(self, parent: int, text: str, tokens: list[int], call_id: str) -> Node:
+    def add_text(self, parent: int, text: str, tokens: Sequence[int], call_id: str) -> Node:
         return self._add(parent, "text", text, tokens, False, call_id)
 
-    def add_output(self, parent: int, call_id: str, tokens: list[int], logprobs: list[float],
-                   versions: list[int]) -> Node:
+    def add_output(self, parent: int, call_id: str, tokens: Sequence[int], logprobs: Sequence[float],
+                   versions: Sequence[int]) -> Node:
         """The model's output of `call_id`, conditioned on the path ending at `parent`."""
         return self._add(parent, "output", call_id, tokens, True, call_id, logprobs, versions)
 
@@ -71,10 +90,18 @@ class Tree:
         return out[::-1]
 
     def tokens(self, path: list[int]) -> list[int]:
-        out: list[int] = []
-        for n in path:
-            out.extend(self.nodes[n].tokens)
-        return out
+        """The path's ids as a list of ints (a prompt for the engine)."""
+        return self.token_array(path).tolist()
+
+    def token_array(self, path: list[int]) -> np.ndarray:
+        if not path:
+            return np.zeros(0, self.ids)
+        return np.concatenate([self.nodes[n].tokens for n in path])
+
+    def nbytes(self) -> int:
+        """Bytes of the nodes' arrays and text (what the tree's size is made of)."""
+        return sum(n.tokens.nbytes + (n.logprobs.nbytes + n.versions.nbytes if n.logprobs is not None else 0)
+                   + (len(n.key) if n.kind == "text" else 0) for n in self.nodes)
 
     def leaves(self) -> Iterator[Node]:
         return (n for n in self.nodes if not n.children)

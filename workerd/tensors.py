@@ -16,7 +16,7 @@ from gyre.workerd.wire import TensorFrame
 _BY_NAME = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
     "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16,
-    "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
+    "int8": torch.int8, "uint8": torch.uint8, "uint16": torch.uint16, "bool": torch.bool,
 }
 _NAME = {v: k for k, v in _BY_NAME.items()}
 

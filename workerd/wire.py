@@ -148,7 +148,8 @@ class SetRole:
 
 @_msg
 class TrainMicroStep:
-    """One packed micro-step; its tensors are `MICRO_STEP_TENSORS`, all [rows, T]."""
+    """One packed micro-step: path rows (`MICRO_STEP_TENSORS`, all [rows, T]) or a tree of
+    unique segments (`TREE_STEP_TENSORS`)."""
 
     req_id: int
     step: int
@@ -165,6 +166,22 @@ EXEC_IDS = "exec_ids"  # execution index per token, batch-wide
 MICRO_STEP_TENSORS: dict[str, str] = {
     INPUT_IDS: "int64", TARGET_MASK: "bool", BEHAVIOUR_LOGPROBS: "float32",
     ADVANTAGES: "float32", LOSS_WEIGHTS: "float32", EXEC_IDS: "int64",
+}
+# A micro-step in tree form (packing = "tree"): each unique token once, with the structure
+# the worker rebuilds positions, ancestry and per-token fields from (trainers/tree.py).
+TREE_INPUT_IDS = "tree.ids"  # [N] the unique tokens, segment after segment (uint16 where the vocabulary fits)
+TREE_SEG_LEN = "tree.seg_len"  # [S] tokens of each segment (a tree node)
+TREE_SEG_PARENT = "tree.seg_parent"  # [S] its parent segment, before it (-1: a root)
+TREE_SEG_EXEC = "tree.seg_exec"  # [S] its execution, an index into the exec arrays
+TREE_SEG_TARGET = "tree.seg_target"  # [S] its tokens are trained targets
+TREE_TARGET_LOGPROBS = "tree.target_logprobs"  # [targets] behaviour log-probs, in token order
+TREE_EXEC_ADVANTAGE = "tree.exec_advantage"  # [E]
+TREE_EXEC_LOSS_WEIGHT = "tree.exec_loss_weight"  # [E] 1 / L_i of the whole execution
+TREE_EXEC_INDEX = "tree.exec_index"  # [E] execution index, batch-wide
+TREE_STEP_TENSORS: dict[str, str] = {
+    TREE_INPUT_IDS: "int32", TREE_SEG_LEN: "int32", TREE_SEG_PARENT: "int32", TREE_SEG_EXEC: "int32",
+    TREE_SEG_TARGET: "bool", TREE_TARGET_LOGPROBS: "float32", TREE_EXEC_ADVANTAGE: "float32",
+    TREE_EXEC_LOSS_WEIGHT: "float32", TREE_EXEC_INDEX: "int32",
 }
 
 

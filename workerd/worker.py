@@ -254,7 +254,14 @@ class Worker:
         from gyre.workerd.trainers.base import MicroBatch
 
         trainer = self._need_trainer(training=True)
-        s = trainer.train_micro_step(MicroBatch.from_tensors(from_frames(tensors)))
+        named = from_frames(tensors)
+        if wire.TREE_INPUT_IDS in named:  # the tree form: each unique token once
+            from gyre.workerd.trainers.tree import from_wire
+
+            batch = from_wire(named)
+        else:
+            batch = MicroBatch.from_tensors(named)
+        s = trainer.train_micro_step(batch)
         return [(wire.TrainResult(req_id=msg.req_id, loss=s.loss, tokens=s.tokens, executions=s.executions,
                                   seconds=s.seconds, mismatch_kl=s.mismatch), None)]
 

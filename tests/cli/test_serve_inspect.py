@@ -42,7 +42,10 @@ def test_serve_demo_harness_inspect(tmp_path):
     assert ex["execution"] == "serve" and ex["roots"] == 2  # main + the sub-agent's own root
     assert ex["leaf_roles"].get("main-summary") == 1 and ex["leaf_roles"].get("sub-agent") == 1
     assert ex["leaf_roles"].get("main", 0) >= 1
-    assert ex["unique_tokens"] < ex["expanded_tokens"]  # the shared prefix is stored once
+    assert ex["unique_tokens"] < ex["tree_expanded_tokens"]  # the shared prefix is stored once
+    # Training at J_max: the tree form forwards the admitted paths' union, each node once.
+    assert ex["forward_tokens_tree"] == ex["unique_admitted_tokens"] <= ex["unique_tokens"]
+    assert ex["unique_admitted_tokens"] < ex["expanded_tokens"] == ex["admission_j5"]["forward_tokens"]
     assert ex["status"] == {"ok": ex["calls"]}
     # Its turns resend the history, which the engine's prefix cache holds (one engine here).
     assert ex["cached_tokens"] > 0 and ex["prefill_tokens"] > 0

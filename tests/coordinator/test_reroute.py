@@ -37,7 +37,7 @@ async def run_calls(proxy, name, flip=None):
             await started.wait()
             await flip()
         texts = await asyncio.gather(*tasks)
-    outputs = {c["call_id"]: ex.tree.nodes[c["output_node"]].tokens for c in ex.calls}
+    outputs = {c["call_id"]: ex.tree.nodes[c["output_node"]].tokens.tolist() for c in ex.calls}
     return ex, texts, outputs
 
 

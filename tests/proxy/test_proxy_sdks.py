@@ -62,7 +62,7 @@ async def test_openai_chat_tool_round_trip(live, clients, stream):
     first, second = ex.calls
     assert_extends(ex, first, second)
     # Exactly the tokens the engine produced sit in the second prompt, not a re-tokenisation.
-    out = ex.tree.nodes[first["output_node"]].tokens
+    out = ex.tree.nodes[first["output_node"]].tokens.tolist()
     p1, p2 = live.engine.prompts
     assert p2[: len(p1) + len(out)] == p1 + out
     assert second["new_prompt_tokens"] < 40  # only the tool result and glue were encoded
@@ -103,7 +103,7 @@ async def test_anthropic_messages_with_claude_code_rewrites(live, clients, strea
     first, second = ex.calls
     assert_extends(ex, first, second)
     p1, p2 = live.engine.prompts
-    out = ex.tree.nodes[first["output_node"]].tokens
+    out = ex.tree.nodes[first["output_node"]].tokens.tolist()
     assert p2[: len(p1) + len(out)] == p1 + out
     assert r2.usage.input_tokens == len(p2)
 

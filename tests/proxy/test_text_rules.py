@@ -246,7 +246,7 @@ async def test_a_stopped_call_records_what_the_client_got(live, clients, body):
     text = r.choices[0].message.content
     assert text.startswith("The answer is 42.") and "END" not in text
     (call,) = ex.calls
-    out = ex.tree.nodes[call["output_node"]].tokens
+    out = ex.tree.nodes[call["output_node"]].tokens.tolist()
     assert live.server.tokenizer.decode(out) == text and call["output_tokens"] == len(out)
     assert r.usage.completion_tokens == len(out)
 

@@ -139,7 +139,7 @@ def test_compaction_and_subagent_shapes(chat_tokenizer):
     # The summary branches off the main path; the continued context shares only the system node.
     assert summary.path[0] == after.path[0] and ex.tree.nodes[summary.path[0]].root == 0
     assert summary.path[1] != after.path[1]
-    injected = [n for n in ex.tree.nodes if "No response requested." in tok.decode(n.tokens)]
+    injected = [n for n in ex.tree.nodes if "No response requested." in tok.decode(n.tokens.tolist())]
     assert injected and not any(n.policy for n in injected)
     assert sorted(ex.leaf_roles.values()) == ["main", "main-summary", "sub-agent"]
 

@@ -38,7 +38,7 @@ def assert_extends(ex) -> int:
     """Each call's prompt starts with the previous call's prompt + output, verbatim."""
     tree = ex.tree
     for a, b in zip(ex.calls, ex.calls[1:]):
-        before = tree.tokens(a["prompt_path"]) + tree.nodes[a["output_node"]].tokens
+        before = tree.tokens(a["prompt_path"]) + tree.nodes[a["output_node"]].tokens.tolist()
         assert tree.tokens(b["prompt_path"])[:len(before)] == before
     return len(ex.calls) - 1
 

@@ -412,3 +412,32 @@ def test_what_breaks_a_cell_is_its_own_group_failing():
     assert not comm_failure(ReducerError("cross-cell gradient reduction over 2 cells failed: Timed out waiting"))
     assert not comm_failure(RuntimeError("micro-step failed on pipeline stage 1: OutOfMemoryError: ..."))
     assert not comm_failure(ModelDirError("weights missing for megatron parameters: x"))
+
+
+def test_a_tree_micro_step_trains_as_the_cpu_trainers_tree_form(megatron_module, family_dirs):
+    """The tree form (packing = "tree") on the megatron trainer: expanded back into path rows
+    on the worker (GPTModel takes rotary positions from the sequence, not per token), the same
+    loss and gradients as the CPU trainer computing the tree itself."""
+    import random
+
+    from gyre.proxy.admission import admit
+    from gyre.proxy.tree import Tree
+    from gyre.workerd.trainers.tree import tree_batch
+
+    rng = random.Random(3)
+    tree = Tree(vocab_size=272)
+    root = tree.add_text(-1, "system", [rng.randrange(256) for _ in range(40)], "c")
+    leaves = {}
+    for b in range(3):  # three calls branching off one shared prompt
+        out = tree.add_output(root.id, f"o{b}", [rng.randrange(256) for _ in range(8)],
+                              [-rng.random() for _ in range(8)], [0] * 8)
+        leaves[out.id] = "main"
+    batch = tree_batch(tree, admit(tree, leaves, j_max=None), advantage=0.75, exec_index=0)
+    meg, cpu = _trainers(megatron_module, family_dirs["qwen2"])
+    a, b = meg.train_micro_step(batch), cpu.train_micro_step(batch)
+    assert (a.tokens, a.executions) == (b.tokens, b.executions) == (24, 1)
+    assert a.loss == pytest.approx(b.loss, rel=1e-4, abs=1e-6)
+    grads = to_hf([meg.grads()], meg.config)
+    scale = max(float(p.grad.abs().max()) for p in cpu.model.parameters())
+    for k, p in cpu.model.named_parameters():
+        assert torch.allclose(grads[k], p.grad, atol=1e-4 * scale), k

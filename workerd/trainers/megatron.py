@@ -70,6 +70,7 @@ from gyre.workerd.trainers.megatron_model import (
     tp_size,
 )
 from gyre.workerd.trainers.pipeline import GPipe
+from gyre.workerd.trainers.tree import TreeBatch
 from gyre.workerd.weightfiles import iter_weights
 
 
@@ -209,9 +210,14 @@ class MegatronTrainer(Trainer):
             raise RuntimeError(f"{what} failed on {where}: {kind}: {message}{dropped}")
         return [p for _, p in sorted((stage, p) for _, stage, tp_rank, p in verdicts if tp_rank == self.tp_rank)]
 
-    def train_micro_step(self, batch: MicroBatch) -> MicroStepStats:
+    def train_micro_step(self, batch: MicroBatch | TreeBatch) -> MicroStepStats:
         megatron_state.need_onloaded(self)
         t0 = time.perf_counter()
+        if isinstance(batch, TreeBatch):
+            # Not yet computed in tree form here: GPTModel takes rotary embeddings from sequence
+            # positions, not per-token position ids, so each path is expanded back into a row
+            # (the wire still carried each shared token once).
+            batch = batch.to_micro_batch()
         if self.pp == 1:
             stats = backward_micro_step(self._logprobs(batch.input_ids), batch, t0)
         else:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from gyre.workerd.trainers.base import MicroBatch
@@ -242,15 +243,15 @@ def tree_batch(tree: Tree, trajectories: Sequence[Trajectory], advantage: float,
     while stack:
         n, above = stack.pop()
         node = tree.nodes[n]
-        if node.tokens:
+        if len(node.tokens):
             trained = n in targets
-            if trained and len(node.logprobs or ()) != len(node.tokens):
+            if trained and (node.logprobs is None or len(node.logprobs) != len(node.tokens)):
                 raise ValueError(f"target node {n} has {len(node.tokens)} tokens and "
-                                 f"{len(node.logprobs or ())} behaviour log-probs")
+                                 f"{0 if node.logprobs is None else len(node.logprobs)} behaviour log-probs")
             parents.append(above)
-            tokens.append(list(node.tokens))
+            tokens.append(np.asarray(node.tokens).tolist())
             mask.append([trained] * len(node.tokens))
-            lps.append(list(node.logprobs) if trained else [0.0] * len(node.tokens))
+            lps.append(np.asarray(node.logprobs).tolist() if trained else [0.0] * len(node.tokens))
             above = len(parents) - 1
         stack.extend((c, above) for c in reversed(children.get(n, [])))
     total = sum(len(t) for t, m in zip(tokens, mask) if m and m[0])
@@ -276,3 +277,49 @@ def concat_tree_batches(batches: Sequence[TreeBatch]) -> TreeBatch:
         tok_at += b.num_tokens
         seg_at += int(b.seg_start.shape[0])
     return TreeBatch(**{name: torch.cat(ts) for name, ts in parts.items()})
+
+
+def from_wire(tensors: dict[str, torch.Tensor]) -> TreeBatch:
+    """A tree micro-step as the coordinator sends it (wire.TREE_STEP_TENSORS: unique ids,
+    per segment length / parent / execution / target, targets' log-probs, per execution
+    advantage / loss weight / index): positions, ancestry and per-token fields rebuilt."""
+    from gyre.workerd import wire
+
+    missing = [n for n in wire.TREE_STEP_TENSORS if n not in tensors]
+    if missing:
+        raise ValueError(f"tree micro-step lacks tensors: {', '.join(missing)}")
+    t = {n: tensors[n] for n in wire.TREE_STEP_TENSORS}
+    ids = t[wire.TREE_INPUT_IDS].to(torch.int64)
+    seg_len = t[wire.TREE_SEG_LEN].to(torch.int64)
+    seg_parent = t[wire.TREE_SEG_PARENT].to(torch.int64)
+    seg_exec = t[wire.TREE_SEG_EXEC].to(torch.int64)
+    seg_target = t[wire.TREE_SEG_TARGET].to(torch.bool)
+    n_exec = t[wire.TREE_EXEC_INDEX].shape[0]
+    for name, x in ((wire.TREE_SEG_PARENT, seg_parent), (wire.TREE_SEG_EXEC, seg_exec),
+                    (wire.TREE_SEG_TARGET, seg_target)):
+        if x.shape != seg_len.shape:
+            raise ValueError(f"{name} has shape {tuple(x.shape)}, {wire.TREE_SEG_LEN} {tuple(seg_len.shape)}")
+    if int(seg_len.sum()) != ids.shape[0]:
+        raise ValueError(f"segments cover {int(seg_len.sum())} tokens, {wire.TREE_INPUT_IDS} has {ids.shape[0]}")
+    if seg_exec.numel() and not (0 <= int(seg_exec.min()) and int(seg_exec.max()) < n_exec):
+        raise ValueError(f"{wire.TREE_SEG_EXEC} outside the {n_exec} executions")
+    for name in (wire.TREE_EXEC_ADVANTAGE, wire.TREE_EXEC_LOSS_WEIGHT):
+        if t[name].shape[0] != n_exec:
+            raise ValueError(f"{name} has {t[name].shape[0]} entries for {n_exec} executions")
+    seg_start = seg_len.cumsum(0) - seg_len
+    position_ids, prev_index = layout(seg_start, seg_len, seg_parent)
+    of_token = torch.repeat_interleave(torch.arange(seg_len.shape[0]), seg_len)
+    mask = seg_target[of_token]
+    lps = t[wire.TREE_TARGET_LOGPROBS].to(torch.float32)
+    if lps.shape[0] != int(mask.sum()):
+        raise ValueError(f"{wire.TREE_TARGET_LOGPROBS} has {lps.shape[0]} entries for {int(mask.sum())} targets")
+    behaviour = torch.zeros(ids.shape[0], dtype=torch.float32)
+    behaviour[mask] = lps
+    e = seg_exec[of_token]
+    on = mask.float()
+    return TreeBatch(input_ids=ids, position_ids=position_ids, prev_index=prev_index, target_mask=mask,
+                     behaviour_logprobs=behaviour,
+                     advantages=on * t[wire.TREE_EXEC_ADVANTAGE].to(torch.float32)[e],
+                     loss_weights=on * t[wire.TREE_EXEC_LOSS_WEIGHT].to(torch.float32)[e],
+                     exec_ids=t[wire.TREE_EXEC_INDEX].to(torch.int64)[e],
+                     seg_start=seg_start, seg_len=seg_len, seg_parent=seg_parent)
