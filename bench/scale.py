@@ -333,6 +333,15 @@ async def client(conn, url: str, histories: str, idle_calls: int, rate: float, s
 # --- the training step: a real Batch over a stand-in link ----------------------------------------
 
 
+
+def target_tokens(tensors) -> int:
+    """Trained tokens of a micro-step in either form: path rows' target mask, or the tree
+    form's target segments (getattr: older code has only the path form)."""
+    named = {f.name: f.data for f in tensors}
+    if getattr(wire, "TREE_INPUT_IDS", None) in named:
+        return int(named[wire.TREE_SEG_LEN][named[wire.TREE_SEG_TARGET].astype(bool)].sum())
+    return int(named[wire.TARGET_MASK].sum())
+
 class StandInLink:
     """Implements what Batch uses of coordinator/link.py. Each reply is ready at once; the
     await yields to the loop once, as the real link's wait on its reply future does."""
@@ -349,7 +358,7 @@ class StandInLink:
         if isinstance(msg, wire.TrainMicroStep):
             self.micro_steps += 1
             self.wire_bytes += sum(f.data.nbytes for f in tensors)
-            tokens = int(next(f.data for f in tensors if f.name == wire.TARGET_MASK).sum())
+            tokens = target_tokens(tensors)
             self.target_tokens += tokens
             return wire.TrainResult(req_id=msg.req_id, loss=0.0, tokens=tokens, executions=0, seconds=0.0,
                                     mismatch_kl=0.0)
@@ -490,7 +499,8 @@ async def serve(args, tok: ChatTokenizer, model_dir: Path, root: Path) -> dict:
     probe_task = asyncio.create_task(probe(state))
     cfg = CoordinatorConfig(run_dir=root / "run", model_dir=model_dir, groups_per_step=args.groups,
                             group_size=args.group_size, j_max=args.j_max or None,
-                            micro_step_tokens=args.micro_step_tokens, seed=args.seed)
+                            micro_step_tokens=args.micro_step_tokens, seed=args.seed,
+                            **({"packing": args.packing} if hasattr(args, "packing") else {}))
     step_execs = random.Random(args.seed).sample(recorders, args.groups * args.group_size)
     conn.send({"url": url, "histories": str(root / "histories.jsonl"), "idle_calls": args.idle_calls,
                "rate": args.rate, "seconds": args.seconds, "seed": args.seed, "timeout_s": args.call_timeout})
@@ -551,7 +561,8 @@ def results(args, r: dict) -> dict:
     records = s.records
     q, packed = r.pop("quiet"), r.pop("packing_in_window")
     out = {
-        "executions": args.executions, "rate": args.rate, "seconds": args.seconds, "max_context": args.max_context,
+        "packing_form": getattr(args, "packing", "paths"), "executions": args.executions, "rate": args.rate,
+        "seconds": args.seconds, "max_context": args.max_context,
         "groups": args.groups, "group_size": args.group_size, "cpus": os.cpu_count(), "loadavg": os.getloadavg(),
         "rate_achieved": achieved, "rate_met": achieved >= 0.95 * args.rate and c["skipped_busy"] == 0,
         "calls_done": c["ok_in_window"], **{f"calls_{k}": v for k, v in c.items() if k not in ("idle", "t0", "end")},
@@ -650,6 +661,8 @@ def main() -> None:
     defaults = CoordinatorConfig.__dataclass_fields__
     ap.add_argument("--j-max", type=int, default=defaults["j_max"].default, help="0: no limit")
     ap.add_argument("--micro-step-tokens", type=int, default=defaults["micro_step_tokens"].default)
+    if "packing" in defaults:  # the micro-step form (older code had only path rows)
+        ap.add_argument("--packing", choices=("tree", "paths"), default=defaults["packing"].default)
     ap.add_argument("--idle-calls", type=int, default=100)
     ap.add_argument("--call-timeout", type=float, default=120.0, help="client-side limit per call, s")
     ap.add_argument("--seed", type=int, default=0)

@@ -39,7 +39,9 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
+import numpy as np
 
+from gyre.proxy.tree import id_dtype
 from gyre.proxy.types import Message, RequestError, ToolCall, ToolSpec
 
 log = logging.getLogger("gyre.proxy")
@@ -87,7 +89,7 @@ def _environment() -> jinja2.Environment:
 
 
 class ChatTokenizer:
-    def __init__(self, model_dir: str | Path, *, cache_size: int = 65536):
+    def __init__(self, model_dir: str | Path, *, cache_size: int = 65536, cache_bytes: int = 16 << 20):
         from tokenizers import Tokenizer
 
         root = Path(model_dir)
@@ -119,11 +121,15 @@ class ChatTokenizer:
         # pre-tokenizers prepend their word marker only at offset 0 of the whole prompt.
         self._plain, self._plain_first = _plain_tokenizer(spec, first=False), _plain_tokenizer(spec, first=True)
         self._added, self._added_re = _added_tokens(spec)
-        self._cache: OrderedDict[str, list[int]] = OrderedDict()
-        self._cache_first: OrderedDict[str, list[int]] = OrderedDict()  # segments that begin a prompt
+        # Memos of recent segments and chunks (a harness resends the same texts), each bounded
+        # by entries and bytes: a coordinator serving a thousand long histories must not keep
+        # a copy of them here. Ids are kept as the trees keep them (compact arrays).
+        self.id_dtype = id_dtype(self.vocab_size)
+        self._cache = _Memo(cache_size, cache_bytes)  # segment text -> its ids
+        self._cache_first = _Memo(cache_size, cache_bytes)  # segments that begin a prompt
         self._cache_size = cache_size
-        self._leads: dict[str, int | None] = {}  # chunk -> where its leading glue may be cut (see to_segments)
-        self._split: OrderedDict[str, list] = OrderedDict()  # segment text -> its Text/Ref pieces
+        self._leads = _Memo(cache_size, cache_bytes)  # chunk -> where its leading glue may be cut (see to_segments)
+        self._split = _Memo(cache_size, cache_bytes)  # segment text -> its Text/Ref pieces
         self.marked = True  # content marked as plain text; off for a template that rewrites content
         self.marked = self._markers_survive(root)
         self.supports_tools = self._renders_tools()
@@ -154,7 +160,7 @@ class ChatTokenizer:
         (`at_start`: the text begins the prompt, for pre-tokenizers that treat that specially)."""
         return (self._plain_first if at_start else self._plain).encode(text, add_special_tokens=False).ids
 
-    def encode_segment(self, text: str, *, at_start: bool = False) -> list[int]:
+    def encode_segment(self, text: str, *, at_start: bool = False) -> np.ndarray:
         """Token ids of one prompt segment (rendered text with its content marked), cached
         by the segment: the glue's added tokens become their ids, everything between them
         (glue text and content together) is encoded as one plain run, as a whole text is.
@@ -162,10 +168,9 @@ class ChatTokenizer:
         from its pair (Qwen3 keeps only the text after a `</think>`) is dropped, its text
         encoded as glue."""
         cache = self._cache if not at_start else self._cache_first
-        ids = cache.get(text)
-        if ids is not None:
-            cache.move_to_end(text)
-            return ids
+        known = cache.get(text)
+        if known is not None:
+            return known
         ids: list[int] = []
         plain: list[str] = []
 
@@ -188,15 +193,15 @@ class ChatTokenizer:
                 pos = m.end()
             plain.append(piece[pos:])
         flush()
-        cache[text] = ids
-        if len(cache) > self._cache_size:
-            cache.popitem(last=False)
-        return ids
+        out = np.asarray(ids, dtype=self.id_dtype)
+        out.flags.writeable = False  # shared: by the memo and every tree node made from it
+        cache.put(text, out, len(text) + out.nbytes)
+        return out
 
     def prompt_ids(self, messages: list[Message], tools: list[ToolSpec]) -> list[int]:
         """The prompt of a conversation with no recorded outputs (count_tokens, tests)."""
         return [t for i, seg in enumerate(self.segments(messages, tools, {}))
-                for t in self.encode_segment(seg.text, at_start=i == 0)]
+                for t in self.encode_segment(seg.text, at_start=i == 0).tolist()]
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -252,17 +257,14 @@ class ChatTokenizer:
             head = head[:r]
         m = self._added_re.search(head) if self._added_re is not None else None
         lead = m.start() if m else r if r >= 0 else None
-        if len(self._leads) > self._cache_size:
-            self._leads.clear()
-        self._leads[chunk] = lead
+        self._leads.put(chunk, lead, len(chunk))
         return lead
 
     def _pieces(self, text: str) -> list[Text | Ref]:
         pieces = self._split.get(text)
         if pieces is None:
-            pieces = self._split[text] = chunks_to_segments([text])
-            if len(self._split) > self._cache_size:
-                self._split.popitem(last=False)
+            pieces = chunks_to_segments([text])
+            self._split.put(text, pieces, 2 * len(text) + 64 * len(pieces))
         return pieces
 
     def _markers_survive(self, root: Path) -> bool:
@@ -454,3 +456,37 @@ def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return value
+
+
+class _Memo:
+    """A least-recently-used memo bounded by entries and by bytes (each entry's size as the
+    caller counts it: the key's text and the value's)."""
+
+    _MISSING = object()
+
+    def __init__(self, entries: int, nbytes: int):
+        self.entries, self.budget = entries, nbytes
+        self._d: OrderedDict[str, tuple[Any, int]] = OrderedDict()
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        hit = self._d.get(key, self._MISSING)
+        if hit is self._MISSING:
+            return default
+        self._d.move_to_end(key)
+        return hit[0]
+
+    def put(self, key: str, value: Any, size: int) -> None:
+        old = self._d.pop(key, None)
+        if old is not None:
+            self.bytes -= old[1]
+        if size > self.budget:
+            return  # larger than the whole memo: not kept
+        self._d[key] = (value, size)
+        self.bytes += size
+        while len(self._d) > self.entries or self.bytes > self.budget:
+            _, (_, n) = self._d.popitem(last=False)
+            self.bytes -= n

@@ -279,6 +279,10 @@ class Recorder:
 
     def close(self) -> None:
         self.closed = True
+        # No call comes after this: the memos of recent requests (whole rendered histories)
+        # go; the tree and the records stay until the execution is trained.
+        self._segmenter.recent.clear()
+        self.parse_memo.recent.clear()
         self._write("meta", {"event": "closed", "t": time.time(), "leaf_roles": self.leaf_roles,
                              "tree": self.tree.stats()})
         for f in self._files.values():
