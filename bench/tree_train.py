@@ -16,6 +16,7 @@ import statistics
 import tempfile
 import time
 
+import numpy as np
 import torch
 
 from gyre.proxy.admission import admit, materialise
@@ -43,10 +44,11 @@ def execution() -> tuple[Tree, list]:
 
 
 def rows(tree: Tree, trajectories: list, advantage: float) -> MicroBatch:
-    mat = materialise(tree, trajectories)
-    mask = torch.tensor(mat.target_mask)
-    return MicroBatch(input_ids=torch.tensor(mat.input_ids), target_mask=mask,
-                      behaviour_logprobs=torch.tensor(mat.behaviour_logprobs), advantages=mask * advantage,
+    mat = materialise(tree, trajectories)  # equal-length rows here (every branch is BRANCH long)
+    mask = torch.from_numpy(np.stack(mat.target_mask))
+    return MicroBatch(input_ids=torch.from_numpy(np.stack(mat.input_ids).astype(np.int64)), target_mask=mask,
+                      behaviour_logprobs=torch.from_numpy(np.stack(mat.behaviour_logprobs)),
+                      advantages=mask * advantage,
                       loss_weights=mask * mat.loss_weight, exec_ids=torch.zeros_like(mask, dtype=torch.long))
 
 
