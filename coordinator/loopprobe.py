@@ -10,6 +10,7 @@ the loop stalled, not what stalled it.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 
 
@@ -29,16 +30,20 @@ class LoopProbe:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
 
+    @staticmethod
+    def now() -> float:
+        """The probe's clock (perf_counter: uvloop's loop.time() counts whole milliseconds)."""
+        return time.perf_counter()
+
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
-            began = loop.time()
+            began = time.perf_counter()
             await asyncio.sleep(self.interval_s)
-            self.samples.append((began, max(0.0, loop.time() - began - self.interval_s)))
+            self.samples.append((began, max(0.0, time.perf_counter() - began - self.interval_s)))
 
     def lag_ms(self, since: float = float("-inf"), until: float = float("inf")) -> dict[str, float] | None:
         """p50 / p99 / max lateness (ms) of the probe's sleeps that overlap [since, until]
-        (loop time): a stall that began just before the window but ran into it counts. None
+        (the probe's clock, `now()`): a stall that began just before the window but ran into it counts. None
         when there are none (not zero: nothing was measured)."""
         span = self.interval_s
         lags = sorted(lag for t, lag in self.samples if t <= until and t + span + lag >= since)

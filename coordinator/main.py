@@ -484,7 +484,7 @@ class Coordinator:
 
     async def _step(self, cells: list[int]) -> None:
         t0 = time.monotonic()
-        self._step_began = asyncio.get_running_loop().time()
+        self._step_began = self.probe.now()
         if cells != list(range(len(cells))):
             raise RuntimeError(f"training cells {cells} are not a prefix 0..k-1 (prefix groups)")
         self.batch = self._new_batch(cells)

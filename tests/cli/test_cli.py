@@ -73,6 +73,10 @@ def test_gyre_up_runs_the_embedded_default(tmp_path):
     assert all(s["prefill_tokens"] > 0 and s["cached_tokens"] > 0 for s in steps)
     assert all(s["cache_hit_rate"] == round(s["cached_tokens"] / (s["cached_tokens"] + s["prefill_tokens"]), 4)
                for s in steps)
+    # Tree packing is the default: the forward pass computes each admitted token once.
+    assert all(s["packing"] == "tree" and 0 < s["forward_tokens"] == s["unique_admitted_tokens"]
+               <= s["expanded_tokens"] and s["trainer_seconds"] > 0 for s in steps)
+    assert all(s["loop_lag_ms"]["samples"] > 0 and s["loop_lag_ms"]["max"] >= s["loop_lag_ms"]["p50"] for s in steps)
     assert [x["version"] for x in lines if x["event"] == "publish"] == [1, 2, 3]
     roles = [x for x in lines if x["event"] == "role"]
     assert roles and {(x["from"], x["to"]) for x in roles} == {("rollout", "training"), ("training", "rollout")}
