@@ -414,10 +414,9 @@ def test_what_breaks_a_cell_is_its_own_group_failing():
     assert not comm_failure(ModelDirError("weights missing for megatron parameters: x"))
 
 
-def test_a_tree_micro_step_trains_as_the_cpu_trainers_tree_form(megatron_module, family_dirs):
-    """The tree form (packing = "tree") on the megatron trainer: expanded back into path rows
-    on the worker (GPTModel takes rotary positions from the sequence, not per token), the same
-    loss and gradients as the CPU trainer computing the tree itself."""
+def agent_tree_batch():
+    """A TreeBatch of one execution: three calls branching off one 40-token prompt, one of
+    them continued by a tool result and a fourth call (a deeper branch)."""
     import random
 
     from gyre.proxy.admission import admit
@@ -428,16 +427,46 @@ def test_a_tree_micro_step_trains_as_the_cpu_trainers_tree_form(megatron_module,
     tree = Tree(vocab_size=272)
     root = tree.add_text(-1, "system", [rng.randrange(256) for _ in range(40)], "c")
     leaves = {}
-    for b in range(3):  # three calls branching off one shared prompt
+    for b in range(3):
         out = tree.add_output(root.id, f"o{b}", [rng.randrange(256) for _ in range(8)],
                               [-rng.random() for _ in range(8)], [0] * 8)
         leaves[out.id] = "main"
-    batch = tree_batch(tree, admit(tree, leaves, j_max=None), advantage=0.75, exec_index=0)
+    sub = tree.add_text(out.id, "tool", [rng.randrange(256) for _ in range(6)], "t")
+    deeper = tree.add_output(sub.id, "o3", [rng.randrange(256) for _ in range(8)], [-0.7] * 8, [0] * 8)
+    leaves[deeper.id] = "main"
+    del leaves[out.id]
+    return tree_batch(tree, admit(tree, leaves, j_max=None), advantage=0.75, exec_index=0)
+
+
+def test_a_tree_micro_step_trains_as_the_cpu_trainers_tree_form(megatron_module, family_dirs):
+    """The tree form (packing = "tree") on the megatron trainer (trainers/megatron_tree.py:
+    the rotary table indexed by each token's position id, an ancestor mask): the same loss and
+    gradients as the CPU trainer computing the tree itself."""
+    batch = agent_tree_batch()
     meg, cpu = _trainers(megatron_module, family_dirs["qwen2"])
     a, b = meg.train_micro_step(batch), cpu.train_micro_step(batch)
-    assert (a.tokens, a.executions) == (b.tokens, b.executions) == (24, 1)
+    assert (a.tokens, a.executions) == (b.tokens, b.executions) == (32, 1)
     assert a.loss == pytest.approx(b.loss, rel=1e-4, abs=1e-6)
     grads = to_hf([meg.grads()], meg.config)
     scale = max(float(p.grad.abs().max()) for p in cpu.model.parameters())
     for k, p in cpu.model.named_parameters():
         assert torch.allclose(grads[k], p.grad, atol=1e-4 * scale), k
+
+
+def test_a_tensor_parallel_cell_trains_a_tree_micro_step(family_dirs, tmp_path):
+    """TP=2 (rank 1 a child process) on the same tree micro-step: loss, gradient norm and the
+    update equal the CPU trainer's tree form."""
+    d = family_dirs["llama"]
+    batch = agent_tree_batch()
+    torch.save(batch.to_tensors(), tmp_path / "tree.pt")
+    r = subprocess.run([sys.executable, str(Path(__file__).with_name("_megatron_tp_tree.py")), str(d),
+                        str(tmp_path / "tree.pt"), str(tmp_path / "out.pt")], env=CHILD_ENV, capture_output=True,
+                       text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    cpu = CpuTrainer(load_model(d), lr=1e-3)
+    stats = cpu.train_micro_step(batch)
+    assert (out["tokens"], out["loss"]) == (stats.tokens, pytest.approx(stats.loss, rel=1e-4, abs=1e-6))
+    assert out["norm"] == pytest.approx(cpu.optimizer_step(1), rel=1e-4)
+    for k, w in cpu.export_weights().items():
+        assert torch.allclose(out["weights"][k], w, atol=3e-3), k

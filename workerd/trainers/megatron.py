@@ -69,6 +69,7 @@ from gyre.workerd.trainers.megatron_model import (
     tp_rank,
     tp_size,
 )
+from gyre.workerd.trainers.megatron_tree import tree_logprobs
 from gyre.workerd.trainers.pipeline import GPipe
 from gyre.workerd.trainers.tree import TreeBatch
 from gyre.workerd.weightfiles import iter_weights
@@ -213,10 +214,13 @@ class MegatronTrainer(Trainer):
     def train_micro_step(self, batch: MicroBatch | TreeBatch) -> MicroStepStats:
         megatron_state.need_onloaded(self)
         t0 = time.perf_counter()
+        if isinstance(batch, TreeBatch) and self.pp == 1:  # each shared token computed once
+            stats = backward_micro_step(tree_logprobs(self.model, batch, self.device).cpu(), batch, t0)
+            self.micro_steps += 1
+            return stats
         if isinstance(batch, TreeBatch):
-            # Not yet computed in tree form here: GPTModel takes rotary embeddings from sequence
-            # positions, not per-token position ids, so each path is expanded back into a row
-            # (the wire still carried each shared token once).
+            # A pipeline: the stages pass [T, rows, hidden] activations between them, so the
+            # tree is expanded back into path rows (the wire still carried each token once).
             batch = batch.to_micro_batch()
         if self.pp == 1:
             stats = backward_micro_step(self._logprobs(batch.input_ids), batch, t0)
