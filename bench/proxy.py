@@ -309,6 +309,29 @@ def repeated_replies(tok: ChatTokenizer, calls: int) -> dict:
 
 
 def part2(tok: ChatTokenizer, total_calls: int = 600, seed: int = 0) -> dict:
+    ex, prep_t = synthetic_execution(tok, total_calls, seed)
+    tree = ex.tree
+    r = {"calls": len(ex.calls), **tree.stats(), "leaf_roles": sorted(ex.leaf_roles.values()),
+         "per_call_tokens": sum(c["prompt_tokens"] + c["output_tokens"] for c in ex.calls),  # a record per call
+         "new_prompt_tokens_mean": statistics.mean(c["new_prompt_tokens"] for c in ex.calls),
+         "output_copies": sum(n.kind == "output" and not n.policy for n in tree.nodes),  # outputs not recognised
+         "max_prompt": max(c["prompt_tokens"] for c in ex.calls),
+         "prepare_mean": statistics.mean(prep_t), "prepare_p99": pct(prep_t, 99), "prepare_max": max(prep_t)}
+    for j in (1, 5, None):
+        trajs = admit(tree, ex.leaf_roles, j_max=j, rng=random.Random(0))
+        targets = [t.targets for t in trajs]
+        assert sum(map(len, targets)) == len(frozenset().union(*targets)), "a target admitted twice"
+        r[f"J{j or 'inf'}"] = {"trajectories": len(trajs), "roles": [t.role for t in trajs],
+                               "target_tokens": sum(t.target_tokens(tree) for t in trajs),
+                               "forward_tokens": sum(tree.nodes[t.leaf].end for t in trajs)}
+    r["J5_forward_pct_of_inf"] = 100 * r["J5"]["forward_tokens"] / r["Jinf"]["forward_tokens"]
+    r["J5_target_pct_of_inf"] = 100 * r["J5"]["target_tokens"] / r["Jinf"]["target_tokens"]
+    return r
+
+
+def synthetic_execution(tok: ChatTokenizer, total_calls: int = 600, seed: int = 0) -> tuple[Recorder, list[float]]:
+    """The synthetic agent of part 2, recorded: tool turns, two compactions, five sub-agents
+    (also bench/tree_train.py's). Returns the recorder and prepare()'s seconds per call."""
     rng = random.Random(seed)
     tools = [ToolSpec(t["function"]["name"], t["function"]["description"], t["function"]["parameters"]) for t in TOOLS]
     ex, prep_t = Recorder("p2", "k", tok, GenericRule()), []
@@ -350,24 +373,7 @@ def part2(tok: ChatTokenizer, total_calls: int = 600, seed: int = 0) -> dict:
     for msgs, left in active:
         for t in range(left):
             call(msgs, tool_turn() if t < left - 1 else "Report: " + prose(rng, 400))
-
-    tree = ex.tree
-    r = {"calls": len(ex.calls), **tree.stats(), "leaf_roles": sorted(ex.leaf_roles.values()),
-         "per_call_tokens": sum(c["prompt_tokens"] + c["output_tokens"] for c in ex.calls),  # a record per call
-         "new_prompt_tokens_mean": statistics.mean(c["new_prompt_tokens"] for c in ex.calls),
-         "output_copies": sum(n.kind == "output" and not n.policy for n in tree.nodes),  # outputs not recognised
-         "max_prompt": max(c["prompt_tokens"] for c in ex.calls),
-         "prepare_mean": statistics.mean(prep_t), "prepare_p99": pct(prep_t, 99), "prepare_max": max(prep_t)}
-    for j in (1, 5, None):
-        trajs = admit(tree, ex.leaf_roles, j_max=j, rng=random.Random(0))
-        targets = [t.targets for t in trajs]
-        assert sum(map(len, targets)) == len(frozenset().union(*targets)), "a target admitted twice"
-        r[f"J{j or 'inf'}"] = {"trajectories": len(trajs), "roles": [t.role for t in trajs],
-                               "target_tokens": sum(t.target_tokens(tree) for t in trajs),
-                               "forward_tokens": sum(tree.nodes[t.leaf].end for t in trajs)}
-    r["J5_forward_pct_of_inf"] = 100 * r["J5"]["forward_tokens"] / r["Jinf"]["forward_tokens"]
-    r["J5_target_pct_of_inf"] = 100 * r["J5"]["target_tokens"] / r["Jinf"]["target_tokens"]
-    return r
+    return ex, prep_t
 
 
 # --- report ----------------------------------------------------------------------------------------

@@ -1,87 +1,154 @@
-"""bench/tree_train.py: trainer seconds per micro-step, tree form against path rows.
+"""bench/tree_train.py: a training step's tokens and trainer seconds, tree form against path rows.
 
-One execution on the tiny model: a shared 2,000-token prefix (external text) and 4 sampled
-branches of 300 tokens, all admitted. The tree form forwards 3,200 unique tokens; the path
-rows forward 4 x 2,300 = 9,200. Each form runs `CpuTrainer.train_micro_step` (forward,
-GSPO loss, backward) after a warm-up, the two forms alternating so that a busy machine
-slows both alike; the medians are printed with their ratio. Not a test: it asserts only
-that both forms give the same loss. Run:
-    python bench/tree_train.py
+For each execution, its admitted trajectories (J_max = 5) are packed the two ways the
+coordinator packs them (coordinator/packing.py `pack_group`, micro-steps of at most
+`--micro-step-tokens`), sent through the wire encoding and trained by the CPU trainer on the
+tiny model (forward, GSPO loss, backward), the two forms alternating so that a busy machine
+slows both alike. Printed per execution: unique admitted tokens (the union of the admitted
+paths), tokens the forward pass computes in each form (padded slots for paths), bytes sent,
+and trainer seconds per step (median of `--runs`), with the ratio. Checked: the tree form's
+unique tokens are exactly the union (and all it forwards when the execution fits one
+micro-step), and both forms give the same loss. Executions:
+- `prefix`: a 2,000-token prefix shared by 4 sampled branches of 300 tokens;
+- `synthetic`: bench/proxy.py's 600-call agent (tool turns, two compactions, five sub-agents);
+- `claude-code`: the tree the real Claude Code recorded in tests/harness's compaction test
+  (tests/fixtures/claude_code_compaction/: a task, /compact, one more turn).
+Not a test. Run:
+    python bench/tree_train.py [--trees prefix,synthetic,claude-code] [--runs 1] [--json PATH]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import random
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
-import numpy as np
 import torch
 
-from gyre.proxy.admission import admit, materialise
+from gyre.coordinator.buffer import Execution, Group
+from gyre.coordinator.packing import pack_group
+from gyre.coordinator.waterlevel import ExecState, Tracked
+from gyre.proxy.chat import ChatTokenizer
+from gyre.proxy.records import Recorded, load_execution
 from gyre.proxy.tree import Tree
+from gyre.workerd import wire
 from gyre.workerd.model import load_model
 from gyre.workerd.modeldir import init_tiny
+from gyre.workerd.tensors import from_frames
 from gyre.workerd.trainers.base import MicroBatch
 from gyre.workerd.trainers.cpu import CpuTrainer
-from gyre.workerd.trainers.tree import tree_batch
+from gyre.workerd.trainers.tree import from_wire
 
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURE = ROOT / "tests" / "fixtures" / "claude_code_compaction"
 PREFIX, BRANCHES, BRANCH = 2000, 4, 300
-RUNS = 5  # timed micro-steps per form
 
 
-def execution() -> tuple[Tree, list]:
+def prefix_execution() -> Recorded:
     rng = random.Random(0)
-    tree = Tree()
+    tree = Tree(vocab_size=272)
     root = tree.add_text(-1, "prefix", [rng.randrange(256) for _ in range(PREFIX)], "c0")
-    leaves = {}
+    roles = {}
     for b in range(BRANCHES):
         out = tree.add_output(root.id, f"c{b}", [rng.randrange(256) for _ in range(BRANCH)],
                               [-rng.random() * 4 for _ in range(BRANCH)], [0] * BRANCH)
-        leaves[out.id] = "main"
-    return tree, admit(tree, leaves, j_max=None)
+        roles[out.id] = "main"
+    return Recorded("prefix", tree, [], roles)
 
 
-def rows(tree: Tree, trajectories: list, advantage: float) -> MicroBatch:
-    mat = materialise(tree, trajectories)  # equal-length rows here (every branch is BRANCH long)
-    mask = torch.from_numpy(np.stack(mat.target_mask))
-    return MicroBatch(input_ids=torch.from_numpy(np.stack(mat.input_ids).astype(np.int64)), target_mask=mask,
-                      behaviour_logprobs=torch.from_numpy(np.stack(mat.behaviour_logprobs)),
-                      advantages=mask * advantage,
-                      loss_weights=mask * mat.loss_weight, exec_ids=torch.zeros_like(mask, dtype=torch.long))
+def synthetic_execution(model_dir: Path) -> Recorded:
+    sys.path.insert(0, str(ROOT / "bench"))
+    from proxy import synthetic_execution as build  # bench/proxy.py's 600-call agent
+
+    ex, _ = build(ChatTokenizer(model_dir))
+    return Recorded("synthetic", ex.tree, ex.calls, ex.leaf_roles)
 
 
-def step(trainer: CpuTrainer, batch) -> tuple[float, float]:
-    """Seconds of one micro-step, and its loss."""
+def group_of(rec: Recorded) -> Group:
+    """The execution with a group mate of another reward, so its advantage is not zero."""
+    group = Group(id=0, task=None, version=0, size=2)
+    empty = Tree()
+    empty.add_text(-1, "system", [1], "c")
+    for i, (r, reward) in enumerate(((rec, 1.0), (Recorded("mate", empty, [], {0: "main"}), 0.0))):
+        group.runs.append(Execution(id=f"x{i}", group=0, index=i, task=None, tracked=Tracked(ExecState.CLOSED),
+                                    version_dispatched=0, valid=True, reward=reward, recorder=r))
+    return group
+
+
+def train(trainer: CpuTrainer, steps) -> tuple[float, float]:
+    """Seconds and loss of one step of these micro-steps (gradients dropped after)."""
     t0 = time.perf_counter()
-    loss = trainer.train_micro_step(batch).loss
+    loss = 0.0
+    for ms in steps:
+        named = from_frames(ms.frames())
+        batch = from_wire(named) if wire.TREE_INPUT_IDS in named else MicroBatch.from_tensors(named)
+        loss += trainer.train_micro_step(batch).loss
     elapsed = time.perf_counter() - t0
     trainer.optimizer.zero_grad(set_to_none=True)
     return elapsed, loss
 
 
-def main() -> None:
-    with tempfile.TemporaryDirectory() as d:
-        trainer = CpuTrainer(load_model(init_tiny(d, seed=0)))
-    tree, trajectories = execution()
-    tb, mb = tree_batch(tree, trajectories, 1.0, 0), rows(tree, trajectories, 1.0)
+def measure(name: str, rec: Recorded, trainer: CpuTrainer, args) -> dict:
+    group = group_of(rec)
+    packed = {form: pack_group(group, j_max=5, seed=0, next_exec=0, budget_tokens=args.micro_step_tokens,
+                               form=form)[0] for form in ("tree", "paths")}
+    unique = sum(ms.stats.unique for ms in packed["tree"])
+    union = {n for t in rec.admit(j_max=5, seed=0)[0] for n in t.path}
+    assert unique == sum(len(rec.tree.nodes[n].tokens) for n in union)  # each admitted node once
     times: dict[str, list[float]] = {"tree": [], "paths": []}
-    for i in range(RUNS + 1):  # the first round warms up
+    for _ in range(args.runs):
         losses = {}
-        for name, batch in (("tree", tb), ("paths", mb)):
-            elapsed, losses[name] = step(trainer, batch)
-            times[name] += [elapsed] if i else []
-        assert abs(losses["tree"] - losses["paths"]) < 1e-4, losses
-    tree_s, paths_s = statistics.median(times["tree"]), statistics.median(times["paths"])
-    print(f"tiny model, prefix {PREFIX} + {BRANCHES} x {BRANCH} tokens, {torch.get_num_threads()} threads")
-    print(f"tree : {tb.num_tokens:5d} tokens forwarded, {tree_s:.3f} s per micro-step")
-    print(f"paths: {int(mb.input_ids.numel()):5d} tokens forwarded, {paths_s:.3f} s per micro-step")
-    print(f"paths / tree: {paths_s / tree_s:.2f}x  (runs: tree {_fmt(times['tree'])}; paths {_fmt(times['paths'])})")
+        for form, steps in packed.items():
+            elapsed, losses[form] = train(trainer, steps)
+            times[form].append(elapsed)
+        assert abs(losses["tree"] - losses["paths"]) < 1e-4 * max(1.0, abs(losses["paths"])), losses
+    out = {"execution": name, "unique_admitted_tokens": unique,
+           "expanded_tokens": sum(ms.stats.expanded for ms in packed["paths"])}
+    for form, steps in packed.items():
+        out[form] = {"micro_steps": len(steps), "forward_tokens": sum(ms.stats.forward for ms in steps),
+                     "wire_bytes": sum(ms.nbytes for ms in steps), "seconds": statistics.median(times[form]),
+                     "runs": [round(x, 3) for x in times[form]]}
+    if out["tree"]["micro_steps"] == 1:  # the execution whole: the union, computed once
+        assert out["tree"]["forward_tokens"] == unique
+    out["seconds_paths_over_tree"] = out["paths"]["seconds"] / out["tree"]["seconds"]
+    return out
 
 
-def _fmt(xs: list[float]) -> str:
-    return " ".join(f"{x:.2f}" for x in xs)
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trees", default="prefix,synthetic,claude-code")
+    ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--micro-step-tokens", type=int, default=8192, help="as the run config's")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        model_dir = init_tiny(Path(d) / "model", seed=0)
+        # Activations recomputed in the backward pass: a trajectory of ~100k tokens is one
+        # micro-step in either form (it is never cut), and must fit in memory.
+        trainer = CpuTrainer(load_model(model_dir), checkpoint_layers=True)
+        train(trainer, pack_group(group_of(prefix_execution()), j_max=5, seed=0, next_exec=0,
+                                  budget_tokens=args.micro_step_tokens)[0])  # warm-up
+        builders = {"prefix": prefix_execution, "synthetic": lambda: synthetic_execution(model_dir),
+                    "claude-code": lambda: load_execution(FIXTURE)}
+        results = [measure(name, builders[name](), trainer, args) for name in args.trees.split(",")]
+    print(f"tiny model, J_max 5, {torch.get_num_threads()} threads; trainer seconds per step (median of {args.runs})")
+    print(f"{'execution':<12}{'unique adm.':>12}{'expanded':>10}{'tree fwd':>10}{'paths fwd':>11}"
+          f"{'tree MB':>9}{'paths MB':>10}{'tree s':>8}{'paths s':>9}{'paths/tree':>12}")
+    for r in results:
+        t, p = r["tree"], r["paths"]
+        print(f"{r['execution']:<12}{r['unique_admitted_tokens']:>12,}{r['expanded_tokens']:>10,}"
+              f"{t['forward_tokens']:>10,}{p['forward_tokens']:>11,}{t['wire_bytes'] / 1e6:>9.2f}"
+              f"{p['wire_bytes'] / 1e6:>10.2f}{t['seconds']:>8.2f}{p['seconds']:>9.2f}"
+              f"{r['seconds_paths_over_tree']:>11.2f}x")
+    out = {"results": results}
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2))
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -132,3 +132,30 @@ def test_an_unknown_packing_is_refused(tmp_path):
 
     with pytest.raises(ValueError, match="packing must be one of tree, paths"):
         CoordinatorConfig(run_dir=tmp_path, model_dir=tmp_path, packing="rows")
+
+
+def test_a_claude_code_compaction_tree_is_sent_and_forwarded_once_per_token():
+    """The tree Claude Code recorded across a task, /compact and one more turn
+    (tests/fixtures/claude_code_compaction): the tree form forwards the union of the admitted
+    paths, a third less than the path rows, and sends under 1.25 x 4 bytes per unique token."""
+    from pathlib import Path
+
+    from gyre.proxy.records import load_execution
+
+    rec = load_execution(Path(__file__).resolve().parent.parent / "fixtures" / "claude_code_compaction")
+    assert rec.tree.stats()["unique_tokens"] == 162_534 and sorted(rec.leaf_roles.values()) == [
+        "main", "main", "main-summary"]
+    other = Tree(vocab_size=272)
+    other.add_text(-1, "system", [1], "c")
+    group = group_of([(rec.tree, rec.leaf_roles), (other, {0: "main"})], [1.0, 0.0])
+    trees, _, _ = pack_group(group, j_max=5, seed=0, next_exec=0, budget_tokens=1 << 20)
+    paths, _, _ = pack_group(group, j_max=5, seed=0, next_exec=0, budget_tokens=1 << 20, form="paths")
+    (tree_step,) = trees
+    union = {n for t in rec.admit(j_max=5, seed=0)[0] for n in t.path}
+    unique = sum(len(rec.tree.nodes[n].tokens) for n in union)
+    assert tree_step.stats.forward == tree_step.stats.unique == unique == 162_534
+    assert sum(ms.stats.expanded for ms in paths) == 240_079
+    assert tree_step.nbytes < 1.25 * 4 * unique < sum(ms.nbytes for ms in paths)
+    batch = from_wire(from_frames(tree_step.frames()))  # rebuilds, validated (positions, ancestry)
+    assert batch.num_tokens == unique and int(batch.position_ids.max()) + 1 == max(
+        rec.tree.nodes[leaf].end for leaf in rec.leaf_roles)
