@@ -662,7 +662,7 @@ def main() -> None:
     ap.add_argument("--j-max", type=int, default=defaults["j_max"].default, help="0: no limit")
     ap.add_argument("--micro-step-tokens", type=int, default=defaults["micro_step_tokens"].default)
     if "packing" in defaults:  # the micro-step form (older code had only path rows)
-        ap.add_argument("--packing", choices=("tree", "paths"), default=defaults["packing"].default)
+        ap.add_argument("--packing", choices=("tree", "paths", "packed"), default=defaults["packing"].default)
     ap.add_argument("--idle-calls", type=int, default=100)
     ap.add_argument("--call-timeout", type=float, default=120.0, help="client-side limit per call, s")
     ap.add_argument("--seed", type=int, default=0)

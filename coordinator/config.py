@@ -82,7 +82,7 @@ class CoordinatorConfig:
     micro_step_tokens: int = 8192  # per-rank token budget of one micro-step (tree: unique tokens; paths: rows x width)
     # How a micro-step carries trajectories (coordinator/packing.py): tree (each execution's
     # admitted paths as one tree, every shared token sent and computed once) | paths (one
-    # padded row per path)
+    # padded row per path) | packed (one row per path, end to end, no padding)
     packing: str = "tree"
     lr: float | None = None  # None: the model directory's gyre.json, else 1e-6 (a real model's)
     seed: int = 0

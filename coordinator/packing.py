@@ -14,6 +14,10 @@ Per execution: the proxy's admission (J_max, role priority, each target once). T
 - `paths`: one right-padded row per admitted trajectory (the path-expanded form); rows are
   packed first-fit by length under the budget (rows x padded width); a row longer than the
   budget gets a micro-step of its own, never truncated.
+- `packed`: the path-expanded form without padding, for where sharing is off: each
+  trajectory's whole path as a chain of its own in the tree form's encoding, so rows lie end
+  to end with positions restarting at each and attention within each (no token of one path
+  sees another's), packed first-fit by tokens.
 
 `pack_group` does a whole group, encoding included; the coordinator runs it on a worker
 thread as each group becomes ready, so nothing heavy runs on the event loop. Arrays are
@@ -31,7 +35,7 @@ from gyre.coordinator.buffer import Group, advantages
 from gyre.proxy.admission import admit
 from gyre.workerd import wire
 
-PACKINGS = ("tree", "paths")
+PACKINGS = ("tree", "paths", "packed")
 
 
 @dataclass
@@ -198,15 +202,16 @@ def _subtree(tree, trajectories) -> tuple[list[int], list[int], list[bool]]:
 
 
 def _parts(tree, trajectories, *, exec_index: int, advantage: float, loss_weight: float,
-           budget: int) -> list[_Part]:
+           budget: int, shared: bool = True) -> list[_Part]:
     """The execution's subtree, split by trajectories into parts of at most `budget` unique
-    tokens where it is larger (a single trajectory larger than that is a part of its own)."""
+    tokens where it is larger (a single trajectory larger than that is a part of its own).
+    `shared=False`: every trajectory a part of its own, its whole path (`packing = "packed"`)."""
     groups: list[list] = [[]]
     unique = 0
     covered: set[int] = set()
     for t in trajectories:
         new = sum(len(tree.nodes[n].tokens) for n in t.path if n not in covered)
-        if groups[-1] and unique + new > budget:
+        if groups[-1] and (not shared or unique + new > budget):
             groups.append([])
             covered, unique = set(), 0
             new = sum(len(tree.nodes[n].tokens) for n in t.path)
@@ -310,7 +315,7 @@ def pack_group(group: Group, *, j_max: int | None, seed: int, next_exec: int, bu
         if not targets:
             continue
         parts += _parts(run.recorder.tree, trajectories, exec_index=next_exec, advantage=adv,
-                        loss_weight=1.0 / targets, budget=budget_tokens)
+                        loss_weight=1.0 / targets, budget=budget_tokens, shared=form == "tree")
         next_exec += 1
     steps = []
     for members in pack_tree(parts, budget_tokens):

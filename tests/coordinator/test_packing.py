@@ -95,11 +95,17 @@ def test_tree_and_path_micro_steps_train_alike(trainer, seed, executions, calls,
     if budget == 8192:  # each execution whole: forward tokens are the union of its admitted paths
         assert sum(ms.stats.forward for ms in tree_steps) == unique
         assert sum(ms.nbytes for ms in tree_steps) < sum(ms.nbytes for ms in path_steps)
+    packed_steps, _, _ = pack_group(group, j_max=j_max, seed=1, next_exec=0, budget_tokens=budget, form="packed")
+    # Unpadded rows: each path's tokens once per path, no padding slot computed.
+    assert sum(ms.stats.forward for ms in packed_steps) == sum(ms.stats.expanded for ms in path_steps)
     loss_tree, grads_tree = train(trainer, tree_steps)
     loss_path, grads_path = train(trainer, path_steps)
+    loss_packed, grads_packed = train(trainer, packed_steps)
     assert loss_tree == pytest.approx(loss_path, abs=LOSS_ATOL, rel=1e-5)
+    assert loss_packed == pytest.approx(loss_path, abs=LOSS_ATOL, rel=1e-5)
     for name in grads_tree:
         assert torch.allclose(grads_tree[name], grads_path[name], rtol=GRAD_RTOL, atol=GRAD_ATOL), name
+        assert torch.allclose(grads_packed[name], grads_path[name], rtol=GRAD_RTOL, atol=GRAD_ATOL), name
 
 
 def test_the_wire_form_is_compact_and_rebuilds_positions(trainer):
@@ -130,7 +136,7 @@ def test_the_wire_form_is_compact_and_rebuilds_positions(trainer):
 def test_an_unknown_packing_is_refused(tmp_path):
     from gyre.coordinator.config import CoordinatorConfig
 
-    with pytest.raises(ValueError, match="packing must be one of tree, paths"):
+    with pytest.raises(ValueError, match="packing must be one of tree, paths, packed"):
         CoordinatorConfig(run_dir=tmp_path, model_dir=tmp_path, packing="rows")
 
 
