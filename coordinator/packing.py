@@ -204,20 +204,32 @@ def _subtree(tree, trajectories) -> tuple[list[int], list[int], list[bool]]:
 def _parts(tree, trajectories, *, exec_index: int, advantage: float, loss_weight: float,
            budget: int, shared: bool = True) -> list[_Part]:
     """The execution's subtree, split by trajectories into parts of at most `budget` unique
-    tokens where it is larger (a single trajectory larger than that is a part of its own).
+    tokens where it is larger, or of at most twice their longest trajectory where that passes
+    the budget and the trajectories share a prefix (a trajectory is never cut).
     `shared=False`: every trajectory a part of its own, its whole path (`packing = "packed"`)."""
-    groups: list[list] = [[]]
-    unique = 0
-    covered: set[int] = set()
+    parts: list[tuple[list, set[int], list[int]]] = []  # (trajectories, nodes covered, [unique, longest])
     for t in trajectories:
-        new = sum(len(tree.nodes[n].tokens) for n in t.path if n not in covered)
-        if groups[-1] and (not shared or unique + new > budget):
-            groups.append([])
-            covered, unique = set(), 0
-            new = sum(len(tree.nodes[n].tokens) for n in t.path)
-        groups[-1].append(t)
+        length = tree.nodes[t.path[-1]].end
+        best = None
+        for p in parts if shared else ():
+            new = sum(len(tree.nodes[n].tokens) for n in t.path if n not in p[1])
+            unique, longest = p[2]
+            # Into a part if it fits the budget there, or if it shares a prefix there and the
+            # part stays within twice its longest trajectory: a trajectory is never cut, so a
+            # part of long paths passes the budget anyway, and on its own this one would cost
+            # its whole path again. The part it shares the most with wins.
+            fits = unique + new <= budget or (new < length and unique + new <= 2 * max(longest, length))
+            if fits and (best is None or new < best[0]):
+                best = (new, p)
+        if best is None:
+            parts.append(([], set(), [0, 0]))
+            best = (length, parts[-1])
+        new, (trajs, covered, size) = best
+        trajs.append(t)
         covered.update(t.path)
-        unique += new
+        size[0] += new
+        size[1] = max(size[1], length)
+    groups = [trajs for trajs, _, _ in parts]
     out = []
     credited: set[int] = set()  # nodes counted as unique admitted tokens by an earlier part
     for trajs in groups:

@@ -365,13 +365,18 @@ def _context_kv(x: torch.Tensor, block: TreeBlock) -> torch.Tensor | None:
 
 def _tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list[TreeBlock]) -> torch.Tensor:
     """q [1, heads, N, d], k, v [1, kv_heads, N, d] -> o [1, heads, N, d], block by block:
-    queries see all their context and causally their own block. Queries go `QUERY_CHUNK` at
-    a time, so no mask is larger than [QUERY_CHUNK, keys]."""
+    queries see all their context and causally their own block. A block without context (a
+    root's chain) is one causal call, as a row is; the others go `QUERY_CHUNK` queries at a
+    time, so no mask is larger than [QUERY_CHUNK, keys]."""
     outs = []
     for b in blocks:
         ck, cv = _context_kv(k, b), _context_kv(v, b)
         lo = b.context[0] if ck is None else b.start
         ctx = b.start - lo if ck is None else ck.shape[2]
+        if ctx == 0:  # a root's chain: plain causal attention, in one call (no mask is built)
+            outs.append(F.scaled_dot_product_attention(q[:, :, b.start:b.end], k[:, :, b.start:b.end],
+                                                       v[:, :, b.start:b.end], is_causal=True, enable_gqa=True))
+            continue
         for s in range(b.start, b.end, QUERY_CHUNK):
             e = min(s + QUERY_CHUNK, b.end)
             kk, vv = k[:, :, lo:e], v[:, :, lo:e]
