@@ -11,7 +11,7 @@ handshake, so it cannot even register). Secret files are written 0600. Layout:
 
 Copy DIR/coordinator.key and DIR/workers/NAME.key_secret (with NAME.key) to a worker's
 node; keep DIR/coordinator.key_secret on the coordinator only. Here, not in workerd/, because
-the coordinator imports nothing of workerd's but wire.py; workerd's server.py reads its
+the coordinator imports nothing of workerd's but wire; workerd's server.py reads its
 `client_keys` from here. Not the link: link.py and server.py apply these to their sockets.
 """
 

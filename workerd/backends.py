@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-# BackendError lives in wire.py, below the engines that raise it too (engines/sglang.py's
+# BackendError lives in wire/, below the engines that raise it too (engines/sglang.py's
 # options); it stays importable from here.
 from gyre.workerd.wire import ENGINE_BACKENDS, TRAINER_BACKENDS, BackendError
 
@@ -30,7 +30,7 @@ TRAINERS = {"cpu": None, "megatron": ("megatron.core", "megatron-core>=0.16.1")}
 # The names are the wire's (wire.ENGINE_BACKENDS / TRAINER_BACKENDS: the coordinator checks a run's
 # config against them without importing this module); these tables say what each name needs.
 if tuple(ENGINES) != ENGINE_BACKENDS or tuple(TRAINERS) != TRAINER_BACKENDS:
-    raise RuntimeError(f"backends.py's tables ({', '.join(ENGINES)}; {', '.join(TRAINERS)}) differ from wire.py's "
+    raise RuntimeError(f"backends.py's tables ({', '.join(ENGINES)}; {', '.join(TRAINERS)}) differ from wire's "
                       f"names ({', '.join(ENGINE_BACKENDS)}; {', '.join(TRAINER_BACKENDS)})")
 
 

@@ -1,6 +1,6 @@
 """tensors.py: torch tensors <-> wire TensorFrames, zero-copy where the dtype allows.
 
-Kept out of wire.py so that module never imports torch. Buffers received from ZeroMQ are
+Kept out of wire/ so that package never imports torch. Buffers received from ZeroMQ are
 read-only: tensors made from them must be copied before being written to.
 """
 

@@ -19,7 +19,7 @@ Two backends behind one seam (the coordinator picks with `weight_transfer`):
   trainer and engine from there. NCCL on GPUs, gloo on CPU; the fallback where Mooncake is
   missing.
 
-Not the wire protocol (wire.py) and not the policy of who sends what (the coordinator).
+Not the wire protocol (wire/) and not the policy of who sends what (the coordinator).
 """
 
 from __future__ import annotations
