@@ -117,15 +117,10 @@ def _trainable(group: Group):
     return out
 
 
-def group_rows(group: Group, *, j_max: int | None, seed: int, next_exec: int) -> tuple[list[Row], int, int]:
-    """Rows of a group's valid executions; returns (rows, next exec index, executions
-    counted in the batch mean: valid ones with policy tokens, zero advantage included)."""
-    rows, next_exec, counted, _ = _rows(group, j_max=j_max, seed=seed, next_exec=next_exec)
-    return rows, next_exec, counted
-
-
-def _rows(group: Group, *, j_max: int | None, seed: int, next_exec: int):
-    """As group_rows, plus each execution's unique admitted tokens (exec index -> count)."""
+def group_rows(group: Group, *, j_max: int | None, seed: int, next_exec: int):
+    """Rows of a group's valid executions: (rows, next exec index, executions counted in the
+    batch mean: valid ones with policy tokens, zero advantage included, and each execution's
+    unique admitted tokens: exec index -> count)."""
     rows: list[Row] = []
     unique: dict[int, int] = {}
     runs = _trainable(group)
@@ -305,7 +300,7 @@ def pack_group(group: Group, *, j_max: int | None, seed: int, next_exec: int, bu
     if form not in PACKINGS:
         raise ValueError(f"packing must be one of {', '.join(PACKINGS)}, got {form!r}")
     if form == "paths":
-        rows, next_exec, counted, unique = _rows(group, j_max=j_max, seed=seed, next_exec=next_exec)
+        rows, next_exec, counted, unique = group_rows(group, j_max=j_max, seed=seed, next_exec=next_exec)
         steps = pack(rows, budget_tokens)
         for ms in steps:
             ms.frames()
