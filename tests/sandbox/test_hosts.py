@@ -23,6 +23,12 @@ from gyre.coordinator.waterlevel import Tracked
 from tests.coordinator.test_netns import hosts  # noqa: F401  (the fixture)
 from tests.sandbox.conftest import CALL_PROXY, harbor_task, shell_preset
 
+# A host stopped mid-call (SIGSTOP) or gone refuses docker-py's connects; its unix transport
+# leaves the refused socket in a frame's locals (docker/transport/unixconn.py `connect`), which
+# urllib3 keeps in its retry errors: it closes at some later garbage collection, and under
+# `-W error` that collection raises its ResourceWarning in whatever code runs then.
+pytestmark = pytest.mark.filterwarnings("ignore:unclosed <socket.socket:ResourceWarning")
+
 
 class Service:
     """`podman system service` on a socket of its own: one sandbox host."""
