@@ -1,7 +1,8 @@
 """bench/scale.py: the data plane at scale: many live executions, a call rate, and a training step packed mid-load.
 
 N executions are registered on a real ProxyServer (127.0.0.1, port 0, a run dir as the
-coordinator gives it, gc.freeze() after start-up as the coordinator does) whose backend is a
+coordinator gives it, its GcPolicy as the coordinator runs it: a gc.freeze() after start-up and
+every --gc-freeze-every-s, the preload standing for the hours before the window) whose backend is a
 scripted responder: every call is answered at once, in the loop, with one short tool call and
 its log-probs (no model). Before the timed window each execution is driven in-process through
 the public paths a call takes (api_openai.parse_request with the execution's memo,
@@ -58,6 +59,30 @@ from gyre.coordinator.config import CoordinatorConfig
 from gyre.coordinator.training import Batch
 from gyre.coordinator.waterlevel import ExecState, Tracked
 from gyre.proxy import api_openai
+
+try:
+    from gyre.coordinator.gcpolicy import GcPolicy
+except ImportError:  # older code: one gc.freeze() at the end of start-up, nothing after
+    class GcPolicy:  # noqa: D101 - the stand-in for measuring the code before the policy
+        def __init__(self, every_s: float = 0.0):
+            self.every_s = 0.0
+
+        def start(self) -> None:
+            gc.collect()
+            gc.freeze()
+
+        def freeze(self) -> None:
+            pass
+
+        async def stop(self) -> None:
+            pass
+
+        def status(self) -> dict:
+            return {"freeze_every_s": 0.0}
+
+        @staticmethod
+        def collect_frozen() -> dict:
+            return {}
 from gyre.proxy.admission import admit
 from gyre.proxy.backend import Chunk
 from gyre.proxy.chat import ChatTokenizer
@@ -478,12 +503,14 @@ async def serve(args, tok: ChatTokenizer, model_dir: Path, root: Path) -> dict:
     conn, child_conn = ctx.Pipe()
     client_proc = ctx.Process(target=client_main, args=(child_conn,), daemon=True)
     client_proc.start()
-    gc.collect()
-    gc.freeze()  # as the coordinator does at the end of its start-up
+    policy = GcPolicy(args.gc_freeze_every_s)
+    policy.start()  # as the coordinator does at the end of its start-up
     rss0 = rss()
     print(f"preloading {args.executions} executions (contexts up to {args.max_context} tokens) ...", file=sys.stderr)
     r = {"preload": preload(server, tok, args, root / "histories.jsonl")}
     gc.collect()
+    if args.gc_freeze_every_s:
+        policy.freeze()  # the preload stands for hours of the coordinator's life, freezes included
     recorders = list(server.executions.values())
     unique = sum(ex.tree.stats()["unique_tokens"] for ex in recorders)
     grown = rss() - rss0
@@ -541,6 +568,8 @@ async def serve(args, tok: ChatTokenizer, model_dir: Path, root: Path) -> dict:
         pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(18)
         r["profile"] = buf.getvalue()
     gc.collect()
+    r["gc_policy"] = {**policy.status(), "collect_frozen": policy.collect_frozen()}
+    await policy.stop()
     r.update(rss_after_window_growth_bytes=rss() - rss0, rss_peak_growth_bytes=rss_peak() - rss0,
              unique_tokens_after_window=sum(ex.tree.stats()["unique_tokens"] for ex in recorders))
     await server.stop()
@@ -586,6 +615,15 @@ def results(args, r: dict) -> dict:
     out["proxy_latency_ms"]["load_over_idle_p50"] = load_p50 / idle_p50 if idle_p50 and load_p50 else None
     out["wire_bytes_over_unique"] = q["wire_bytes"] / (4 * r["unique_admitted_tokens"])
     return out
+
+
+def gc_policy(g: dict) -> str:
+    if not g.get("freeze_every_s"):
+        return "off: Python's collector, one gc.freeze() at start-up"
+    cf = g.get("collect_frozen", {})
+    return (f"gc.freeze() every {g['freeze_every_s']:g} s ({g['freezes']} in all); a full collection of the "
+            f"{cf.get('frozen_objects', 0):,} frozen objects found {cf.get('unreachable_found', 0)} unreachable "
+            f"({cf.get('pause_ms', 0):,.0f} ms)")
 
 
 def report(o: dict) -> None:
@@ -634,6 +672,7 @@ def report(o: dict) -> None:
         ("loop lag while packing, ms", lag(pk["loop_lag_ms"])),
         ("  longest, ms (loop CPU in it) ", stalls(pk["top_stalls"])),
         ("  GC pauses while packing", gcs(pk["gc"])),
+        ("GC policy (coordinator/gcpolicy.py)", gc_policy(o.get("gc_policy", {}))),
         ("step packed in the window", f"{o['groups']} x {o['group_size']} executions, {pk.get('wall_s', 0):.2f} s "
                                       f"wall, {pk.get('micro_steps', 0)} micro-steps"),
         ("pack CPU per step (quiet)", f"{o['pack_cpu_s_per_step']:.2f} s CPU, {o['pack_wall_s_quiet']:.2f} s wall, "
@@ -666,6 +705,9 @@ def main() -> None:
     ap.add_argument("--idle-calls", type=int, default=100)
     ap.add_argument("--call-timeout", type=float, default=120.0, help="client-side limit per call, s")
     ap.add_argument("--seed", type=int, default=0)
+    freeze = defaults.get("gc_freeze_every_s")  # older code: none
+    ap.add_argument("--gc-freeze-every-s", type=float, default=freeze.default if freeze else 0.0,
+                    help="the coordinator's GcPolicy (0: Python's collector as it is)")
     ap.add_argument("--profile", action="store_true", help="also profile the quiet Batch.run()")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 64 executions, 20 s, 20k contexts, 4 x 8")
     ap.add_argument("--json", metavar="PATH", help="also write the figures to PATH")

@@ -25,7 +25,7 @@ _RANGES = [
     ("max_tokens_cap", 1, False),
     ("max_context", 2, False), ("infra_failures_in_row", 0, False), ("rollout_temperature", 0, True),
     ("transfer_port", 0, False), ("proxy_port", 0, False), ("route_balance_abs", 1, False),
-    ("route_balance_rel", 1, False), ("prefix_cache_mb", 0, False),
+    ("route_balance_rel", 1, False), ("prefix_cache_mb", 0, False), ("gc_freeze_every_s", 0, False),
 ]
 
 
@@ -84,6 +84,9 @@ class CoordinatorConfig:
     # admitted paths as one tree, every shared token sent and computed once) | paths (one
     # padded row per path) | packed (one row per path, end to end, no padding)
     packing: str = "tree"
+    # Seconds between gc.freeze() calls (coordinator/gcpolicy.py): the long-lived trees out of
+    # the cycle collector's full passes (2.3 s pauses at 1,152 executions); 0: Python's own
+    gc_freeze_every_s: float = 30.0
     lr: float | None = None  # None: the model directory's gyre.json, else 1e-6 (a real model's)
     seed: int = 0
     address: str = "tcp://127.0.0.1:0"  # ZeroMQ bind for workerds

@@ -14,7 +14,6 @@ interfaces.
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import logging
 import os
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 from gyre.coordinator import health, resume
 from gyre.coordinator.buffer import Execution, Group, TrajectoryBuffer
 from gyre.coordinator.config import CoordinatorConfig
+from gyre.coordinator.gcpolicy import GcPolicy
 from gyre.coordinator.launcher import Launcher, launch_spec, open_sandboxes
 from gyre.coordinator.link import WorkerCallTimeout, WorkerDeadError, WorkerError
 from gyre.coordinator.local import LocalCluster
@@ -106,6 +106,7 @@ class Coordinator:
         self.role_switches: list[dict] = []
         self.rates = Rates()
         self.probe = LoopProbe()  # the event loop's lateness: every harness call waits on it
+        self.gc = GcPolicy(config.gc_freeze_every_s)  # long-lived objects out of full collections
         self.tokens_trained = 0
         self.dead: set[int] = set()  # cells whose worker died; excluded until a worker re-registers
         self.no_reducer: set[int] = set()  # rejoined cells: they roll out, they cannot reduce gradients
@@ -230,12 +231,13 @@ class Coordinator:
             await resume.restore(self)
         else:
             self._dispatch(c.initial_groups)
-        gc.freeze()  # start-up objects out of the collector's way: full GCs were the proxy's p99
+        self.gc.start()  # start-up objects out of the collector's way, then every gc_freeze_every_s
         self.probe.start()
         log.info("coordinator up: %d cells, policy %s, proxy %s", c.cells, c.policy, self.proxy.base_url)
 
     async def _shutdown(self) -> None:
         await self.probe.stop()
+        await self.gc.stop()
         for t in (self.step_task, self.side_task):
             if t is not None and not t.done():
                 t.cancel()

@@ -86,6 +86,8 @@ def snapshot(coord) -> dict:
         # How late the event loop ran over the last window (ms): what a harness call waited.
         "loop_lag_ms": coord.probe.lag_ms(since=coord.probe.samples[-1][0] - WINDOW_S)
         if coord.probe.samples else None,
+        # The cycle collector: freezes so far, collections and the longest pause per generation.
+        "gc": coord.gc.status(),
         "statuses": dict(coord.status_counts),
         "cells": cells,
         # Which engine serves which execution: decisions so far, the load bound, every home.

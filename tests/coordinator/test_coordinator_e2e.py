@@ -54,6 +54,7 @@ async def test_statuses_rewards_and_validity(tiny_dir, tmp_path):
     assert info["status_url"].endswith("/gyre/status") and "gyre-" not in json.dumps(status)
     # Each execution's home is shown; cell 0 trains, so every home is on the rollout cell.
     assert status["loop_lag_ms"]["samples"] > 0  # the event loop's lateness, measured while it ran
+    assert status["gc"]["freeze_every_s"] == 30.0 and status["gc"]["freezes"] >= 1  # start-up's, at least
     routing = status["routing"]
     assert routing["policy"] == "affine" and set(routing["homes"].values()) <= {status["cells"][1]["node"]}
     assert routing["decisions"].get("placed", 0) >= 1 and status["cells"][1]["homes"] == len(routing["homes"])
