@@ -29,6 +29,7 @@ import json
 import logging
 import re
 import secrets
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import datetime
@@ -46,13 +47,16 @@ from gyre.proxy.types import Message, RequestError, ToolCall, ToolSpec
 
 log = logging.getLogger("gyre.proxy")
 
-# Private-use markers with a per-process nonce: they cannot come from a client by accident
-# (a message containing the nonce is refused). Digits, so a template's upper() / lower()
-# leaves them as they are.
+# Markers with a per-process nonce: they cannot come from a client by accident (a message
+# containing the nonce is refused). Digits, so a template's upper() / lower() leaves them as
+# they are, between C1 control characters (U+0091-U+0094: no case, not whitespace to trim(),
+# kept by tojson) rather than private-use ones: those are Latin-1, so a rendered chunk of
+# ASCII or Latin-1 text stays one byte a character in memory, where a single U+E000 would
+# make Python store the whole chunk at two (a coordinator holds a thousand live histories).
 _NONCE = f"{secrets.randbelow(10 ** 8):08d}"
-MARK = f"\ue000{_NONCE}\ue000"  # end of one message's content
-REF_OPEN, REF_CLOSE = f"\ue001{_NONCE}:", "\ue001"  # a recorded output, by key
-C_OPEN, C_CLOSE = f"\ue002{_NONCE}\ue002", f"\ue003{_NONCE}\ue003"  # around content: plain text
+MARK = f"\x91{_NONCE}\x91"  # end of one message's content
+REF_OPEN, REF_CLOSE = f"\x92{_NONCE}:", "\x92"  # a recorded output, by key
+C_OPEN, C_CLOSE = f"\x93{_NONCE}\x93", f"\x94{_NONCE}\x94"  # around content: plain text
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"  # Hermes tool calls, matched as text
 
 
@@ -195,7 +199,7 @@ class ChatTokenizer:
         flush()
         out = np.asarray(ids, dtype=self.id_dtype)
         out.flags.writeable = False  # shared: by the memo and every tree node made from it
-        cache.put(text, out, len(text) + out.nbytes)
+        cache.put(text, out, sys.getsizeof(text) + out.nbytes)
         return out
 
     def prompt_ids(self, messages: list[Message], tools: list[ToolSpec]) -> list[int]:
@@ -257,14 +261,14 @@ class ChatTokenizer:
             head = head[:r]
         m = self._added_re.search(head) if self._added_re is not None else None
         lead = m.start() if m else r if r >= 0 else None
-        self._leads.put(chunk, lead, len(chunk))
+        self._leads.put(chunk, lead, sys.getsizeof(chunk))
         return lead
 
     def _pieces(self, text: str) -> list[Text | Ref]:
         pieces = self._split.get(text)
         if pieces is None:
             pieces = chunks_to_segments([text])
-            self._split.put(text, pieces, 2 * len(text) + 64 * len(pieces))
+            self._split.put(text, pieces, sys.getsizeof(text) + sum(64 + _own_size(p, text) for p in pieces))
         return pieces
 
     def _markers_survive(self, root: Path) -> bool:
@@ -324,6 +328,12 @@ class ChatTokenizer:
         from gyre.proxy.segmenter import probe_locality
 
         return probe_locality(self)
+
+
+def _own_size(piece: Text | Ref, whole: str) -> int:
+    """Bytes a piece holds beyond the text it was cut from (a whole-text piece is that string)."""
+    own = piece.key if isinstance(piece, Ref) else piece.text
+    return 0 if own is whole else sys.getsizeof(own)
 
 
 def chunks_to_segments(chunks: list[str]) -> list[Text | Ref]:
@@ -460,7 +470,8 @@ def _token_text(value: Any) -> str | None:
 
 class _Memo:
     """A least-recently-used memo bounded by entries and by bytes (each entry's size as the
-    caller counts it: the key's text and the value's)."""
+    caller counts it: the key's string as Python stores it, 2 bytes a character once a
+    content marker is in it, and the value's)."""
 
     _MISSING = object()
 

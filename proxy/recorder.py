@@ -99,12 +99,13 @@ class Recorder:
             if step[0] == "text":
                 node = self.tree.add_text(parent, step[1], step[2], call_id)
                 new_tokens += len(step[2])
+                self._write_node(node, step[1])  # the tree keeps only the text's key
             else:
                 _, source, kind, key, _ = step
                 node = self.tree.add_output_copy(parent, source, call_id)
                 if kind == "text":
                     self._text_at[(parent, key)] = source.key
-            self._write_node(node)
+                self._write_node(node)
             path.append(node.id)
             parent = node.id
         root = self.tree.nodes[path[0]].root
@@ -135,7 +136,7 @@ class Recorder:
                 strip = None
                 if not text:
                     continue
-                nid = None if plan else self.tree.child(parent, "text", text)
+                nid = None if plan else self.tree.child_text(parent, text)
                 if nid is None:
                     start = parent < 0 and not plan  # the prompt's first text
                     plan.append(("text", text, self.tokenizer.encode_segment(text, at_start=start)))
@@ -227,7 +228,7 @@ class Recorder:
             "call_id": prep.call_id, "execution": self.id, "api": request.api, "model": request.model,
             "role": prep.role, "status": status, "finish_reason": finish_reason, "engine": engine,
             "t_start": prep.t_start, "t_end": time.time(), "stream": request.stream,
-            "prompt_path": prep.path, "prompt_tokens": len(prep.prompt_ids), "new_prompt_tokens": prep.new_tokens,
+            "prompt_node": prep.path[-1], "prompt_tokens": len(prep.prompt_ids), "new_prompt_tokens": prep.new_tokens,
             # The engine's prefill: prompt tokens whose KV it reused, and those it computed
             # (None: the engine did not say, or the call never reached one).
             "cached_tokens": cached_tokens, "prefill_tokens": prefill_tokens,
@@ -240,7 +241,9 @@ class Recorder:
         if sampling is not None:  # what the engine sampled with, and what the harness asked for
             record["sampling"] = sampling
         self.calls.append(record)
-        self._write("calls", record)
+        # The file keeps the whole path (tree.path(prompt_node)); in memory it would cost a
+        # pointer per node per call, quadratic in an execution's calls.
+        self._write("calls", {**record, "prompt_path": prep.path})
         return record
 
     def record_request(self, body: Any, headers: dict[str, str], path: str) -> None:
@@ -250,6 +253,10 @@ class Recorder:
                                  "headers": {k: v for k, v in headers.items() if k.lower() not in secret}})
 
     # --- training data ------------------------------------------------------------------
+
+    def prompt_path(self, call: dict) -> list[int]:
+        """A recorded call's prompt as its path of nodes (the file's `prompt_path`)."""
+        return self.tree.path(call["prompt_node"])
 
     @property
     def leaf_roles(self) -> dict[int, str]:
@@ -262,10 +269,11 @@ class Recorder:
 
     # --- files --------------------------------------------------------------------------
 
-    def _write_node(self, node: Node) -> Node:
+    def _write_node(self, node: Node, text: str | None = None) -> Node:
+        """Append the node to nodes.jsonl; `text`: a text node's segment (the tree keeps its key)."""
         self._write("nodes", {"id": node.id, "parent": node.parent, "kind": node.kind, "policy": node.policy,
                               "call_id": node.call_id, "tokens": node.tokens, "logprobs": node.logprobs,
-                              "versions": node.versions, "key": display_key(node.key)})
+                              "versions": node.versions, "key": display_key(text if text is not None else node.key)})
         return node
 
     def _write(self, name: str, obj: Any) -> None:

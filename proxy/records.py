@@ -15,7 +15,7 @@ import numpy as np
 import orjson
 
 from gyre.proxy.admission import J_MAX, Rows, Trajectory, admit, materialise
-from gyre.proxy.tree import LOGPROB_DTYPE, VERSION_DTYPE, Node, Tree
+from gyre.proxy.tree import LOGPROB_DTYPE, VERSION_DTYPE, Node, Tree, text_key
 
 
 @dataclass
@@ -49,7 +49,7 @@ def load_execution(folder: Path) -> Recorded:
         if n["id"] != len(tree.nodes):
             raise ValueError(f"{folder}/nodes.jsonl: node {n['id']} out of order")
         parent = tree.nodes[n["parent"]] if n["parent"] >= 0 else None
-        key = n["key"]
+        key = text_key(n["key"]) if n["kind"] == "text" else n["key"]  # as Tree.add_text keys it
         lps = None if n["logprobs"] is None else np.asarray(n["logprobs"], LOGPROB_DTYPE)
         vers = None if n["versions"] is None else np.asarray(n["versions"], VERSION_DTYPE)
         node = Node(id=n["id"], parent=n["parent"], kind=n["kind"], key=key,

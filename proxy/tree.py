@@ -9,8 +9,9 @@ changed once added: a recorded output keeps its conditioning context for ever.
 
 Tokens, log-probs and versions are compact numpy arrays (ids uint16 where the vocabulary
 fits, else int32; log-probs float32; versions int32), not Python lists: a coordinator holds
-a thousand executions' histories of hundreds of thousands of tokens each. Not the renderer
-(chat.py) and not the HTTP layer.
+a thousand executions' histories of hundreds of thousands of tokens each. For the same
+reason a text node keeps no text: it is found by `text_key`, and its text is in the
+records (nodes.jsonl). Not the renderer (chat.py) and not the HTTP layer.
 """
 
 from __future__ import annotations
@@ -24,6 +25,17 @@ LOGPROB_DTYPE = np.float32
 VERSION_DTYPE = np.int32
 
 
+def text_key(text: str) -> int:
+    """A text segment's key among its siblings: Python's string hash (SipHash-1-3 under a
+    random per-process key, computed once per string object and cached on it, so the
+    segments a harness resends cost a lookup, not a pass over their text) with the length
+    folded in. Segment texts carry content markers, so a str of them takes 2 bytes a
+    character: keeping the text, the tree's keys would outweigh its token ids 2-4 times
+    over with a real tokenizer. Two different texts of one length under one parent would
+    have to agree on 64 keyed bits to be confused."""
+    return (hash(text) & 0xFFFF_FFFF_FFFF_FFFF) | (len(text) << 64)
+
+
 def id_dtype(vocab_size: int | None) -> np.dtype:
     """The narrowest id type for a vocabulary: uint16 up to 65,536 ids, else int32."""
     return np.dtype(np.uint16 if vocab_size is not None and vocab_size <= 1 << 16 else np.int32)
@@ -34,7 +46,7 @@ class Node:
     id: int
     parent: int  # -1 for a root
     kind: str  # "text" | "output"
-    key: str  # text segment, or the output's call id
+    key: int | str  # text_key(segment text), or the output's call id
     tokens: np.ndarray  # ids (Tree.ids dtype)
     policy: bool  # sampled by our engine in this very context (trainable)
     call_id: str  # the call that added it
@@ -51,7 +63,7 @@ class Tree:
         self.roots: dict[tuple[str, str], int] = {}
         self.ids = id_dtype(vocab_size)
 
-    def _add(self, parent: int, kind: str, key: str, tokens: Sequence[int], policy: bool, call_id: str,
+    def _add(self, parent: int, kind: str, key: int | str, tokens: Sequence[int], policy: bool, call_id: str,
              logprobs=None, versions=None) -> Node:
         p = self.nodes[parent] if parent >= 0 else None
         tokens = np.asarray(tokens, dtype=self.ids)
@@ -65,12 +77,17 @@ class Tree:
         (p.children if p else self.roots)[(kind, key)] = node.id
         return node
 
-    def child(self, parent: int, kind: str, key: str) -> int | None:
+    def child(self, parent: int, kind: str, key: int | str) -> int | None:
+        """The child of `parent` (-1: the roots) under `key` (an output's call id, or a text's
+        `text_key`; `child_text` takes the text)."""
         table = self.nodes[parent].children if parent >= 0 else self.roots
         return table.get((kind, key))
 
+    def child_text(self, parent: int, text: str) -> int | None:
+        return self.child(parent, "text", text_key(text))
+
     def add_text(self, parent: int, text: str, tokens: Sequence[int], call_id: str) -> Node:
-        return self._add(parent, "text", text, tokens, False, call_id)
+        return self._add(parent, "text", text_key(text), tokens, False, call_id)
 
     def add_output(self, parent: int, call_id: str, tokens: Sequence[int], logprobs: Sequence[float],
                    versions: Sequence[int]) -> Node:
@@ -99,9 +116,9 @@ class Tree:
         return np.concatenate([self.nodes[n].tokens for n in path])
 
     def nbytes(self) -> int:
-        """Bytes of the nodes' arrays and text (what the tree's size is made of)."""
+        """Bytes of the nodes' arrays (what the tree's size is made of; texts are not kept)."""
         return sum(n.tokens.nbytes + (n.logprobs.nbytes + n.versions.nbytes if n.logprobs is not None else 0)
-                   + (len(n.key) if n.kind == "text" else 0) for n in self.nodes)
+                   for n in self.nodes)
 
     def leaves(self) -> Iterator[Node]:
         return (n for n in self.nodes if not n.children)

@@ -154,7 +154,9 @@ class ParseMemo:
     """One execution's recent raw message lists and their parses. A harness resends its
     whole history every call; a raw message equal to the one at the same index of a
     recent request (dict equality, which runs in C) reuses that parse instead of being
-    validated and built again. Parsed messages are never mutated after parsing."""
+    validated and built again. Parsed messages are never mutated after parsing. A repeated
+    raw message is replaced in the request's list by the recent one it equals, so the
+    remembered lists hold each message once, not once per request."""
 
     KEEP = 4
 
@@ -168,6 +170,7 @@ class ParseMemo:
         same = True
         for i, m in enumerate(raw):
             if same and i < len(prev_raw) and prev_raw[i] == m:
+                raw[i] = prev_raw[i]  # kept once: the recent lists share what they repeat
                 per.append(prev_out[i])
             else:
                 same = False

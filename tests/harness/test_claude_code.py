@@ -42,12 +42,12 @@ def requests(run_dir: Path, execution: str) -> list[dict]:
     return [orjson.loads(line) for line in path.read_bytes().splitlines()]
 
 
-def assert_round_trips(calls: list[dict]) -> None:
+def assert_round_trips(ex, calls: list[dict]) -> None:
     """Each call's prompt is the previous call's prompt + its recorded output node + new
     tokens: no re-tokenisation mismatch anywhere along the conversation."""
     for prev, nxt in zip(calls, calls[1:]):
-        head = prev["prompt_path"] + [prev["output_node"]]
-        assert nxt["prompt_path"][:len(head)] == head, (prev["call_id"], nxt["call_id"])
+        head = ex.prompt_path(prev) + [prev["output_node"]]
+        assert ex.prompt_path(nxt)[:len(head)] == head, (prev["call_id"], nxt["call_id"])
 
 
 async def test_bash_and_edit_task_completes_with_exact_round_trips(cc_proxy, claude_bin, tmp_path):
@@ -81,7 +81,7 @@ async def test_bash_and_edit_task_completes_with_exact_round_trips(cc_proxy, cla
     ex = server.executions["cc"]
     assert [c["role"] for c in ex.calls] == ["main"] * 4 and {c["status"] for c in ex.calls} == {"ok"}
     assert [c["stream"] for c in ex.calls] == [True] * 4
-    assert_round_trips(ex.calls)
+    assert_round_trips(ex, ex.calls)
     stats = ex.tree.stats()
     assert stats["roots"] == 1 and stats["leaves"] == 1
     assert stats["unique_tokens"] == stats["expanded_tokens"]  # one conversation, stored once
@@ -147,8 +147,8 @@ async def test_subagent_is_its_own_root_with_delegation(cc_proxy, claude_bin):
     assert roles == ["main", "sub-agent", "sub-agent", "main"]
     main_first = ex.calls[0]["call_id"]
     assert [c.get("delegated_by") for c in ex.calls] == [None, main_first, main_first, None]
-    assert_round_trips([ex.calls[0], ex.calls[3]])
-    assert_round_trips(ex.calls[1:3])
+    assert_round_trips(ex, [ex.calls[0], ex.calls[3]])
+    assert_round_trips(ex, ex.calls[1:3])
     assert ex.tree.stats()["roots"] == 2
     assert sorted(ex.leaf_roles.values()) == ["main", "sub-agent"]
 
@@ -177,13 +177,14 @@ async def test_compaction_branches_off_main_and_continues_as_main(cc_proxy, clau
     ex = server.executions["cc"]
     assert [c["role"] for c in ex.calls] == ["main", "main", "main-summary", "main"]
     first, second, compact, after = ex.calls
-    assert_round_trips([first, second])
+    assert_round_trips(ex, [first, second])
     # The compaction request is the history without the last assistant turn plus the
     # instruction: it branches off the main conversation, sharing its prefix.
-    assert compact["prompt_path"][:len(first["prompt_path"]) + 1] == first["prompt_path"] + [first["output_node"]]
-    assert second["output_node"] not in compact["prompt_path"]
+    first_path, compact_path = ex.prompt_path(first), ex.prompt_path(compact)
+    assert compact_path[:len(first_path) + 1] == first_path + [first["output_node"]]
+    assert second["output_node"] not in compact_path
     # Afterwards a new history starts from the summary: a new root, still the main agent.
-    assert after["prompt_path"][0] not in first["prompt_path"]
+    assert ex.prompt_path(after)[0] not in first_path
     assert "This session is being continued" in server.tokenizer.decode(engine.prompts[3])
     assert sorted(ex.leaf_roles.values()) == ["main", "main", "main-summary"]
 

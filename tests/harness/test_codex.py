@@ -54,8 +54,8 @@ def patch_then_done(engine: ScriptedEngine) -> list[str]:
 
 def assert_extends(ex) -> None:
     for prev, nxt in zip(ex.calls, ex.calls[1:]):
-        head = prev["prompt_path"] + [prev["output_node"]]
-        assert nxt["prompt_path"][:len(head)] == head, (prev["call_id"], nxt["call_id"])
+        head = ex.prompt_path(prev) + [prev["output_node"]]
+        assert ex.prompt_path(nxt)[:len(head)] == head, (prev["call_id"], nxt["call_id"])
 
 
 async def test_codex_edits_a_file_with_apply_patch_and_the_next_prompt_has_the_policys_bytes(proxy, codex_bin):

@@ -149,3 +149,16 @@ def test_parse_memo_equals_a_fresh_parse(bodies, grow):
                 api_anthropic.parse_request(body, {}, memo=memo_a)
             continue
         assert api_anthropic.parse_request(body, {}, memo=memo_a).messages == fresh
+
+
+def test_the_parse_memo_keeps_a_resent_message_once():
+    """A harness resends its history as new objects every call; the memo's recent lists
+    share one copy of each message they repeat, not one per request."""
+    memo = ParseMemo()
+    history = [{"role": "system", "content": "s"}, {"role": "user", "content": "a tool result " * 100}]
+    api_openai.parse_request({"messages": history}, {}, memo=memo)
+    for k in range(3):
+        history = json.loads(json.dumps(history)) + [{"role": "user", "content": f"next {k}"}]  # as off the wire
+        api_openai.parse_request({"messages": history}, {}, memo=memo)
+    lists = [raw for raw, _ in memo.recent]
+    assert len(lists) == 4 and all(lst[1] is lists[-1][1] for lst in lists)

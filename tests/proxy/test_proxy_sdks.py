@@ -20,11 +20,11 @@ TOOLS = [{"type": "function", "function": {"name": "write_file", "description": 
 def assert_extends(ex, earlier: dict, later: dict) -> None:
     """`later`'s prompt path runs through `earlier`'s recorded output node, and the prompt
     the engine got equals the tree's tokens for that path."""
-    assert earlier["output_node"] in later["prompt_path"], (earlier, later)
+    path, before = ex.prompt_path(later), ex.prompt_path(earlier)
+    assert earlier["output_node"] in path, (earlier, later)
     tree = ex.tree
-    path = later["prompt_path"]
     i = path.index(earlier["output_node"])
-    assert path[: i] == earlier["prompt_path"][: i] or path[:len(earlier["prompt_path"])] == earlier["prompt_path"]
+    assert path[: i] == before[: i] or path[:len(before)] == before
     assert tree.nodes[earlier["output_node"]].policy
 
 
@@ -66,6 +66,10 @@ async def test_openai_chat_tool_round_trip(live, clients, stream):
     p1, p2 = live.engine.prompts
     assert p2[: len(p1) + len(out)] == p1 + out
     assert second["new_prompt_tokens"] < 40  # only the tool result and glue were encoded
+    # In memory a call keeps its prompt's last node; calls.jsonl keeps the whole path.
+    on_disk = [json.loads(x) for x in (ex.dir / "calls.jsonl").read_text().splitlines()]
+    assert [c["prompt_path"] for c in on_disk] == [ex.prompt_path(c) for c in ex.calls]
+    assert all("prompt_path" not in c for c in ex.calls)
 
 
 @pytest.mark.parametrize("stream", [False, True])

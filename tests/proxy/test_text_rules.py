@@ -349,3 +349,36 @@ async def test_a_stop_string_in_the_last_chunk_finishes_with_stop(live, clients)
     client = clients(openai.AsyncOpenAI, base_url=f"{live.url}/v1", api_key=ex.key, max_retries=0)
     r = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}], stop=["END"])
     assert r.choices[0].finish_reason == "stop" and ex.calls[0]["finish_reason"] == "stop"
+
+
+def test_the_tree_keeps_keys_and_the_records_keep_the_text(any_tokenizer, tmp_path):
+    """A text node is found by its key (the tree holds no copy of a history's text); the
+    records hold the text, and a resent history still follows the recorded nodes."""
+    from gyre.proxy.recorder import Recorder
+    from gyre.proxy.roles import GenericRule
+    from gyre.proxy.tree import text_key
+    from gyre.proxy.types import ChatRequest
+
+    ex = Recorder("x", "k", any_tokenizer, GenericRule(), dir=tmp_path)
+    history = [Message("system", "You are terse."), Message("user", "a long tool result " * 40)]
+    first = ex.prepare(ChatRequest(api="openai", model="m", messages=list(history)), {})
+    texts = [n for n in ex.tree.nodes if n.kind == "text"]
+    assert texts and all(isinstance(n.key, int) for n in texts)
+    again = ex.prepare(ChatRequest(api="openai", model="m", messages=list(history) + [Message("user", "more")]), {})
+    # The history's nodes are followed (the last one held the generation prompt), not re-encoded.
+    assert again.path[:len(first.path) - 1] == first.path[:-1] and again.new_tokens < len(first.prompt_ids) / 4
+    ex.close()
+    records = [json.loads(x) for x in (tmp_path / "nodes.jsonl").read_text().splitlines()]
+    assert ("a long tool result " * 40).strip() in "".join(r["key"] for r in records)
+    # The key is the text's: another text of the same length is another key.
+    assert text_key("abc") == text_key("ab" + "c") and text_key("abc") != text_key("abd")
+
+
+def test_rendered_text_stays_one_byte_a_character(any_tokenizer):
+    """The private markers are Latin-1 characters: a rendered chunk of ASCII content is stored
+    by Python at one byte a character (a private-use marker would make it two)."""
+    msgs = [Message("system", "You are terse."), Message("user", "plain ascii text " * 30),
+            Message("assistant", "", tool_calls=[ToolCall("c1", "f", '{"x": "1"}')]),
+            Message("tool", "result", tool_call_id="c1")]
+    chunks = any_tokenizer.chunks(msgs, [t.as_template_tool() for t in TOOLS], {2: "r1"}, {})
+    assert all(max(map(ord, c), default=0) < 256 for c in chunks)

@@ -114,7 +114,7 @@ def test_recorded_tokens_round_trip(any_tokenizer, actions, seed):
     # Every recorded output is stored once, as a policy node; injected text never is.
     outputs = [n for n in ex.tree.nodes if n.kind == "output"]
     assert len([n for n in outputs if n.policy]) == len(ex.calls)
-    roots = {ex.tree.nodes[c["prompt_path"][0]].root: c["role"] for c in ex.calls}
+    roots = {ex.tree.nodes[ex.prompt_path(c)[0]].root: c["role"] for c in ex.calls}
     assert all((r == "main") == (root == 0) for root, r in roots.items() if r in ("main", "sub-agent"))
 
 

@@ -38,8 +38,8 @@ def assert_extends(ex) -> int:
     """Each call's prompt starts with the previous call's prompt + output, verbatim."""
     tree = ex.tree
     for a, b in zip(ex.calls, ex.calls[1:]):
-        before = tree.tokens(a["prompt_path"]) + tree.nodes[a["output_node"]].tokens.tolist()
-        assert tree.tokens(b["prompt_path"])[:len(before)] == before
+        before = tree.tokens(ex.prompt_path(a)) + tree.nodes[a["output_node"]].tokens.tolist()
+        assert tree.tokens(ex.prompt_path(b))[:len(before)] == before
     return len(ex.calls) - 1
 
 
@@ -70,7 +70,7 @@ async def test_openai_multi_turn_tito(proxy, smollm2_dir, capsys):
             await c2.chat.completions.create(model="smollm2", messages=messages, max_tokens=1)
     (call,) = whole.calls
     if plain_text([m["content"] for m in messages]):
-        assert whole.tree.tokens(call["prompt_path"]) == hf_prompt(smollm2_dir, messages)
+        assert whole.tree.tokens(whole.prompt_path(call)) == hf_prompt(smollm2_dir, messages)
     with capsys.disabled():
         print(f"\nSmolLM2 TITO (openai): {checked} of {checked} prompt extensions exact over {len(ex.calls)} calls")
 
@@ -96,7 +96,7 @@ async def test_anthropic_multi_turn_tito_streaming(proxy, smollm2_dir, capsys):
                                  messages=messages + [{"role": "user", "content": "bye"}])
     (call,) = whole.calls
     if plain_text([m["content"] for m in flat]):
-        assert whole.tree.tokens(call["prompt_path"]) == hf_prompt(smollm2_dir, flat + [{"role": "user",
+        assert whole.tree.tokens(whole.prompt_path(call)) == hf_prompt(smollm2_dir, flat + [{"role": "user",
                                                                                            "content": "bye"}])
     with capsys.disabled():
         print(f"\nSmolLM2 TITO (anthropic, streamed): {checked} of {checked} prompt extensions exact over "
