@@ -27,7 +27,9 @@ pack_cpu_s_per_step = process_time() around the quiet Batch.run(); wire_bytes_ov
 the frames' bytes of that step / (4 x the tokens of the nodes on any admitted path, once per
 execution; admission as packing runs it). Indicative on a shared machine: each stall also
 gives the loop thread's CPU in it (little CPU: the process was descheduled). Not a test. Run:
-    python bench/scale.py [--quick] [--executions N] [--seconds S] [--rate R] [--json PATH]
+    python bench/scale.py [--quick] [--executions N] [--seconds S] [--rate R] [--model DIR] [--json PATH]
+--model DIR takes that directory's tokenizer and chat template (a real BPE such as SmolLM2's, about
+4 characters a token, where the tiny model's is one a byte), so bytes per token are a real model's.
 """
 
 from __future__ import annotations
@@ -83,6 +85,10 @@ except ImportError:  # older code: one gc.freeze() at the end of start-up, nothi
         @staticmethod
         def collect_frozen() -> dict:
             return {}
+try:
+    from gyre.coordinator.main import SWITCH_INTERVAL_S
+except ImportError:  # older code: CPython's default
+    SWITCH_INTERVAL_S = 0.005
 from gyre.proxy.admission import admit
 from gyre.proxy.backend import Chunk
 from gyre.proxy.chat import ChatTokenizer
@@ -92,7 +98,6 @@ from gyre.proxy.server import ProxyConfig, ProxyServer
 from gyre.proxy.types import ChatResult, Usage
 from gyre.workerd import wire
 
-STOP = 258  # <|im_end|> in the tiny model
 MODEL = "gyre-policy"
 WORDS = ("the of and to in is for def return self value list dict import from class data path file line error "
          "test result config parser token node tree call request output write read assert raise None").split()
@@ -140,6 +145,12 @@ def rss_peak() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
+def stop_id(tok: ChatTokenizer) -> int:
+    """The id that ends a ChatML turn (<|im_end|>: the tiny model and SmolLM2 are ChatML)."""
+    ids = tok.encode("<|im_end|>")
+    return ids[0] if len(ids) == 1 and ids[0] in tok.stop_token_ids else min(tok.stop_token_ids)
+
+
 def reserialise(msg: dict) -> dict:
     """The harness re-serialises tool-call arguments (indent, key order); the proxy restores them by id."""
     for c in msg.get("tool_calls") or []:
@@ -161,12 +172,12 @@ class InstantBackend:
     """Answers every call at once, in this loop, with one chunk: a short tool call + <|im_end|>."""
 
     def __init__(self, tok: ChatTokenizer):
-        self.tok, self.n = tok, 0
+        self.tok, self.n, self.stop = tok, 0, stop_id(tok)
 
     async def generate(self, rid, prompt_ids, params, execution=None):
         self.n += 1
         ids = self.tok.encode(f'<tool_call>\n{{"name": "bash", "arguments": {{"cmd": "ls {self.n}"}}}}\n</tool_call>')
-        ids = (ids + [STOP])[:params.max_new_tokens]
+        ids = (ids + [self.stop])[:params.max_new_tokens]
         yield Chunk(token_ids=ids, logprobs=[-0.5] * len(ids), version=0, finished=True, finish_reason="stop",
                     engine="bench")
 
@@ -193,7 +204,7 @@ class Life:
         req = api_openai.parse_request({"model": MODEL, "messages": list(msgs), "tools": TOOLS}, {},
                                        memo=ex.parse_memo)
         prep = ex.prepare(req, {})
-        ids = tok.encode(output) + [STOP]
+        ids = tok.encode(output) + [stop_id(tok)]
         parser = OutputParser(tok.decode, stop_token_ids=tok.stop_token_ids, tool_open=tok.tool_call_open,
                               tool_close=tok.tool_call_close, new_call_id=api_openai.new_tool_call_id)
         parser.feed(ids)
@@ -503,6 +514,7 @@ async def serve(args, tok: ChatTokenizer, model_dir: Path, root: Path) -> dict:
     conn, child_conn = ctx.Pipe()
     client_proc = ctx.Process(target=client_main, args=(child_conn,), daemon=True)
     client_proc.start()
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # as the coordinator sets it (its packing runs in a thread)
     policy = GcPolicy(args.gc_freeze_every_s)
     policy.start()  # as the coordinator does at the end of its start-up
     rss0 = rss()
@@ -640,6 +652,7 @@ def report(o: dict) -> None:
         return ", ".join(f"{x['ms']:.0f} ({x['cpu_ms']:.0f}) @{x['at_s']:.0f}s" for x in xs)
 
     rows = [
+        ("tokenizer", f"{o.get('model', 'tiny')}, vocabulary {o.get('vocab_size', '-'):,}"),
         ("executions (preloaded in-process)", f"{o['executions']}: {pre['calls']} calls in {pre['seconds']:.0f} s; "
                                               f"main context mean {pre['context_mean']:.0f}, max {pre['context_max']}"),
         ("unique stored tokens (all trees)", f"{o['unique_tokens']:,}"),
@@ -705,6 +718,8 @@ def main() -> None:
     ap.add_argument("--idle-calls", type=int, default=100)
     ap.add_argument("--call-timeout", type=float, default=120.0, help="client-side limit per call, s")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", metavar="DIR", help="a model directory whose tokenizer and chat template the proxy uses "
+                    "(default: the tiny model, one token per byte; e.g. gyre init-model smollm2 DIR for a real BPE)")
     freeze = defaults.get("gc_freeze_every_s")  # older code: none
     ap.add_argument("--gc-freeze-every-s", type=float, default=freeze.default if freeze else 0.0,
                     help="the coordinator's GcPolicy (0: Python's collector as it is)")
@@ -719,11 +734,14 @@ def main() -> None:
         ap.error(f"--groups x --group-size ({args.groups * args.group_size}) exceeds --executions ({args.executions})")
     with tempfile.TemporaryDirectory(prefix="gyre-scale-") as tmp:
         root = Path(tmp)
-        # The tiny model is written in a child: torch's objects would slow this process's GC.
-        subprocess.run([sys.executable, "-c", "import sys; from gyre.workerd.modeldir import init_tiny; "
-                        "init_tiny(sys.argv[1])", str(root / "model")], check=True)
-        tok = ChatTokenizer(root / "model")
-        out = results(args, uvloop.run(serve(args, tok, root / "model", root)))
+        model = Path(args.model) if args.model else root / "model"
+        if not args.model:  # the tiny model, written in a child: torch's objects would slow this process's GC
+            subprocess.run([sys.executable, "-c", "import sys; from gyre.workerd.modeldir import init_tiny; "
+                            "init_tiny(sys.argv[1])", str(model)], check=True)
+        tok = ChatTokenizer(model)
+        out = results(args, uvloop.run(serve(args, tok, model, root)))
+        out["model"] = model.name if args.model else "tiny (byte-level tokenizer)"
+        out["vocab_size"] = tok.vocab_size
     report(out)
     out.pop("profile", None)
     if args.json:
