@@ -27,6 +27,8 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from gyre.coordinator.link import WorkerDeadError, WorkerError, WorkerLink
 from gyre.proxy.backend import BackendUnavailable, Chunk, EngineRefused, GenParams
 from gyre.workerd import wire
@@ -204,6 +206,18 @@ def _rank(homes: dict[str, None], execution: str) -> int:
     raise KeyError(execution)
 
 
+def prompt_frame(prompt_ids, produced: list[int]) -> wire.TensorFrame:
+    """The prompt (and what a handed-back request already produced) as one raw frame: the
+    ids' bytes, never a list of Python ints (a 100k-token prompt is milliseconds of the loop
+    as a list, microseconds as an array)."""
+    ids = np.asarray(prompt_ids)
+    if ids.dtype not in (np.uint16, np.int32):
+        ids = ids.astype(np.int32)
+    if produced:
+        ids = np.concatenate([ids, np.asarray(produced, dtype=ids.dtype)])
+    return wire.TensorFrame(wire.PROMPT_FRAME, ids.dtype.name, ids.shape, ids)
+
+
 class LinkBackend:
     def __init__(self, link: WorkerLink, table: RoutingTable, *, wait_s: float = 30.0):
         self.link = link
@@ -229,14 +243,16 @@ class LinkBackend:
             route.started(loop.time())
             self._where[rid] = route.node
             frames = handover.pop("frames", None)
-            msg = wire.Generate(req_id=self.link.new_req_id(), rid=rid, prompt_ids=prompt_ids + produced,
+            prompt = prompt_frame(prompt_ids, produced)
+            msg = wire.Generate(req_id=self.link.new_req_id(), rid=rid, prompt_ids=[], prompt_in_frame=True,
                                 max_new_tokens=params.max_new_tokens - len(produced), temperature=params.temperature,
                                 top_p=params.top_p, stop_token_ids=list(params.stop_token_ids), seed=params.seed,
                                 kv_tokens=handover.pop("tokens", 0) if frames else 0)
             if frames:
                 self.kv_handovers += 1
+            frames = [prompt, *(frames or ())]
             handed_back = False
-            attempt = usage.attempt(len(msg.prompt_ids))
+            attempt = usage.attempt(prompt.shape[0])
 
             def keep_kv(chunk, tensors) -> None:
                 if chunk.kv_tokens:

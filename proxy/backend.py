@@ -14,6 +14,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GenParams:
@@ -48,7 +50,8 @@ class EngineRefused(ValueError):
 
 
 class Backend(Protocol):
-    def generate(self, rid: str, prompt_ids: list[int], params: GenParams,
+    # `prompt_ids`: a read-only numpy array of ids (uint16 or int32), as the tree holds them.
+    def generate(self, rid: str, prompt_ids: np.ndarray, params: GenParams,
                  execution: str | None = None) -> AsyncIterator[Chunk]: ...
 
     async def abort(self, rid: str) -> None: ...

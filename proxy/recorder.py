@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+import numpy as np
 import orjson
 
 from gyre.proxy.admission import J_MAX, Rows, Trajectory, admit, materialise
@@ -30,7 +31,7 @@ from gyre.proxy.types import ChatRequest, ChatResult, ContextOverflow, ParseMemo
 class Prepared:
     call_id: str
     path: list[int]
-    prompt_ids: list[int]
+    prompt_ids: np.ndarray  # the path's ids, read-only (Tree.ids dtype): no list of a long prompt's ints
     new_tokens: int  # prompt tokens that had to be encoded for this call
     role: str
     t_start: float
@@ -111,7 +112,7 @@ class Recorder:
         root = self.tree.nodes[path[0]].root
         delegated_by = self._delegated_by(req, root)
         role = self._classify(req, headers, root, delegated_by)
-        return Prepared(call_id, path, self.tree.tokens(path), new_tokens, role, time.time(), delegated_by)
+        return Prepared(call_id, path, self.tree.token_array(path), new_tokens, role, time.time(), delegated_by)
 
     def _match(self, req: ChatRequest, refs: dict[int, tuple[str, str]]) -> tuple[int, list[int], list[tuple]]:
         """The request's segments (`refs`: messages spliced in as recorded outputs) followed

@@ -107,10 +107,11 @@ class Tree:
         return out[::-1]
 
     def tokens(self, path: list[int]) -> list[int]:
-        """The path's ids as a list of ints (a prompt for the engine)."""
+        """The path's ids as a list of ints (tests, tools; the proxy keeps the array)."""
         return self.token_array(path).tolist()
 
     def token_array(self, path: list[int]) -> np.ndarray:
+        """The path's ids (a prompt for the engine), one new array."""
         if not path:
             return np.zeros(0, self.ids)
         return np.concatenate([self.nodes[n].tokens for n in path])

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 from aiohttp import web
 
 from gyre.proxy import api_anthropic
@@ -50,7 +51,7 @@ class ThreadEngineBackend:
         self._inbox.put(None)
         self._thread.join(timeout)
 
-    async def generate(self, rid: str, prompt_ids: list[int], params: GenParams,
+    async def generate(self, rid: str, prompt_ids, params: GenParams,
                        execution: str | None = None) -> AsyncIterator[Chunk]:
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
@@ -104,7 +105,7 @@ class ThreadEngineBackend:
             try:
                 params = self._sampling_cls(max_new_tokens=p.max_new_tokens, temperature=p.temperature,
                                             top_p=p.top_p, stop_token_ids=p.stop_token_ids, seed=p.seed)
-                self.engine.add_request(rid, prompt_ids, params)
+                self.engine.add_request(rid, np.asarray(prompt_ids).tolist(), params)  # the engine's thread
             except ValueError as e:  # the request's fault
                 self._deliver(rid, EngineRefused(str(e)))
             except Exception as e:  # noqa: BLE001 - handed to the waiting request

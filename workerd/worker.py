@@ -18,6 +18,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from gyre.workerd import wire
@@ -42,6 +43,17 @@ def kv_frames(cache) -> list[wire.TensorFrame]:
     for i, (k, v) in enumerate(zip(cache.k, cache.v)):
         frames += [to_frame(f"k.{i}", k[:, :n].contiguous()), to_frame(f"v.{i}", v[:, :n].contiguous())]
     return frames
+
+
+def prompt_of(msg: wire.Generate, tensors: list[wire.TensorFrame]) -> tuple[list[int], list[wire.TensorFrame]]:
+    """A Generate's prompt ids (from its "prompt" frame when it says so) and its other frames."""
+    if not msg.prompt_in_frame:
+        return msg.prompt_ids, tensors
+    frame = next((f for f in tensors if f.name == wire.PROMPT_FRAME), None)
+    if frame is None or frame.dtype not in ("uint16", "int32") or len(frame.shape) != 1:
+        raise ValueError("Generate.prompt_in_frame without a 1-d uint16/int32 frame named 'prompt'")
+    ids = np.frombuffer(frame.data, dtype=frame.dtype).tolist()
+    return ids, [f for f in tensors if f.name != wire.PROMPT_FRAME]
 
 
 def kv_from_frames(tensors: list[wire.TensorFrame], n: int):
@@ -208,10 +220,11 @@ class Worker:
             raise RoleError(f"node {self.node_id} is {self.role.value}, not rollout")
         params = SamplingParams(max_new_tokens=msg.max_new_tokens, temperature=msg.temperature,
                                 top_p=msg.top_p, stop_token_ids=tuple(msg.stop_token_ids), seed=msg.seed)
+        prompt_ids, tensors = prompt_of(msg, tensors or [])
         if msg.kv_tokens and tensors:
-            self.engine.add_request(msg.rid, msg.prompt_ids, params, kv=kv_from_frames(tensors, msg.kv_tokens))
+            self.engine.add_request(msg.rid, prompt_ids, params, kv=kv_from_frames(tensors, msg.kv_tokens))
         else:
-            self.engine.add_request(msg.rid, msg.prompt_ids, params)
+            self.engine.add_request(msg.rid, prompt_ids, params)
         self._streams[msg.rid] = msg.req_id
         return []
 

@@ -56,12 +56,12 @@ def run_call(ex: Recorder, tok, h: Harness, out, rng: random.Random, checks: lis
     req = ChatRequest(api="openai", model="m", messages=list(h.messages), tools=TOOLS)
     prep = ex.prepare(req, {})
     # The prompt is exactly the tree's tokens on the path...
-    assert prep.prompt_ids == ex.tree.tokens(prep.path)
+    assert prep.prompt_ids.tolist() == ex.tree.tokens(prep.path)
     # ...and a request repeating the history starts with the recorded prompt + output, verbatim,
     # on the recorded path through the recorded output itself (not a copy of it on a branch).
     if h.last is not None:
         p, o = h.last
-        checks.append(prep.prompt_ids[: len(p) + len(o)] == p + o)
+        checks.append(prep.prompt_ids[: len(p) + len(o)].tolist() == p + o)
         checks.append(prep.path[: len(h.last_path)] == h.last_path)
     ids = tok.encode(model_text(out)) + tok.encode("<|im_end|>")
     parser = OutputParser(tok.decode, stop_token_ids=tok.stop_token_ids, tool_open=tok.tool_call_open,
@@ -73,7 +73,7 @@ def run_call(ex: Recorder, tok, h: Harness, out, rng: random.Random, checks: lis
     result = ChatResult("r", "m", parser.content, parser.tool_calls, "stop", Usage(len(prep.prompt_ids), len(ids)))
     ex.complete(prep, output_ids=ids, logprobs=[-1.0] * len(ids), versions=[0] * len(ids), finish_reason="stop",
                 status="ok", engine="t", result=result, request=req)
-    h.last = (prep.prompt_ids, ids)
+    h.last = (prep.prompt_ids.tolist(), ids)
     h.last_path = [*prep.path, ex.calls[-1]["output_node"]]
     calls = [ToolCall(c.id, c.name, reserialise(c.arguments, rng)) for c in parser.tool_calls]
     h.messages.append(Message("assistant", parser.content, tool_calls=calls))

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import orjson
 
 from gyre.workerd.wire.messages import (  # noqa: F401 - re-exported: wire.X is the protocol's one name
+    PROMPT_FRAME,
     Abort,
     Aborted,
     Call,

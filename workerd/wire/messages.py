@@ -84,6 +84,9 @@ class Welcome:
     heartbeat_s: float = 1.0
 
 
+PROMPT_FRAME = "prompt"  # a Generate's prompt ids, when prompt_in_frame
+
+
 @_msg
 class Generate:
     """Start one rollout request; answered by a stream of `GenerateChunk`s sharing req_id."""
@@ -97,6 +100,9 @@ class Generate:
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
     kv_tokens: int = 0  # frames "k.L"/"v.L" hold the KV of the first kv_tokens prompt tokens
+    # True: the prompt is the frame "prompt" (its ids as raw uint16/int32), prompt_ids empty.
+    # The coordinator sends it so: a 100k-token list of ints costs its loop milliseconds.
+    prompt_in_frame: bool = False
 
 
 @_msg
