@@ -76,6 +76,8 @@ class Segmenter:
     def segments(self, messages: list[Message], tools: list[ToolSpec], refs: dict[int, str],
                  restore_args: dict[str, str]) -> list[Text | Ref]:
         tools_t = [t.as_template_tool() for t in tools]
+        # The recent renders are kept once: an equal tool list or message key is the recent one's.
+        tools_t = next((r.tools for r in self.recent if r.tools == tools_t), tools_t)
         keys = [_key(m, refs.get(i)) for i, m in enumerate(messages)]
         marks = _marks(messages, refs)
         chunks = self._incremental(messages, keys, marks, tools_t, refs, restore_args) if self.tok.local else None
@@ -98,6 +100,8 @@ class Segmenter:
                 c += 1
             if c > common:
                 best, common = prev, c
+        if best is not None:
+            keys[:common] = best.keys[:common]
         p = next((i for i in range(common - 2, 0, -1) if marks[i] >= 0), None)
         if best is None or p is None:
             return None
