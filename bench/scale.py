@@ -197,6 +197,7 @@ class Life:
 
     def __init__(self, ex: Recorder, tok: ChatTokenizer, rng: random.Random, prose: str):
         self.ex, self.tok, self.rng, self.prose, self.calls = ex, tok, rng, prose, 0
+        self.stop = stop_id(tok)
 
     def call(self, msgs: list[dict], output: str) -> tuple[dict, int]:
         """The reply message as the harness receives it, and the call's context (prompt + output)."""
@@ -204,7 +205,7 @@ class Life:
         req = api_openai.parse_request({"model": MODEL, "messages": list(msgs), "tools": TOOLS}, {},
                                        memo=ex.parse_memo)
         prep = ex.prepare(req, {})
-        ids = tok.encode(output) + [stop_id(tok)]
+        ids = tok.encode(output) + [self.stop]
         parser = OutputParser(tok.decode, stop_token_ids=tok.stop_token_ids, tool_open=tok.tool_call_open,
                               tool_close=tok.tool_call_close, new_call_id=api_openai.new_tool_call_id)
         parser.feed(ids)

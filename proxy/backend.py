@@ -50,7 +50,7 @@ class EngineRefused(ValueError):
 
 
 class Backend(Protocol):
-    # `prompt_ids`: a read-only numpy array of ids (uint16 or int32), as the tree holds them.
+    # `prompt_ids`: a numpy array of ids (uint16 or int32, the tree's dtype); not to be written.
     def generate(self, rid: str, prompt_ids: np.ndarray, params: GenParams,
                  execution: str | None = None) -> AsyncIterator[Chunk]: ...
 

@@ -470,8 +470,8 @@ def _token_text(value: Any) -> str | None:
 
 class _Memo:
     """A least-recently-used memo bounded by entries and by bytes (each entry's size as the
-    caller counts it: the key's string as Python stores it, 2 bytes a character once a
-    content marker is in it, and the value's)."""
+    caller counts it: the key's string as Python stores it, 1 to 4 bytes a character by its
+    widest character, and the value's)."""
 
     _MISSING = object()
 

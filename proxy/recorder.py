@@ -31,7 +31,7 @@ from gyre.proxy.types import ChatRequest, ChatResult, ContextOverflow, ParseMemo
 class Prepared:
     call_id: str
     path: list[int]
-    prompt_ids: np.ndarray  # the path's ids, read-only (Tree.ids dtype): no list of a long prompt's ints
+    prompt_ids: np.ndarray  # the path's ids, a new array (Tree.ids dtype): no list of a long prompt's ints
     new_tokens: int  # prompt tokens that had to be encoded for this call
     role: str
     t_start: float

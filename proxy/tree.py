@@ -29,10 +29,10 @@ def text_key(text: str) -> int:
     """A text segment's key among its siblings: Python's string hash (SipHash-1-3 under a
     random per-process key, computed once per string object and cached on it, so the
     segments a harness resends cost a lookup, not a pass over their text) with the length
-    folded in. Segment texts carry content markers, so a str of them takes 2 bytes a
-    character: keeping the text, the tree's keys would outweigh its token ids 2-4 times
-    over with a real tokenizer. Two different texts of one length under one parent would
-    have to agree on 64 keyed bits to be confused."""
+    folded in. A real tokenizer's token is about 4 characters, so keeping the text, the
+    tree's keys would outweigh its uint16 ids at least twice over (more for text past
+    Latin-1, which Python stores at 2-4 bytes a character). Two different texts of one
+    length under one parent would have to agree on 64 keyed bits to be confused."""
     return (hash(text) & 0xFFFF_FFFF_FFFF_FFFF) | (len(text) << 64)
 
 
@@ -53,14 +53,14 @@ class Node:
     logprobs: np.ndarray | None = None  # float32 behaviour log-probs (policy outputs)
     versions: np.ndarray | None = None  # int32 policy version per output token
     end: int = 0  # tokens from the root through this node
-    children: dict[tuple[str, str], int] = field(default_factory=dict)
+    children: dict[tuple[str, int | str], int] = field(default_factory=dict)
     root: int = 0  # index of its root among roots, in creation order
 
 
 class Tree:
     def __init__(self, vocab_size: int | None = None) -> None:
         self.nodes: list[Node] = []
-        self.roots: dict[tuple[str, str], int] = {}
+        self.roots: dict[tuple[str, int | str], int] = {}
         self.ids = id_dtype(vocab_size)
 
     def _add(self, parent: int, kind: str, key: int | str, tokens: Sequence[int], policy: bool, call_id: str,
