@@ -1,18 +1,23 @@
-"""inspect.py: `gyre inspect RUN_DIR`: each execution's trajectory tree and admission stats.
-
-Linear chains are folded: the view shows roots, branch points and leaves, with the role
-of each leaf and policy/external token counts along the way. Pure rendering from the
-recorded files; it changes nothing.
+"""inspect.py: `gyre inspect RUN_DIR`: the run's summary, then one row per execution; with
+`--execution ID` that execution's folded trajectory tree (roots, branch points, leaves) and
+admission stats. Outcomes come from config.json and metrics.jsonl (a torn line skipped), trees
+from each execution's nodes.jsonl / calls.jsonl. Pure rendering from the recorded files: it
+changes nothing, and reads a live run as it stands.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import orjson
+from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.tree import Tree as RichTree
 
+from gyre.coordinator.rundir import live_coordinator, state
 from gyre.proxy.admission import admit
 from gyre.proxy.records import Recorded, load_run
 from gyre.proxy.tree import Tree
@@ -32,15 +37,14 @@ def admission_stats(rec: Recorded, j_max: int | None) -> dict:
 
 
 def summary(rec: Recorded, j_max: int) -> dict:
+    """One execution's record: its tree, calls (`status`: the calls' statuses counted) and
+    admission. Its outcome (`execution_status`, `reward`, ...) is added by inspect_run."""
     s = rec.tree.stats()
     s["tree_expanded_tokens"] = s.pop("expanded_tokens")  # every leaf's path; `expanded_tokens` is training's
     admitted = admission_stats(rec, j_max)
     # What training at this J_max forwards, tree form against path rows (the run's default J_max).
     training = {k: admitted[k] for k in ("forward_tokens_tree", "unique_admitted_tokens", "expanded_tokens")}
-    roles: dict[str, int] = {}
-    for r in rec.leaf_roles.values():
-        roles[r] = roles.get(r, 0) + 1
-    return {"execution": rec.id, "calls": len(rec.calls), **s, "leaf_roles": roles,
+    return {"execution": rec.id, "calls": len(rec.calls), **s, "leaf_roles": _count(rec.leaf_roles.values()),
             "status": _count(c["status"] for c in rec.calls), **prefill_stats(rec.calls), **training,
             f"admission_j{j_max}": admitted, "admission_all": admission_stats(rec, None)}
 
@@ -64,9 +68,151 @@ def _count(items) -> dict:
     return out
 
 
+# --- the run: config.json and metrics.jsonl ------------------------------------------------
+
+
+@dataclass
+class RunLog:
+    """What a run directory's own files say: `command` "up" or "serve", `state` (for `gyre up`
+    runs) finished / stopped / running / crashed, and metrics.jsonl's events, the last of each
+    kind per execution or step (a resumed run may redo both)."""
+
+    command: str
+    state: str | None = None
+    steps_done: int | None = None
+    steps_target: int | None = None
+    outcomes: dict[str, dict] = field(default_factory=dict)  # execution id -> its `execution` event
+    groups: dict[str, int] = field(default_factory=dict)  # execution id -> group (`dispatch` events)
+    steps: dict[int, dict] = field(default_factory=dict)  # step -> its `step` event
+    summary: dict | None = None  # the closing `summary` event, if the run closed after its last step
+    skipped_lines: int = 0  # lines of metrics.jsonl that were no whole JSON object (a torn one)
+
+
+def read_run_log(run_dir: Path) -> RunLog:
+    config = _json_file(run_dir / "config.json")
+    if config is None or config.get("command") == "serve":  # `gyre serve` keeps no metrics
+        log = RunLog("serve")
+    else:
+        s = state(run_dir)  # the authority `gyre up --resume` reads; "crashed": no closing summary
+        running = s.kind == "crashed" and live_coordinator(run_dir)
+        log = RunLog("up", "running" if running else s.kind, s.steps_done, s.steps_target)
+    path = run_dir / "metrics.jsonl"
+    for line in path.read_bytes().splitlines() if path.exists() else []:
+        try:
+            ev = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            ev = None
+        if not isinstance(ev, dict):
+            log.skipped_lines += bool(line.strip())
+            continue
+        kind = ev.get("event")
+        if kind == "execution" and ev.get("id") is not None:
+            log.outcomes[ev["id"]] = ev
+        elif kind == "dispatch":
+            log.groups.update({rid: ev.get("group") for rid in ev.get("runs") or []})
+        elif kind == "step" and ev.get("step") is not None:
+            log.steps[int(ev["step"])], log.summary = ev, None
+        elif kind == "summary":
+            log.summary = ev
+    return log
+
+
+def _json_file(path: Path) -> dict | None:
+    try:
+        obj = orjson.loads(path.read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def outcome(run_dir: Path, log: RunLog, ex_id: str) -> dict:
+    """An execution's status, reward and validity as the run recorded them. With no
+    `execution` event it has none yet: never a made-up reward, only a status saying why."""
+    ev = log.outcomes.get(ex_id)
+    if ev is not None:
+        return {"execution_status": ev.get("status"), "reward": ev.get("reward"), "valid": ev.get("valid"),
+                "group": ev.get("group", log.groups.get(ex_id))}
+    served = _json_file(run_dir / "executions" / ex_id / "summary.json")
+    if served is not None:  # `gyre serve --harness` ran it once; "score" only where a task scored it
+        return {"execution_status": served.get("status"), "reward": served.get("score"),
+                "valid": served.get("valid"), "group": None}
+    if (run_dir / "executions" / f"{ex_id}-r1").is_dir():
+        status = "redone"  # in flight at a crash; the resumed run dispatched it again (resume.redo_id)
+    else:
+        status = {"running": "running", "crashed": "interrupted"}.get(log.state or "", "unknown")
+    return {"execution_status": status, "reward": None, "valid": None, "group": log.groups.get(ex_id)}
+
+
+def run_summary(run_dir: Path, log: RunLog, outcomes: dict[str, dict], calls: list[dict]) -> dict:
+    """The run as a whole: progress, executions by status, rewards, tokens trained, prefill.
+    `reward_mean` is over the valid executions with a reward, as a step's `reward_mean` is."""
+    rewards = [o["reward"] for o in outcomes.values() if o["valid"] is not False and o["reward"] is not None]
+    last = log.steps[max(log.steps)] if log.steps else None
+    trained = (log.summary or {}).get("tokens_trained")
+    if trained is None and log.steps:
+        trained = sum(s.get("tokens_trained") or 0 for s in log.steps.values())
+    return {"run_dir": str(run_dir), "command": log.command, "state": log.state,
+            "steps_done": log.steps_done, "steps_target": log.steps_target,
+            "executions": len(outcomes), "execution_status": _count(o["execution_status"] for o in outcomes.values()),
+            "rewarded": len(rewards), "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+            "last_step": None if last is None else {k: last.get(k) for k in ("step", "reward_mean", "tokens_trained")},
+            "tokens_trained": trained, "calls": len(calls), **prefill_stats(calls),
+            "unrecorded": sorted(i for i in outcomes if not (run_dir / "executions" / i).is_dir()),
+            "skipped_lines": log.skipped_lines}
+
+
+# --- rendering ----------------------------------------------------------------------------
+
+
+def render_run(run: dict) -> list[str]:
+    """The summary's lines: progress, executions by status, rewards and tokens, prefill."""
+    if run["command"] == "serve":
+        head = f"[bold]{escape(run['run_dir'])}[/]: gyre serve run"
+    else:
+        target = "?" if run["steps_target"] is None else run["steps_target"]
+        head = f"[bold]{escape(run['run_dir'])}[/]: {run['state']}, step {run['steps_done']}/{target}"
+    by_status = ", ".join(f"{escape(str(k))} {v}" for k, v in sorted(run["execution_status"].items(),
+                                                                      key=lambda kv: (-kv[1], str(kv[0]))))
+    never = f" ({len(run['unrecorded'])} never started)" if run["unrecorded"] else ""
+    n = run["executions"]
+    lines = [head, f"{n} execution{'' if n == 1 else 's'}{never}: {by_status or 'none yet'}"]
+    reward = f"reward mean {_reward(run['reward_mean'])} ({run['rewarded']} scored)"
+    if run["last_step"] is not None:
+        reward += f"; step {run['last_step']['step']}: {_reward(run['last_step']['reward_mean'])}"
+    if run["command"] == "up":
+        lines.append(reward + f"; {_num(run['tokens_trained'])} tokens trained")
+    elif run["rewarded"]:  # a `gyre serve --task` run, scored by its task's tests
+        lines.append(reward)
+    lines.append(f"{run['calls']} calls: prompt tokens reused {_num(run['cached_tokens'])}, computed "
+                 f"{_num(run['prefill_tokens'])}, cache hits {_pct(run['cache_hit_rate'])}")
+    if run["skipped_lines"]:
+        lines.append(f"[yellow]{run['skipped_lines']} torn line(s) in metrics.jsonl skipped[/]")
+    return lines
+
+
+def render_rows(rows: list[dict]) -> Table:
+    """One row per execution: its outcome, then its calls and tree."""
+    # No vertical rules, one space between columns and two-line headers: a row fits in 80
+    # columns (a pipe, a CI log), `leaf roles` last, where it may wrap.
+    t = Table(box=box.SIMPLE_HEAD, show_edge=False, padding=0, header_style="bold")
+    t.add_column("execution", no_wrap=True)
+    t.add_column("group", justify="right")
+    t.add_column("status", no_wrap=True)
+    for col in ("reward", "valid", "calls", "policy\ntokens", "external\ntokens", "cache\nhits"):
+        t.add_column(col, justify="right", no_wrap=True)
+    t.add_column("leaf roles")
+    for s in rows:
+        valid = {True: "yes", False: "no"}.get(s["valid"], "n/a")
+        roles = ", ".join(f"{k} {v}" for k, v in sorted(s["leaf_roles"].items(), key=lambda kv: (-kv[1], kv[0])))
+        t.add_row(escape(s["execution"]), _num(s["group"]), escape(str(s["execution_status"])),
+                  _reward(s["reward"]), valid, str(s["calls"]), str(s["policy_tokens"]), str(s["external_tokens"]),
+                  _pct(s["cache_hit_rate"]), escape(roles) or "-")
+    return t
+
+
 def render_tree(rec: Recorded) -> RichTree:
     tree = rec.tree
-    view = RichTree(f"[bold]{rec.id}[/] ({len(rec.calls)} calls)")
+    view = RichTree(f"[bold]{escape(rec.id)}[/] ({len(rec.calls)} calls)")
     for rid in tree.roots.values():
         _fold(tree, rid, view, rec.leaf_roles)
     return view
@@ -97,31 +243,51 @@ def _fold(tree: Tree, start: int, parent_view: RichTree, roles: dict[int, str]) 
         _fold(tree, child, branch, roles)
 
 
-def inspect_run(run_dir: Path, *, execution: str | None, as_json: bool, j_max: int, console: Console) -> list[dict]:
-    records = [r for r in load_run(run_dir) if execution is None or r.id == execution]
-    if execution is not None and not records:
+def render_admission(s: dict, j_max: int) -> Table:
+    """One execution's tree and admission figures."""
+    t = Table(show_header=True, header_style="bold")
+    for col in ("nodes", "roots", "leaves", "unique tokens", "expanded tokens",
+                f"admitted @J={j_max}", "admitted @all", "cache hits"):
+        t.add_column(col, justify="right")
+    t.add_row(str(s["nodes"]), str(s["roots"]), str(s["leaves"]), str(s["unique_tokens"]),
+              str(s["tree_expanded_tokens"]), str(s[f"admission_j{j_max}"]["admitted_tokens"]),
+              str(s["admission_all"]["admitted_tokens"]), _pct(s["cache_hit_rate"]))
+    return t
+
+
+def inspect_run(run_dir: Path, *, execution: str | None, as_json: bool, j_max: int, console: Console) -> dict:
+    """{"run": the run's summary, "executions": one summary per execution (or only
+    `execution`'s)}; printed unless `as_json`. Trees are shown for `--execution`, or where
+    the run has a single execution (a `gyre serve --harness` run)."""
+    records = load_run(run_dir)
+    log = read_run_log(run_dir)
+    outcomes = {i: outcome(run_dir, log, i) for i in sorted({r.id for r in records} | set(log.outcomes))}
+    run = run_summary(run_dir, log, outcomes, [c for r in records for c in r.calls])
+    chosen = [r for r in records if execution is None or r.id == execution]
+    if execution is not None and not chosen:
         raise FileNotFoundError(f"no execution {execution!r} in {run_dir}")
-    out = [summary(r, j_max) for r in records]
-    if as_json:
-        return out
-    for rec, s in zip(records, out):
-        console.print(render_tree(rec))
-        t = Table(show_header=True, header_style="bold")
-        for col in ("nodes", "roots", "leaves", "unique tokens", "expanded tokens",
-                    f"admitted @J={j_max}", "admitted @all", "cache hits"):
-            t.add_column(col, justify="right")
-        hit = s["cache_hit_rate"]
-        t.add_row(str(s["nodes"]), str(s["roots"]), str(s["leaves"]), str(s["unique_tokens"]),
-                  str(s["tree_expanded_tokens"]), str(s[f"admission_j{j_max}"]["admitted_tokens"]),
-                  str(s["admission_all"]["admitted_tokens"]), "n/a" if hit is None else f"{hit:.1%}")
-        console.print(t)
-    if len(records) > 1:
-        total = prefill_stats([c for r in records for c in r.calls])
-        hit = total["cache_hit_rate"]
-        console.print(f"{len(records)} executions, {sum(len(r.calls) for r in records)} calls: prompt tokens "
-                      f"reused {_num(total['cached_tokens'])}, computed {_num(total['prefill_tokens'])}, "
-                      f"cache hits {'n/a' if hit is None else f'{hit:.1%}'}")
-    return out
+    rows = [{**summary(r, j_max), **outcomes[r.id]} for r in chosen]
+    if not as_json:
+        if execution is None:
+            for line in render_run(run):
+                console.print(line, soft_wrap=True)  # a long run path is not cut mid-line
+        if rows:
+            console.print(render_rows(rows))
+        if execution is not None or len(records) == 1:
+            for rec, s in zip(chosen, rows):
+                console.print(render_tree(rec))
+                console.print(render_admission(s, j_max))
+        elif records:
+            console.print("[dim]one execution's trajectory tree: gyre inspect RUN_DIR --execution ID[/]")
+    return {"run": run, "executions": rows}
+
+
+def _reward(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.3f}"
+
+
+def _pct(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.1%}"
 
 
 def _num(v: int | None) -> str:

@@ -38,7 +38,8 @@ def test_serve_demo_harness_inspect(tmp_path):
 
     r = CliRunner().invoke(app, ["inspect", str(run), "--json"])
     assert r.exit_code == 0, r.output
-    (ex,) = json.loads(r.output)
+    out = json.loads(r.output)
+    (ex,) = out["executions"]
     assert ex["execution"] == "serve" and ex["roots"] == 2  # main + the sub-agent's own root
     assert ex["leaf_roles"].get("main-summary") == 1 and ex["leaf_roles"].get("sub-agent") == 1
     assert ex["leaf_roles"].get("main", 0) >= 1
@@ -50,8 +51,13 @@ def test_serve_demo_harness_inspect(tmp_path):
     # Its turns resend the history, which the engine's prefix cache holds (one engine here).
     assert ex["cached_tokens"] > 0 and ex["prefill_tokens"] > 0
     assert ex["cache_hit_rate"] == round(ex["cached_tokens"] / (ex["cached_tokens"] + ex["prefill_tokens"]), 4)
+    # A client drove it, nobody scored it: no status of its own, no reward made up.
+    assert (ex["execution_status"], ex["reward"]) == ("unknown", None)
+    assert (out["run"]["command"], out["run"]["calls"], out["run"]["cached_tokens"]) == (
+        "serve", ex["calls"], ex["cached_tokens"])
     text = CliRunner().invoke(app, ["inspect", str(run)])
     assert text.exit_code == 0 and "main-summary leaf" in text.output and "sub-agent leaf" in text.output
+    assert text.output.index("gyre serve run") < text.output.index("main-summary leaf")
 
 
 def test_inspect_of_a_non_run_is_a_one_line_error(tmp_path):
@@ -79,7 +85,7 @@ def test_serve_executions_gives_each_client_its_own_key_and_execution(tmp_path):
         _, err = serve.communicate(timeout=60)
     assert serve.returncode == 0, err[-2000:]
     r = CliRunner().invoke(app, ["inspect", str(run), "--json"])
-    listed = json.loads(r.output)
+    listed = json.loads(r.output)["executions"]
     assert [e["execution"] for e in listed] == ["serve-1", "serve-2"]
     assert all(e["roots"] == 1 and set(e["leaf_roles"]) == {"main"} for e in listed)  # nobody's sub-agent
     bad = CliRunner().invoke(app, ["serve", "--executions", "0"])

@@ -132,7 +132,7 @@ def test_serve_runs_the_demo_harness_once(tmp_path):
     assert summary["roles"] == {"main": summary["calls"]}
     assert json.loads((run / "executions" / "serve" / "summary.json").read_text()) == summary
     r = CliRunner().invoke(app, ["inspect", str(run), "--json"])
-    assert r.exit_code == 0 and json.loads(r.output)[0]["calls"] == summary["calls"]
+    assert r.exit_code == 0 and json.loads(r.output)["executions"][0]["calls"] == summary["calls"]
 
 
 # (Braces doubled: a preset's argv is a format string, {state} and the like are placeholders.)
