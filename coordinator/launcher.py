@@ -56,6 +56,7 @@ from gyre.coordinator.sandbox.base import (
 )
 from gyre.coordinator.sandbox.hosts import PING_INTERVAL_S, PING_TIMEOUT_S, HostPool, SandboxHost, host_specs
 from gyre.coordinator.sandbox.netns import ProxyRelay
+from gyre.coordinator.sandbox.preflight import task_refusal
 from gyre.coordinator.sandbox.process import ProcessBackend
 from gyre.coordinator.tasks import Task, make_workspace
 from gyre.coordinator.verifier import SOLUTION_DIR, TESTS_DIR, build_verifier
@@ -264,16 +265,10 @@ class Launcher:
             host.building -= 1
 
     def check_task(self, task: Task) -> None:
-        env = task.environment
-        if env is not None and env.allow_internet and not self.spec.allow_internet:
-            raise SandboxError(f"task {task.id!r} asks allow_internet = true; set sandbox_internet = true in the "
-                               "run config to give sandboxes the internet")
-        if env is not None and (env.image or env.build_dir) and not self.backend.needs_image:
-            raise SandboxError(f"task {task.id!r} runs in its own image; sandbox {self.backend.name!r} runs no "
-                               "images (use sandbox = \"podman\" or \"docker\")")
-        if task.verifier and not self.backend.needs_image:
-            raise SandboxError(f"task {task.id!r} is verified inside its sandbox; sandbox {self.backend.name!r} "
-                               "has none")
+        why = task_refusal(task, backend=self.backend.name, needs_image=self.backend.needs_image,
+                           internet=self.spec.allow_internet)
+        if why is not None:
+            raise SandboxError(why)
 
     # --- one execution ------------------------------------------------------------------
 

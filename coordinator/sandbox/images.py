@@ -9,6 +9,8 @@ ca-certificates, the host's extra CA certificates, and the `openai` package with
 dependencies, which the demo harness needs), imported into the engine; the root's tar is
 kept in the cache folder ($GYRE_IMAGE_CACHE, else $GYRE_CACHE, else ~/.cache/gyre), so a second engine or a
 clone imports it in seconds. Needs root and debootstrap; elsewhere the error says so.
+Builds report through the `gyre.coordinator` logger at INFO (what is built, debootstrap's
+stages, each Dockerfile step, the seconds it took): a first run is not silent for minutes.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from gyre.coordinator.sandbox.base import ImageBuildError
@@ -36,6 +40,9 @@ BASE_PYTHON = "3.11"  # bookworm's python3
 BASE_PIP = ("openai",)  # the demo harness's one dependency, with its own
 BASE_RECIPE = f"bookworm minbase {' '.join(BASE_PACKAGES)} pip:{' '.join(BASE_PIP)} v1"
 _base_lock = asyncio.Lock()
+HOST_CA_DIR = Path("/usr/local/share/ca-certificates")  # the host's extra CAs, trusted in the base image too
+HEARTBEAT_S = 10.0  # a debootstrap stage longer than this says where it is this often
+STEP = re.compile(r"^(STEP|Step) \d+/\d+\s*:")  # a build step line: podman's `STEP 2/5:`, docker's `Step 2/5 :`
 
 
 def cache_dir() -> Path:
@@ -91,7 +98,9 @@ async def build(backend, folder: Path, tag: str, *, dockerfile: str | None, time
         return
     if BASE_IMAGE in from_images(folder, dockerfile):
         await ensure_base(backend)
-    log.info("%s: building %s from %s", backend.name, tag, folder)
+    log.info("%s: building %s from %s (once per content of the folder; later runs reuse it)", backend.name, tag,
+             folder)
+    start = time.monotonic()
 
     def run() -> None:
         import docker.errors
@@ -101,6 +110,10 @@ async def build(backend, folder: Path, tag: str, *, dockerfile: str | None, time
             for chunk in backend.client.api.build(path=str(folder), tag=tag, dockerfile=dockerfile, rm=True,
                                                   forcerm=True, decode=True, labels={"gyre.content": tag}):
                 if "stream" in chunk:
+                    for line in chunk["stream"].splitlines():
+                        if STEP.match(line):  # one line per step: the build's progress
+                            log.info("%s: %s: %s (%.0f s)", backend.name, tag, line.strip()[:200],
+                                     time.monotonic() - start)
                     lines.extend(chunk["stream"].splitlines())
                     del lines[:-50]
                 if "error" in chunk or "errorDetail" in chunk:
@@ -115,6 +128,7 @@ async def build(backend, folder: Path, tag: str, *, dockerfile: str | None, time
         await asyncio.wait_for(backend.io(run), timeout_s)
     except TimeoutError:
         raise ImageBuildError(f"building {folder}: not done after {timeout_s:g}s (build_timeout_sec)") from None
+    log.info("%s: built %s in %.1f s", backend.name, tag, time.monotonic() - start)
 
 
 async def ensure_present(backend, image: str, *, timeout_s: float) -> None:
@@ -141,6 +155,7 @@ async def ensure_base(backend) -> None:
     async with _base_lock:
         if await backend.io(backend.image_exists, BASE_IMAGE):
             return
+        start = time.monotonic()
         tar = await asyncio.to_thread(base_rootfs)
         log.info("%s: importing %s from %s", backend.name, BASE_IMAGE, tar)
 
@@ -158,6 +173,7 @@ async def ensure_base(backend) -> None:
         await backend.io(load)
         if not await backend.io(backend.image_exists, BASE_IMAGE):
             raise ImageBuildError(f"importing {tar} as {BASE_IMAGE}: the engine reported no image")
+        log.info("%s: %s ready in %.1f s", backend.name, BASE_IMAGE, time.monotonic() - start)
 
 
 def base_rootfs() -> Path:
@@ -170,31 +186,81 @@ def base_rootfs() -> Path:
         raise ImageBuildError(f"{BASE_IMAGE} is missing and cannot be built here: it needs root and debootstrap "
                               "(apt-get install debootstrap), or import your own image under that name")
     out.parent.mkdir(parents=True, exist_ok=True)
+    mirror = debian_mirror()
+    log.info("building gyre's base image %s (%s from %s; the first build takes about a minute, later ones reuse "
+             "%s)", BASE_IMAGE, BASE_RECIPE, mirror, out)
+    start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="gyre-base-", dir=out.parent) as tmp:
         root = Path(tmp, "root")
         _run(["debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}", BASE_TAG, str(root),
-              debian_mirror()], "debootstrap")
-        extra = sorted(Path("/usr/local/share/ca-certificates").glob("*.crt"))
+              mirror], "debootstrap", on_line=_Stages(start))
+        extra = sorted(HOST_CA_DIR.glob("*.crt"))
         if extra:  # a host behind an inspecting proxy: HTTPS from builds needs its CAs
+            _progress(start, f"trusting the host's {len(extra)} extra CA certificate(s)")
             for crt in extra:
                 shutil.copy2(crt, root / "usr/local/share/ca-certificates" / crt.name)
             _run(["chroot", str(root), "update-ca-certificates"], "update-ca-certificates")
+        _progress(start, f"adding the Python packages {' '.join(BASE_PIP)} and their dependencies")
         _python_packages(root / "usr/local/lib" / f"python{BASE_PYTHON}" / "dist-packages")
         for junk in ("var/cache/apt/archives", "var/lib/apt/lists"):
             for p in (root / junk).glob("*"):
                 if p.is_file():
                     p.unlink()
+        _progress(start, "packing the root into a tar")
         part = Path(tmp, "root.tar")
         _run(["tar", "-C", str(root), "--numeric-owner", "-cf", str(part), "."], "tar")
         os.replace(part, out)
+    log.info("%s: root built in %.1f s: %s", BASE_IMAGE, time.monotonic() - start, out)
     return out
 
 
-def _run(argv: list[str], what: str) -> None:
-    r = subprocess.run(argv, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise ImageBuildError(f"building {BASE_IMAGE}: {what} failed (exit {r.returncode}): "
-                              f"{_tail((r.stderr or r.stdout).splitlines())}")
+def _progress(start: float, what: str) -> None:
+    log.info("%s: %s (%.0f s)", BASE_IMAGE, what, time.monotonic() - start)
+
+
+class _Stages:
+    """debootstrap's `I:` lines, one log line per stage (Retrieving, Extracting, Installing,
+    Unpacking, Configuring...), not one per package; a long stage says where it is every
+    HEARTBEAT_S seconds."""
+
+    def __init__(self, start: float):
+        self.start, self.stage, self.count, self.said = start, None, 0, start
+
+    def __call__(self, line: str) -> None:
+        if not line.startswith("I: "):
+            return
+        text = line[3:].strip()
+        stage = (text.split() or [""])[0]
+        stage = "Retrieving" if stage == "Validating" else stage  # they alternate, package by package
+        now = time.monotonic()
+        if stage != self.stage:
+            self.stage, self.count = stage, 0
+        elif now - self.said < HEARTBEAT_S:
+            self.count += 1
+            return
+        self.count += 1
+        self.said = now
+        more = f", line {self.count} of this stage" if self.count > 1 else ""
+        log.info("%s: debootstrap: %s (%.0f s%s)", BASE_IMAGE, text[:160], now - self.start, more)
+
+
+def _run(argv: list[str], what: str, on_line: Callable[[str], None] | None = None) -> None:
+    """`argv` to its end, its output read as it comes (to `on_line`); ImageBuildError naming
+    `what` and the output's tail when it fails."""
+    lines: list[str] = []
+    try:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, errors="replace")
+    except OSError as e:
+        raise ImageBuildError(f"building {BASE_IMAGE}: {what} could not start: {e}") from None
+    with proc:
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            del lines[:-50]
+            if on_line is not None:
+                on_line(line)
+    if proc.returncode != 0:
+        raise ImageBuildError(f"building {BASE_IMAGE}: {what} failed (exit {proc.returncode}): {_tail(lines)}")
 
 
 def debian_mirror() -> str:

@@ -50,6 +50,13 @@ def podman_env() -> dict[str, str]:
     return {**os.environ, "CONTAINERS_CONF": str(conf_path())}
 
 
+def unavailable() -> str | None:
+    """Why gyre cannot start its own podman service here, ending with the fix; None when it can."""
+    if shutil.which("podman") is None:
+        return "the `podman` command is not on PATH; install it (apt-get install -y podman runc)"
+    return None
+
+
 def _die_with_parent() -> None:
     """In the child, before exec: SIGTERM when the coordinator dies, however it dies (Linux)."""
     import ctypes
@@ -73,9 +80,10 @@ class PodmanBackend(DockerAPIBackend):
         await super().open()
 
     async def _start_service(self) -> None:
+        why = unavailable()
+        if why is not None:
+            raise SandboxError(f"sandbox podman: {why}")
         exe = shutil.which("podman")
-        if exe is None:
-            raise SandboxError("podman is not installed (apt-get install -y podman runc)")
         self._tmp = tempfile.TemporaryDirectory(prefix="gyre-podman-")  # short: unix socket paths are limited
         sock = Path(self._tmp.name) / "podman.sock"
         self.base_url = f"unix://{sock}"

@@ -3,8 +3,9 @@
 No isolation (the embedded default and harnesses that need none): the workspace is a host
 folder, `exec` starts the command in its own session with the host's environment plus the
 given variables, and the deadline is SIGTERM to its process group, SIGKILL after the grace.
-Every process it starts carries GYRE_SANDBOX_OWNER / GYRE_SANDBOX_RUN_DIR in its
-environment, which is how `reap` finds the harnesses a killed coordinator left behind.
+Every process it starts carries GYRE_SANDBOX_OWNER / GYRE_SANDBOX_RUN_DIR (and the maker's
+process and the execution) in its environment, which is how `reap` finds the harnesses a
+killed coordinator left behind.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from gyre.coordinator.sandbox.base import (
+    LABEL_EXECUTION,
     LABEL_OWNER,
     LABEL_PROCESS,
     LABEL_RUN_DIR,
@@ -30,6 +32,8 @@ from gyre.coordinator.sandbox.base import (
 
 OUTPUT_TAIL = 64 * 1024
 ENV_OWNER, ENV_RUN_DIR, ENV_PROCESS = "GYRE_SANDBOX_OWNER", "GYRE_SANDBOX_RUN_DIR", "GYRE_SANDBOX_PROCESS"
+ENV_EXECUTION = "GYRE_SANDBOX_EXECUTION"
+_ENV_MARKERS = {ENV_OWNER.encode(), ENV_RUN_DIR.encode(), ENV_PROCESS.encode(), ENV_EXECUTION.encode()}
 
 
 async def _read_tail(stream: asyncio.StreamReader | None, log: BinaryIO | None) -> bytes:
@@ -162,7 +166,7 @@ class ProcessBackend(SandboxBackend):
 def markers(labels) -> dict[str, str]:
     """A sandbox's labels as the environment markers its processes carry (the reaper reads them)."""
     return {ENV_OWNER: labels.get(LABEL_OWNER, ""), ENV_RUN_DIR: labels.get(LABEL_RUN_DIR, ""),
-            ENV_PROCESS: labels.get(LABEL_PROCESS, "")}
+            ENV_PROCESS: labels.get(LABEL_PROCESS, ""), ENV_EXECUTION: labels.get(LABEL_EXECUTION, "")}
 
 
 def _environ(pid: str) -> dict[str, str]:
@@ -173,14 +177,15 @@ def _environ(pid: str) -> dict[str, str]:
     out = {}
     for item in raw.split(b"\0"):
         key, sep, value = item.partition(b"=")
-        if sep and key in (ENV_OWNER.encode(), ENV_RUN_DIR.encode(), ENV_PROCESS.encode()):
+        if sep and key in _ENV_MARKERS:
             out[key.decode()] = value.decode(errors="replace")
     return out
 
 
 def reap_processes(alive) -> int:
-    """SIGKILL the process groups gyre started for runs that are not alive."""
-    killed = 0
+    """SIGKILL the process groups gyre started for runs that are not alive; returns how many
+    sandboxes they made up (one sandbox is several processes: a bubblewrap holder alone is three)."""
+    reaped: set[tuple[str, str]] = set()
     me = os.getpid()
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == me:
@@ -188,12 +193,15 @@ def reap_processes(alive) -> int:
         env = _environ(entry)
         if ENV_OWNER not in env:
             continue
+        execution = env.get(ENV_EXECUTION, "")
         if alive({LABEL_OWNER: env[ENV_OWNER], LABEL_RUN_DIR: env.get(ENV_RUN_DIR, ""),
-                  LABEL_PROCESS: env.get(ENV_PROCESS, "")}):
+                  LABEL_PROCESS: env.get(ENV_PROCESS, ""), LABEL_EXECUTION: execution}):
             continue
         try:
-            os.killpg(os.getpgid(int(entry)), signal.SIGKILL)
-            killed += 1
+            pgid = os.getpgid(int(entry))
+            os.killpg(pgid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
-            pass
-    return killed
+            continue
+        # A process of an older gyre carries no execution: its group stands for its sandbox.
+        reaped.add((env[ENV_OWNER], execution or f"group {pgid}"))
+    return len(reaped)
