@@ -56,9 +56,11 @@ from gyre.cli.options import (
     StepsOpt,
     TaskDirOpt,
     TaskOpt,
+    TasksOpt,
     TimeoutOpt,
     TopTargetArg,
     TrainerBackendOpt,
+    UpSandboxOpt,
     WelcomeTimeoutOpt,
     WheelOpt,
     WorkerNamesOpt,
@@ -209,6 +211,8 @@ def up(
     no_live: NoLiveOpt = False,
     set_: SetOpt = None,
     resume: ResumeOpt = None,
+    sandbox: UpSandboxOpt = None,
+    tasks: TasksOpt = None,
 ) -> None:
     """Run online RL: the coordinator, local worker daemons, the harness and the tasks
     (with no CONFIG: the embedded default, tiny model and demo harness)."""
@@ -217,20 +221,26 @@ def up(
 
     live = not no_live and sys.stdout.isatty()
     if resume is not None:
-        if config or policy or run_dir or model or seed is not None or set_:
+        if config or policy or run_dir or model or seed is not None or set_ or sandbox or tasks:
             _fail(ValueError("--resume takes the run's own config.json; only --steps may change"))
         lock = _guard(claim, run_dir=absolute(resume), resume=True)
         try:
             cfg, _, _ = _resolve_config(lock.run_dir / "config.json", [], steps=steps, run_dir=lock.run_dir)
-            _guard(run_up, config=cfg, live=live, resume=True)
+            code = 0
+            if _resumable(lock.run_dir, target=cfg.steps, extended=steps is not None):
+                _preflight(cfg)
+                code = _guard(run_up, config=cfg, live=live, resume=True)
         finally:
             lock.release()
-        return
+        raise typer.Exit(code)
     # Everything is checked before the run directory is made: a refused run leaves nothing behind.
-    cfg, _, _ = _resolve_config(config, set_ or [], steps=steps, policy=policy, run_dir=run_dir, model=model,
-                                seed=seed)
+    cfg, file_values, _ = _resolve_config(config, set_ or [], steps=steps, policy=policy, run_dir=run_dir,
+                                          model=model, seed=seed, sandbox=sandbox, tasks_path=tasks)
     _installed(cfg.preset())
+    _preflight(cfg)
     made = not cfg.run_dir.exists()
+    if run_dir is None and "run_dir" not in file_values and not any(x.startswith("run_dir=") for x in set_ or []):
+        cfg, made = _fresh_run_dir(cfg), True  # the default name, made here: unique even within a second
     lock = _guard(claim, run_dir=cfg.run_dir)
     try:
         try:  # the tiny default, written into the run directory unless a model was named
@@ -239,9 +249,52 @@ def up(
             if made:
                 shutil.rmtree(cfg.run_dir, ignore_errors=True)
             raise
-        _guard(run_up, config=cfg, live=live)
+        code = _guard(run_up, config=cfg, live=live)
     finally:
         lock.release()
+    raise typer.Exit(code)
+
+
+def _resumable(run_dir: Path, target: int, extended: bool) -> bool:
+    """Whether the run has steps left to do; one that has not says so (before any worker
+    starts) and how to extend it. Not an error: the systemd unit starts a finished run again
+    at every boot, and must not be restarted for it."""
+    from gyre.coordinator.rundir import state
+
+    s = state(run_dir)
+    if s.kind == "finished" and target <= s.steps_done:
+        more = f" with N > {s.steps_done}" if extended else ""
+        typer.echo(f"run directory {run_dir} holds a finished run ({s.steps_done}/{s.steps_target} steps): nothing "
+                   f"to resume; extend it with `gyre up --resume {run_dir} --steps N`{more}")
+        return False
+    return True
+
+
+def _preflight(cfg) -> None:
+    """What the machine must offer the run, checked before a worker starts or a directory is
+    made: the fixed ports free, the sandbox backend there."""
+    from gyre.coordinator.preflight import check_ports
+    from gyre.coordinator.sandbox.preflight import check_sandbox
+    from gyre.coordinator.taskformats import load_task_source
+
+    _guard(check_ports, config=cfg)
+    tasks = _guard(load_task_source, path=cfg.tasks_path) if cfg.tasks_path else []
+    _guard(check_sandbox, backend=cfg.sandbox, url=cfg.sandbox_url, hosts=cfg.sandbox_hosts, tasks=tasks,
+           internet=cfg.sandbox_internet)
+
+
+def _fresh_run_dir(cfg):
+    """The default run directory, created: runs/up-<timestamp>, or -2, -3, ... when that one
+    is taken (two `gyre up` started in the same second)."""
+    import dataclasses
+
+    from gyre.coordinator.rundir import fresh
+
+    new = _guard(fresh, path=cfg.run_dir)
+    if new == cfg.run_dir:
+        return cfg
+    model = new / "model" if cfg.model_dir == cfg.run_dir / "model" else cfg.model_dir
+    return dataclasses.replace(cfg, run_dir=new, model_dir=model)
 
 
 def _resolve_config(path, sets: list[str], **flags):
@@ -254,7 +307,8 @@ def _resolve_config(path, sets: list[str], **flags):
 
     file_values = _guard(load_config_file, path=path) if path else {}
     overrides = {**_guard(parse_sets, items=sets),
-                 **{k: v for k, v in flags.items() if v is not None and k in ("steps", "policy", "seed")}}
+                 **{k: v for k, v in flags.items() if v is not None and k in ("steps", "policy", "seed", "sandbox",
+                                                                             "tasks_path")}}
     run_dir = flags.get("run_dir") or overrides.get("run_dir") or file_values.get("run_dir")
     model = flags.get("model") or overrides.get("model_dir") or file_values.get("model_dir")
     run_dir = Path(run_dir) if run_dir else Path("runs") / time.strftime("up-%Y%m%d-%H%M%S")
@@ -298,6 +352,9 @@ def serve(model: ModelOpt = None, run_dir: RunDirOpt = None, host: HostOpt = "12
             if len(found) != 1:
                 _fail(ValueError(f"--task-dir {task_dir} holds {len(found)} tasks; give one task's folder"))
             task_obj = found[0]
+        from gyre.coordinator.sandbox.preflight import check_sandbox
+
+        _guard(check_sandbox, backend=sandbox, url=sandbox_url, tasks=[task_obj] if task_obj else [])
     elif task is not None or task_dir is not None:
         _fail(ValueError("--task and --task-dir are for --harness (without it, serve waits for your own client)"))
     elif sandbox != "process":
@@ -307,8 +364,16 @@ def serve(model: ModelOpt = None, run_dir: RunDirOpt = None, host: HostOpt = "12
     if model is not None:
         _guard(_check_model, model_dir=model)
     fields = _guard(serve_fields, config=config, sets=set_ or [], max_context=max_context)
-    run_dir = absolute(run_dir or _default_run_dir("serve"))
-    made = not run_dir.exists()
+    from gyre.coordinator.preflight import check_port
+
+    _guard(check_port, host=host, port=port, what="--port (the proxy)")
+    if run_dir is None:  # the default name, made here: unique even within a second
+        from gyre.coordinator.rundir import fresh
+
+        run_dir, made = _guard(fresh, path=_default_run_dir("serve")), True
+    else:
+        run_dir = absolute(run_dir)
+        made = not run_dir.exists()
     lock = _guard(claim, run_dir=run_dir, command="serve")
     try:
         try:
@@ -374,7 +439,8 @@ def _reason(e: Exception) -> str:
 @app.command()
 def inspect(run_dir: RunDirArg, execution: ExecutionOpt = None, as_json: JsonOpt = False,
             j_max: JMaxOpt = J_MAX) -> None:
-    """Show each execution's trajectory tree and admission statistics."""
+    """Show a run's summary and one row per execution (with --execution, its trajectory tree and
+    admission statistics)."""
     import json
 
     from rich.console import Console

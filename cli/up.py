@@ -19,13 +19,22 @@ def _print_step(steps: int):
         valid = "n/a" if r.reward_valid_frac is None else f"{r.reward_valid_frac:.2f}"
         print(f"step {r.step}/{steps}  version {r.version}  reward {reward}  valid {valid}  "
               f"staleness {r.staleness_mean:.2f}  groups {r.groups}  tokens {r.tokens_trained}  "
-              f"cells_training {r.cells_training}  {r.seconds:.1f}s", flush=True)
+              f"cells_training {r.cells_training}  {r.seconds:.1f}s{_why_flat(r)}", flush=True)
     return show
 
 
-def run_up(config: CoordinatorConfig, live: bool = False, resume: bool = False) -> list[StepReport]:
+def _why_flat(r: StepReport) -> str:
+    """Why a step trained little or nothing: groups whose rewards were all equal."""
+    if not r.equal_reward_groups:
+        return ""
+    return (f"  ({r.equal_reward_groups} of {r.groups} groups scored alike: zero advantage, "
+            f"nothing trained from {'them' if r.equal_reward_groups > 1 else 'it'})")
+
+
+def run_up(config: CoordinatorConfig, live: bool = False, resume: bool = False) -> int:
     """Run the coordinator; with `live`, draw the live view (live.py) while it runs;
-    with `resume`, continue config.run_dir from its latest checkpoint."""
+    with `resume`, continue config.run_dir from its latest checkpoint. Returns the exit
+    status: 0, or 128 + the signal that stopped the run (130 for Ctrl-C)."""
     import uvloop
 
     print(f"gyre up: policy {config.policy}, {config.cells} cells, B={config.groups_per_step} N={config.group_size} "
@@ -36,9 +45,34 @@ def run_up(config: CoordinatorConfig, live: bool = False, resume: bool = False) 
     reports = uvloop.run(_run_with_view(coord, live))
     rewards = " ".join("n/a" if r.reward_mean is None else f"{r.reward_mean:.3f}" for r in reports)
     total = reports[-1].step if reports else coord.steps_done
-    print(f"done: step {total}/{config.steps} ({len(reports)} this session); reward by step: {rewards}", flush=True)
+    print(f"done: step {total}/{config.steps} ({len(reports)} this session); reward by step: {rewards or '(none)'}",
+          flush=True)
     write_timeline(config.run_dir)
-    return reports
+    _print_outputs(config.run_dir, coord)
+    if coord.stop_signal is not None:
+        print(f"stopped at step {coord.steps_done}/{config.steps}; continue with: "
+              f"gyre up --resume {shown(config.run_dir)}", flush=True)
+        return 128 + coord.stop_signal
+    return 0
+
+
+def shown(path: Path) -> str:
+    """`path` relative to the working directory when it is below it (as a user typed it)."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def _print_outputs(run_dir: Path, coord: Coordinator) -> None:
+    """Where the run's results are: the trained weights (the newest checkpoint) and the timeline."""
+    from gyre.coordinator.resume import step_dir
+
+    if coord.checkpointed_step:
+        print(f"trained weights (step {coord.checkpointed_step}): "
+              f"{shown(step_dir(run_dir, coord.checkpointed_step) / 'trainer.pt')}", flush=True)
+    print(f"role timeline: {shown(run_dir / 'timeline.svg')}; metrics: {shown(run_dir / 'metrics.jsonl')}",
+          flush=True)
 
 
 async def _run_with_view(coord: Coordinator, live: bool, console=None) -> list[StepReport]:

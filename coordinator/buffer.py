@@ -99,6 +99,13 @@ class TrajectoryBuffer:
         g.state = "consumed"
         return g
 
+    def untake(self, groups: list[Group]) -> None:
+        """Groups a batch took but never trained (a step cancelled at shutdown): ready again,
+        so the final checkpoint does not count them consumed."""
+        for g in groups:
+            if g.state == "consumed":
+                self._settle(g, "ready")
+
 
 def advantages(group: Group) -> dict[str, float]:
     """Group-relative: (r - mean) / (std + eps) over the group's valid rewards only

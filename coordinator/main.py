@@ -32,6 +32,7 @@ from gyre.coordinator.local import LocalCluster
 from gyre.coordinator.loopprobe import LoopProbe
 from gyre.coordinator.metrics import Metrics
 from gyre.coordinator.policies import POLICIES
+from gyre.coordinator.preflight import start_proxy
 from gyre.coordinator.publisher import WeightPublisher, memcpy_seconds
 from gyre.coordinator.routing import LinkBackend, RoutingTable
 from gyre.coordinator.sandbox import SandboxError
@@ -66,6 +67,9 @@ class StepReport:
     cells_training: int
     loss: float
     seconds: float
+    # Groups whose valid rewards were all equal: group-relative advantages are zero, so
+    # they train nothing (a run of such steps learns nothing; the reward needs spread).
+    equal_reward_groups: int = 0
 
 
 
@@ -92,6 +96,7 @@ class Coordinator:
         self.steps_in_burst = 0
         self.publications = 0
         self.groups_dispatched = 0
+        self.replacements = 0  # groups dispatched for dropped ones, beyond the boundary schedule
         self.step_task: asyncio.Task | None = None
         self.batch: Batch | None = None
         self.side_task: asyncio.Task | None = None  # a publication or a rejoin: weights on the move
@@ -125,6 +130,9 @@ class Coordinator:
         self.sandboxes = None  # the sandbox host pool (launcher.open_sandboxes)
         self.launcher: Launcher | None = None
         self._checkpoint_dir = self._state = self._journal = None  # resume: what resume.latest found
+        self.held: deque[dict] = deque()  # resume: journaled groups to dispatch again later (resume.py)
+        self.checkpointed_step: int | None = None  # the step of the newest checkpoint, None before one
+        self.stop_signal: int | None = None  # the signal that stopped the run (SIGINT, SIGTERM)
         self.peak_rss: list[int | None] = []  # per cell, read from the workers at shutdown
 
     def status(self) -> dict:
@@ -167,11 +175,13 @@ class Coordinator:
             self.nodes = [cluster.node_of_cell(i) for i in range(c.cells)]
             self.weights = WeightPublisher(c, self.link, self.nodes, cluster, self.dead)
             await self._startup()
+            ended = False
             try:
                 while not await self.tick():
                     await asyncio.sleep(TICK_S)
+                ended = True
             finally:
-                await self._shutdown()
+                await self._shutdown(save=ended or isinstance(self.fatal, InfraFailures))
                 self._summary()
         self.metrics.close()
         return self.reports
@@ -188,8 +198,10 @@ class Coordinator:
                 if os.isatty(1):  # os._exit skips the live view's cleanup: show the cursor again
                     os.write(1, b"\n\x1b[?25h")
                 os._exit(130)
-            log.warning("signal %d: shutting down (again to force)", sig)
+            log.warning("signal %d: stopping: a step in flight is given up, a checkpoint of the last one saved "
+                        "(Ctrl-C again: exit at once, saving nothing)", sig)
             self.should_exit = True
+            self.stop_signal = self.stop_signal or sig
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
@@ -209,7 +221,7 @@ class Coordinator:
                                 temperature=c.rollout_temperature, top_p=c.rollout_top_p)
         self.proxy = ProxyServer(ChatTokenizer(c.model_dir), LinkBackend(self.link, self.table), proxy_cfg,
                                  run_dir=c.run_dir)
-        await self.proxy.start()
+        await start_proxy(self.proxy)
         self.proxy.status_provider = self.status
         (c.run_dir / "coordinator.json").write_text(json.dumps({
             "status_url": f"{self.proxy.base_url}/gyre/status", "pid": os.getpid(), "started": time.time()}))
@@ -242,15 +254,19 @@ class Coordinator:
         self.probe.start()
         log.info("coordinator up: %d cells, policy %s, proxy %s", c.cells, c.policy, self.proxy.base_url)
 
-    async def _shutdown(self) -> None:
+    async def _shutdown(self, save: bool) -> None:
+        """Stop everything; with `save` (the run ended, or was stopped by a signal or by
+        failing sandboxes, its workers fine) the trained steps not yet checkpointed are."""
         await self.probe.stop()
         await self.gc.stop()
-        for t in (self.step_task, self.side_task):
-            if t is not None and not t.done():
-                t.cancel()
+        await self._settle_step()
+        if self.side_task is not None and not self.side_task.done():
+            self.side_task.cancel()  # a publication: the next start loads the checkpoint's weights everywhere
         for task in list(self.runs.values()):
             task.cancel()
         await asyncio.gather(*self.runs.values(), return_exceptions=True)
+        if save:
+            await self._final_checkpoint()
         if self.sandboxes is not None:
             await self.sandboxes.close()
         await self.proxy.stop()
@@ -258,6 +274,36 @@ class Coordinator:
         stats = await asyncio.gather(*(self.link.request(n, wire.Stats(req_id=self.link.new_req_id()), timeout=10)
                                        for n in self.nodes), return_exceptions=True)
         self.peak_rss = [s.peak_rss_bytes if isinstance(s, wire.WorkerStats) else None for s in stats]
+
+    async def _settle_step(self) -> None:
+        """The step in flight at shutdown: one whose optimizer update was sent completes (the
+        workers apply it whatever we do, so the count must follow); any other is cancelled and
+        its groups go back to the buffer, untrained."""
+        task, batch = self.step_task, self.batch
+        if task is None or task.done():
+            return
+        if batch is not None and batch.applying:
+            try:
+                await asyncio.wait_for(asyncio.shield(task), self.c.worker_call_timeout_s)
+                return
+            except Exception as e:  # noqa: BLE001 - reported; the run is ending either way
+                log.warning("the step in flight at shutdown did not complete: %s", e)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        if batch is not None:
+            self.buffer.untake(batch.taken)
+
+    async def _final_checkpoint(self) -> None:
+        """Every end keeps what was trained: a checkpoint of the last step, unless one exists."""
+        if not self.steps_done or self.checkpointed_step == self.steps_done or 0 in self.dead:
+            return
+        try:
+            await resume.checkpoint(self)
+        except Exception as e:  # noqa: BLE001 - the run's own error (if any) matters more
+            log.error("the final checkpoint (step %d) failed: %s", self.steps_done, e)
+            return
+        log.info("checkpoint of step %d saved: %s", self.steps_done,
+                 resume.step_dir(self.c.run_dir, self.steps_done) / "trainer.pt")
 
     def _summary(self) -> None:
         wall = self.metrics.now()
@@ -272,7 +318,8 @@ class Coordinator:
                           "peak_rss_mb": None if rss is None else round(rss / 2**20, 1),
                           "idle_frac": round(max(0.0, 1 - (rollout_busy + train_busy) / wall), 4) if wall else None})
         self.metrics.emit("summary", steps=self.steps_done, wall_s=wall, statuses=dict(self.status_counts),
-                          pending_groups=sorted(g.id for g in self.buffer.groups.values() if g.state != "consumed"),
+                          pending_groups=sorted([*(g.id for g in self.buffer.groups.values() if g.state != "consumed"),
+                                                 *(ev["group"] for ev in self.held)]),
                           dropped_groups=sorted(g.id for g in self.buffer.groups.values() if g.state == "dropped"),
                           dead_cells=sorted(self.dead), rejoined_cells=sorted(self.no_reducer),
                           counters={"d": self.wl.c.d, "p": self.wl.c.p, "f": self.wl.c.f},
@@ -421,12 +468,20 @@ class Coordinator:
         if group.state == "dropped":
             log.warning("group %d dropped (%d valid of %d); dispatching a replacement",
                         group.id, len(group.valid_runs), len(group.runs))
+            self.replacements += 1
             self._dispatch(1)
         self.changed.set()
 
     def _dispatch(self, n_groups: int) -> None:
         c = self.c
-        for _ in range(n_groups):
+        while n_groups > 0:
+            n_groups -= 1
+            if self.held:  # resume: a group of a lost stretch, dispatched again where it first was
+                group, _, _ = resume.release(self, self.held.popleft())
+                if group.state == "dropped":  # it was when it first ran: its replacement too
+                    self.replacements += 1
+                    n_groups += 1
+                continue
             task = self.tasks.next_task()
             gid = self.groups_dispatched
             self.groups_dispatched += 1
@@ -519,7 +574,8 @@ class Coordinator:
                          reward_valid_frac=len(valid) / len(runs) if runs else None,
                          staleness_mean=sum(staleness) / len(staleness), groups=len(groups),
                          executions=executions, tokens_trained=sum(r.tokens for r in results),
-                         cells_training=n_cells, loss=sum(r.loss for r in results), seconds=round(seconds, 3))
+                         cells_training=n_cells, loss=sum(r.loss for r in results), seconds=round(seconds, 3),
+                         equal_reward_groups=sum(_equal_rewards(g) for g in groups))
         self.reports.append(rep)
         self.tokens_trained += rep.tokens_trained
         # Engine/trainer gap over the step's targets (token-weighted mean of b - l): near zero
@@ -564,6 +620,12 @@ class Coordinator:
             self._dispatch(topup(self.c.phi, self.c.mu, self.c.groups_per_step, self.publications))
         if self.c.checkpoint_every and self.steps_done % self.c.checkpoint_every == 0 and self.steps_done:
             await resume.checkpoint(self)
+
+
+def _equal_rewards(group: Group) -> bool:
+    """Every counted valid reward of the group the same: no advantage to learn from."""
+    rewards = [r.reward for r in group.valid_runs[: group.size] if r.reward is not None]
+    return len(rewards) > 0 and max(rewards) == min(rewards)
 
 
 def prefill_of(runs) -> tuple[int | None, int | None]:

@@ -135,7 +135,8 @@ def redo_id(run_dir: Path, run_id: str) -> str:
 
 
 async def checkpoint(coord) -> None:
-    """At a publication (no batch in flight): the core's trainer, then the state."""
+    """The core's trainer, then the state: at a publication (no batch in flight), or at the
+    end of a run (a batch in flight was cancelled and its groups given back, main.py)."""
     t0 = time.monotonic()
     folder = step_dir(coord.c.run_dir, coord.steps_done)
     folder.mkdir(parents=True, exist_ok=True)
@@ -144,15 +145,26 @@ async def checkpoint(coord) -> None:
                        timeout=coord.c.checkpoint_timeout_s)
     write_state(coord.c.run_dir, coord.steps_done, {
         "step": coord.steps_done, "version": coord.version, "publications": coord.publications,
-        "groups_dispatched": coord.groups_dispatched,
+        "steps_in_burst": coord.steps_in_burst, "groups_dispatched": coord.groups_dispatched,
+        "replacements": coord.replacements,
         "consumed": sorted(g.id for g in coord.buffer.groups.values() if g.state == "consumed"),
+        # Groups of a lost stretch not dispatched again yet (see restore): still held.
+        "held": [ev["group"] for ev in coord.held],
         "tasks": task_order_state(coord.tasks), "tokens_trained": coord.tokens_trained})
+    coord.checkpointed_step = coord.steps_done
     coord.metrics.emit("checkpoint", step=coord.steps_done, version=coord.version, path=str(folder),
                        seconds=round(time.monotonic() - t0, 3))
 
 
 async def restore(coord) -> None:
-    """The latest checkpoint into the core and every engine; the buffer from the journal."""
+    """The latest checkpoint into the core and every engine; the buffer from the journal.
+
+    Dispatch continues as an uninterrupted run's would have from the checkpoint: groups
+    dispatched after it (at publications lost with the model: a kill -9 between
+    checkpoints) are held and dispatched again, under their own ids and tasks, at the
+    publications that first dispatched them, with the version published then. Counting
+    them in the pipeline at once would keep (phi + mu) * B more groups in flight than the
+    run asked for, and every later step would train groups that many versions stale."""
     st, folder = coord._state, coord._checkpoint_dir
     dispatches, outcomes, _ = coord._journal
     core, link = coord.nodes[0], coord.link
@@ -161,9 +173,16 @@ async def restore(coord) -> None:
         loaded = await link.request(core, wire.LoadCheckpoint(req_id=link.new_req_id(), path=path),
                                     timeout=coord.c.checkpoint_timeout_s)
         coord.trainer_version = coord.version = loaded.version
+        coord.checkpointed_step = st["step"]
     else:  # no checkpoint yet: the model directory's weights, which every cell loaded at start
         coord.trainer_version = coord.version = 0
     coord.steps_done, coord.publications = st["step"], st["publications"]
+    coord.steps_in_burst = st.get("steps_in_burst", 0)
+    if coord.steps_in_burst >= coord.c.mu:
+        # Stopped after a burst's last step, before its publication: loading the trainer's
+        # weights into every engine below is that publication (its dispatch follows).
+        coord.publications += 1
+        coord.steps_in_burst = 0
     coord.status_counts = {}
     for out in outcomes.values():  # every closed execution of the run, before and after the checkpoint
         coord.status_counts[out["status"]] = coord.status_counts.get(out["status"], 0) + 1
@@ -175,68 +194,104 @@ async def restore(coord) -> None:
     if st["tasks"] is not None:  # else the task source is at its start, as the run was
         restore_task_order(coord.tasks, st["tasks"])
     tasks = {t.id: t for t in coord.tasks.tasks}
-    consumed = set(st["consumed"])
+    consumed, held = set(st["consumed"]), set(st.get("held", ()))
     restored = redone = 0
     for gid in sorted(dispatches):
         ev = dispatches[gid]
-        if gid >= st["groups_dispatched"]:
-            coord.tasks.next_task()  # dispatched after the checkpoint: keep the task order aligned
         if ev["task"] not in tasks:
             raise ResumeError(f"group {gid}: task {ev['task']!r} is no longer in the task set")
+        if gid >= st["groups_dispatched"]:
+            coord.tasks.next_task()  # dispatched after the checkpoint: keep the task order aligned
+        if gid >= st["groups_dispatched"] or gid in held:
+            coord.held.append(ev)
+            continue
         # A group dispatched after the checkpoint carries a version the restored model
         # does not have yet: clamp it, so staleness never reads negative.
         group = Group(gid, tasks[ev["task"]], min(ev["version"], coord.version), coord.c.group_size)
-        coord.buffer.add(group)
         if gid in consumed:
+            coord.buffer.add(group)
             group.state = "consumed"
             continue
-        closed: list[Execution] = []
-        for i, run_id in enumerate(ev["runs"]):  # every run first: the group settles on all of them
-            out = outcomes.get(run_id)
-            tracked = coord.wl.dispatch(1)[0]
-            if out is not None and out["status"] != "cancelled":
-                run = Execution(run_id, gid, i, group.task, tracked, group.version, status=out["status"],
-                          reward=out["reward"], valid=out["valid"], ref=out.get("ref", ""))
-                folder_ex = coord.c.run_dir / "executions" / run_id
-                run.recorder = load_execution(folder_ex) if folder_ex.is_dir() else None
-                coord.wl.launch(tracked)
-                coord.wl.terminate(tracked)
-                closed.append(run)
-                restored += 1
-            else:
-                run = Execution(redo_id(coord.c.run_dir, run_id), gid, i, group.task, tracked, coord.version)
-            group.runs.append(run)
-        surplus: set[str] = set()
-        for run in closed:
-            for extra in coord.buffer.on_closed(run):  # enough valid outcomes: the rest is surplus
-                surplus.add(extra.id)
-        for run in group.runs:
-            if run.closed:
-                continue
-            if run.id in surplus or group.state != "open":
-                run.status, run.valid = "cancelled", False
-                coord.wl.launch(run.tracked)
-                coord.wl.terminate(run.tracked)
-            else:
-                coord.queue.append(run)
-                redone += 1
-        if surplus and group.state == "open":
-            coord.buffer.on_closed(closed[-1])  # all closed now: settle (ready)
-        if any(r.id not in ev["runs"] for r in group.runs):
-            coord._journal_group(group)  # the new ids, for a later resume
+        k, r = _rebuild(coord, group, ev, outcomes)
+        restored, redone = restored + k, redone + r
+    # New groups take ids after every id the journal holds; the held ones keep theirs.
     coord.groups_dispatched = max([st["groups_dispatched"], *(g + 1 for g in dispatches)])
+    # Up to what the run had dispatched by this publication, held groups first: a run with
+    # no checkpoint yet (its initial fill), one stopped before its burst's publication, or
+    # one checkpointed at its last step and extended with `--steps` dispatches its next
+    # groups now, or it would wait for groups forever.
+    coord.replacements = st.get("replacements", 0)
+    scheduled = st["groups_dispatched"] - len(held) - coord.replacements  # boundary dispatches so far
+    short = coord.c.dispatch_target(coord.publications) - scheduled if coord.steps_done < coord.c.steps else 0
+    while short > 0 and coord.held:
+        group, k, r = release(coord, coord.held.popleft())
+        restored, redone = restored + k, redone + r
+        if group.state == "dropped":  # as when it first ran: its replacement follows
+            coord.replacements += 1
+        else:
+            short -= 1
     coord.metrics.emit("resume", step=coord.steps_done, version=coord.version,
                        checkpoint=str(folder) if folder is not None else None,
                        executions_restored=restored, executions_redispatched=redone,
-                       groups=len(dispatches) - len(consumed & set(dispatches)))
-    log.info("resumed at step %d (version %d, %s): %d closed executions restored, %d dispatched again",
+                       groups=len(dispatches) - len(consumed & set(dispatches)), groups_held=len(coord.held))
+    log.info("resumed at step %d (version %d, %s): %d closed executions restored, %d dispatched again%s",
              coord.steps_done, coord.version,
              folder.name if folder is not None else "no checkpoint yet: from the start",
-             restored, redone)
-    # A run checkpointed at its last step made no boundary dispatch for a next one (there
-    # was none): extended with `--steps`, it dispatches up to the target now, or it would wait
-    # for groups forever.
-    if coord.steps_done < coord.c.steps:
-        short = coord.c.dispatch_target(coord.publications) - coord.groups_dispatched
-        if short > 0:
-            coord._dispatch(short)
+             restored, redone, f", {len(coord.held)} groups held for later publications" if coord.held else "")
+    if short > 0:
+        coord._dispatch(short)
+
+
+def release(coord, ev: dict) -> tuple[Group, int, int]:
+    """A held group (see restore) dispatched again now, at the version published now: its
+    closed executions restored, the others run under new ids. (group, restored, queued);
+    a group that settles dropped at once was dropped when it first ran, and the caller
+    releases its replacement too."""
+    tasks = {t.id: t for t in coord.tasks.tasks}
+    group = Group(ev["group"], tasks[ev["task"]], coord.version, coord.c.group_size)
+    restored, queued = _rebuild(coord, group, ev, coord._journal[1])
+    if not any(r.id not in ev["runs"] for r in group.runs):
+        coord._journal_group(group)  # its version now, for a later resume
+    return group, restored, queued
+
+
+def _rebuild(coord, group: Group, ev: dict, outcomes: dict[str, dict]) -> tuple[int, int]:
+    """A journaled group back in the buffer: closed executions with their recorded trees,
+    the rest queued again under new ids (surplus ones cancelled). (restored, queued)."""
+    coord.buffer.add(group)
+    closed: list[Execution] = []
+    restored = redone = 0
+    for i, run_id in enumerate(ev["runs"]):  # every run first: the group settles on all of them
+        out = outcomes.get(run_id)
+        tracked = coord.wl.dispatch(1)[0]
+        if out is not None and out["status"] != "cancelled":
+            run = Execution(run_id, group.id, i, group.task, tracked, group.version, status=out["status"],
+                            reward=out["reward"], valid=out["valid"], ref=out.get("ref", ""))
+            folder_ex = coord.c.run_dir / "executions" / run_id
+            run.recorder = load_execution(folder_ex) if folder_ex.is_dir() else None
+            coord.wl.launch(tracked)
+            coord.wl.terminate(tracked)
+            closed.append(run)
+            restored += 1
+        else:
+            run = Execution(redo_id(coord.c.run_dir, run_id), group.id, i, group.task, tracked, group.version)
+        group.runs.append(run)
+    surplus: set[str] = set()
+    for run in closed:
+        for extra in coord.buffer.on_closed(run):  # enough valid outcomes: the rest is surplus
+            surplus.add(extra.id)
+    for run in group.runs:
+        if run.closed:
+            continue
+        if run.id in surplus or group.state != "open":
+            run.status, run.valid = "cancelled", False
+            coord.wl.launch(run.tracked)
+            coord.wl.terminate(run.tracked)
+        else:
+            coord.queue.append(run)
+            redone += 1
+    if surplus and group.state == "open":
+        coord.buffer.on_closed(closed[-1])  # all closed now: settle (ready)
+    if any(r.id not in ev["runs"] for r in group.runs):
+        coord._journal_group(group)  # the new ids, for a later resume
+    return restored, redone

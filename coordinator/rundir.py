@@ -131,6 +131,24 @@ def claim(run_dir: Path, *, resume: bool = False, command: str = "up") -> RunLoc
     return lock
 
 
+def fresh(path: Path) -> Path:
+    """Create `path`, or `path-2`, `path-3`, ... where it exists: a new, empty directory no
+    other process chose (mkdir is atomic), for default run directory names."""
+    path = absolute(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for k in range(1, 1000):
+            candidate = path if k == 1 else path.with_name(f"{path.name}-{k}")
+            try:
+                candidate.mkdir()
+                return candidate
+            except FileExistsError:
+                continue
+    except OSError as e:
+        raise RunDirError(f"run directory {path}: {e.strerror or e}") from None
+    raise RunDirError(f"run directory {path}: 999 directories of that name exist; choose a --run-dir")
+
+
 def live_coordinator(run_dir: Path) -> bool:
     """Whether the coordinator named by RUN_DIR/coordinator.json is still running (its pid)."""
     try:

@@ -23,6 +23,7 @@ from gyre.coordinator.buffer import Execution
 from gyre.coordinator.harnesses import HarnessPreset
 from gyre.coordinator.launcher import Launcher, LaunchSpec, open_sandboxes
 from gyre.coordinator.local import LocalCluster
+from gyre.coordinator.preflight import start_proxy
 from gyre.coordinator.routing import LinkBackend, RoutingTable
 from gyre.coordinator.sandbox import Limits
 from gyre.coordinator.tasks import Task
@@ -126,7 +127,7 @@ async def serve(*, model_dir: Path, run_dir: Path, host: str, port: int, executi
         tokenizer = ChatTokenizer(model_dir)
         config = ProxyConfig(host=host, port=port, **settings)
         proxy = ProxyServer(tokenizer, LinkBackend(cluster.link, table), config, run_dir=run_dir)
-        base_url = await proxy.start()
+        base_url = await start_proxy(proxy)
         try:
             if preset is not None:
                 job = asyncio.ensure_future(run_harness_once(

@@ -58,6 +58,8 @@ class Batch:
         self.executions = 0
         self.busy: set[int] = set()  # cells with a micro-step in flight (the scheduler holds their role)
         self.tokens = Stats()  # forward, unique admitted, path-expanded and target tokens of the step
+        self.taken: list[Group] = []  # taken from the buffer, packed or being packed
+        self.applying = False  # the optimizer update was sent: the step happens on the workers whatever we do
 
     @property
     def window_open(self) -> bool:
@@ -87,6 +89,7 @@ class Batch:
                 self.changed.clear()
                 await self.changed.wait()
                 continue
+            self.taken.append(group)
             # Admission, materialisation and encoding on a worker thread: the event loop keeps
             # serving harness calls while a group is packed (the group's trees are closed).
             steps, exec_index, counted = await asyncio.to_thread(
@@ -112,6 +115,7 @@ class Batch:
         async with self.cond:  # paused participants (schedule.py's pause/resume) resume first
             await self.cond.wait_for(lambda: all(self.trains(i) for i in self.participants))
         # Reduce over the participants' prefix group; only the core applies the update.
+        self.applying = True
         k = len(self.participants)
         await asyncio.gather(*(link.request(nodes[i], wire.SetParticipants(req_id=link.new_req_id(), participants=k))
                                for i in self.participants))
