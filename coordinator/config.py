@@ -26,6 +26,7 @@ _RANGES = [
     ("max_context", 2, False), ("infra_failures_in_row", 0, False), ("rollout_temperature", 0, True),
     ("transfer_port", 0, False), ("proxy_port", 0, False), ("route_balance_abs", 1, False),
     ("route_balance_rel", 1, False), ("prefix_cache_mb", 0, False), ("gc_freeze_every_s", 0, False),
+    ("eval_every", 0, False), ("eval_k", 1, False),
 ]
 
 
@@ -119,6 +120,17 @@ class CoordinatorConfig:
     rollout_temperature: float = 1.0
     rollout_top_p: float = 1.0
     allow_rollout_top_p: bool = False  # train on top-p-truncated samples, which the trainer cannot reproduce
+    # A reward is valid only finite and within [low, high]; outside it the evaluation is an
+    # evaluator_error, never trained (a 1e308 would overflow the group's advantages).
+    reward_range: tuple = (-1e6, 1e6)
+    # Experiment trackers the run's metrics also go to (coordinator/trackers.py): tensorboard, wandb
+    trackers: tuple = ()
+    tracker_options: dict = field(default_factory=dict)  # per tracker: {wandb = {project = ..., mode = ...}}
+    # Held-out evaluation during training: every `eval_every` steps (0: never), pass@eval_k over
+    # eval_tasks_path, run on rollout capacity, recorded as `eval` events and never trained.
+    eval_every: int = 0
+    eval_tasks_path: Path | None = None
+    eval_k: int = 1
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -175,6 +187,11 @@ class CoordinatorConfig:
         if self.trainer_backend not in TRAINER_BACKENDS:
             raise ValueError(f"trainer_backend must be one of {', '.join(TRAINER_BACKENDS)}, "
                              f"got {self.trainer_backend!r}")
+        if len(self.reward_range) != 2 or not all(isinstance(x, int | float) for x in self.reward_range) \
+                or not self.reward_range[0] < self.reward_range[1]:
+            raise ValueError(f"reward_range must be [low, high] with low < high, got {list(self.reward_range)}")
+        if self.eval_every and self.eval_tasks_path is None:
+            raise ValueError("eval_every needs eval_tasks_path (the held-out tasks)")
         if POLICIES[self.policy].fixed_split and not 1 <= self.async_training_cells < self.cells:
             raise ValueError(f"{self.policy} needs 1 <= async_training_cells < cells ({self.cells}); "
                              f"got {self.async_training_cells}")
