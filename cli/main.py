@@ -536,7 +536,14 @@ def _fail(e: Exception) -> None:
     raise typer.Exit(1) from None
 
 
+def _add_commands() -> None:
+    from gyre.cli.export import export
+
+    app.command("export")(export)
+
+
 _add_subapps()
+_add_commands()
 
 
 def main() -> None:
