@@ -2,11 +2,12 @@
 
 `render(status, width)` is a pure function of the data, so `gyre up` (in-process) and `gyre
 top` (over HTTP) draw the same thing, and tests render recorded states at any width. It
-stays readable at 80 columns: the role strip takes what the fixed columns leave. `plain_line`
-is the one-line form for logs and non-terminals. `follow` draws it until told to stop; while
-the view is up, `print` and the root logger's terminal output go through the view's console
-(printed above the view, which is redrawn below), and every way out of it shows the cursor
-again and leaves the last frame on screen.
+stays readable at 80 columns: the role strip takes what the fixed columns leave, and the
+legend under it packs its entries into as few lines as the width allows. What was not
+measured reads n/a, never 0. `plain_line` is the one-line form for logs and non-terminals.
+`follow` draws it until told to stop; while the view is up, `print` and the root logger's
+terminal output go through the view's console (printed above the view, which is redrawn
+below), and every way out of it shows the cursor again and leaves the last frame on screen.
 """
 
 from __future__ import annotations
@@ -27,6 +28,18 @@ from rich.text import Text
 
 ROLE_STYLE = {"rollout": ("-", "cyan"), "training": ("#", "magenta")}
 FIXED_COLUMNS = 64  # cell, role, running, homes, hit, claimed, in-role and the table's borders
+# The view's abbreviations, in the order they appear; an entry is never split across lines.
+LEGEND = (
+    ("burst", "steps since publishing, of mu per burst"),
+    ("phi", "batches queued ahead"),
+    ("d p f", "dispatched, launched, finished"),
+    ("prefill", "uncached prompt tokens"),
+    ("run", "calls in flight"),
+    ("homes", "executions routed here"),
+    ("hit", "prefix-cache hit rate"),
+    ("claim", "micro-steps it claimed in the batch"),
+    ("timeline", "- rollout  # training"),
+)
 
 
 def _num(v, fmt: str = "{:.3f}", none: str = "n/a") -> str:
@@ -56,12 +69,64 @@ def strip(timeline: list, now: float, width: int) -> Text:
     return out
 
 
+def legend(width: int, skip: tuple[str, ...] = ()) -> Text:
+    """LEGEND (less the keys in `skip`: not shown) as dim lines of at most `width`
+    characters, each entry whole."""
+    out, used = Text(style="dim"), 0
+    for key, meaning in LEGEND:
+        if key in skip:
+            continue
+        n = len(key) + 2 + len(meaning)
+        if used and used + 2 + n > width:
+            out.append("\n")
+            used = 0
+        elif used:
+            out.append("  ")
+            used += 2
+        out.append(key, style="bold")
+        out.append(f": {meaning}")
+        used += n
+    return out
+
+
+def _speed(s: dict) -> Text:
+    """Tokens/s over the coordinator's window: generated, prefilled and trained."""
+    tps, window = s["tokens_per_s"], s.get("rates_window_s")
+    label = "tokens/s " if window is None else f"tokens/s (last {window:.0f}s) "
+    return Text.assemble((label, "dim"), "rollout ", _num(tps["rollout"], "{:.0f}"),
+                         "  prefill ", _num(tps.get("prefill"), "{:.0f}"),
+                         "  training ", _num(tps["training"], "{:.0f}"))
+
+
+def _in_flight(s: dict) -> int:
+    """Model calls at the engines now (a status from before "calls": its cells' sum)."""
+    return s["calls"]["in_flight"] if s.get("calls") else sum(c["running"] for c in s["cells"])
+
+
+def _calls(s: dict) -> Text:
+    """Model calls at the engines now: why generated tokens/s may truly be 0."""
+    calls, running, in_flight = s.get("calls"), s["waterlevel"]["running"], _in_flight(s)
+    out = Text.assemble(("calls ", "dim"), f"{in_flight} in flight")
+    if calls is not None and in_flight:
+        waiting = calls["awaiting_first_token"]
+        out.append(f": {in_flight - waiting} generating, {waiting} queued or in prefill")
+    elif not in_flight and running:
+        # Between calls (harness code, tools, start-up, evaluation) or, with no cell
+        # accepting, waiting in the proxy for one to come back to rollout.
+        accepting = any(c.get("accepting", True) and c["role"] == "rollout" for c in s["cells"])
+        why = (f"the {running} running executions are not calling the model" if accepting
+               else f"no cell takes calls now; {running} executions running")
+        out.append(f" ({why})", style="dim")
+    return out
+
+
 def render(status: dict, width: int = 80) -> Group:
     s = status
     steps, wl, burst = s["steps"], s["waterlevel"], s["burst"]
+    phi = () if burst.get("phi") is None else (("phi ", "dim"), f"{burst['phi']:g}  ")
     head = Text.assemble(
         ("gyre ", "bold"), f"{s['policy']}  ", ("step ", "dim"), f"{steps['done']}/{steps['target']}  ",
-        ("version ", "dim"), f"{s['version']}  ", ("burst ", "dim"), f"{burst['steps']}/{burst['mu']}  ",
+        ("version ", "dim"), f"{s['version']}  ", ("burst ", "dim"), f"{burst['steps']}/{burst['mu']}  ", *phi,
         ("pubs ", "dim"), f"{burst['publications']}  ", ("up ", "dim"), _clock(s["t"]))
     bar = ProgressBar(total=max(1, steps["target"]), completed=steps["done"], width=max(10, width - 12))
     progress = Table.grid(padding=(0, 1))
@@ -75,9 +140,6 @@ def render(status: dict, width: int = 80) -> Group:
         ("reward ", "dim"), _num(last.get("reward_mean")), ("  valid ", "dim"),
         _num(last.get("reward_valid_frac"), "{:.2f}"), ("  staleness ", "dim"),
         _num(last.get("staleness_mean"), "{:.2f}"), ("  loss ", "dim"), _num(last.get("loss"), "{:.4g}"))
-    tps = s["tokens_per_s"]
-    speed = Text.assemble(("tokens/s ", "dim"), "rollout ", _num(tps["rollout"], "{:.0f}"),
-                          "  training ", _num(tps["training"], "{:.0f}"))
     cells = Table(box=None, pad_edge=False, expand=False, header_style="dim")
     for name, justify in (("cell", "right"), ("role", "left"), ("run", "right"), ("homes", "right"),
                           ("hit", "right"), ("claim", "right"), ("in role", "right"), ("timeline", "left")):
@@ -90,7 +152,7 @@ def render(status: dict, width: int = 80) -> Group:
             cell["role"], ("", ""))[1])
         hit = cell.get("hit_rate")  # the engine's prefix-cache hit rate over its calls so far
         cells.add_row(str(cell["cell"]), role, str(cell["running"]), str(cell.get("homes", 0)),
-                      "-" if hit is None else f"{hit:.0%}", str(cell["claimed"]),
+                      "n/a" if hit is None else f"{hit:.0%}", str(cell["claimed"]),
                       f"{cell['in_role_s']:.0f}s", strip(cell["timeline"], s["t"], strip_width))
     hosts = None
     if s.get("sandbox_hosts"):
@@ -105,18 +167,21 @@ def render(status: dict, width: int = 80) -> Group:
     switches = Text("switches ", style="dim")
     recent = s["role_switches"][-3:]
     switches.append("  ".join(f"{x['t']:.0f}s c{x['cell']}->{x['to']}" for x in recent) if recent else "none yet")
-    parts = [head, progress, water, quality, speed, cells] + ([hosts] if hosts is not None else []) + [switches]
-    return Group(*parts)
+    parts = [head, progress, water, quality, _speed(s), _calls(s), cells] + ([hosts] if hosts is not None else [])
+    return Group(*parts, switches, legend(width, skip=() if phi else ("phi",)))
 
 
 def plain_line(status: dict) -> str:
-    """The state as one log line (for --no-live and non-terminals)."""
-    s, wl = status, status["waterlevel"]
+    """The state as one log line (for --no-live and non-terminals). Cells: R rollout,
+    T training, x dead; `running` counts executions, `calls in flight` model calls."""
+    s, wl, tps = status, status["waterlevel"], status["tokens_per_s"]
     last = s["last_step"] or {}
     roles = "".join("x" if c.get("alive") is False else "T" if c["role"] == "training" else "R" for c in s["cells"])
     return (f"t={s['t']:.0f}s step {s['steps']['done']}/{s['steps']['target']} version {s['version']} "
             f"queued {wl['queued']} running {wl['running']} finished {wl['finished']} cells {roles} "
-            f"reward {_num(last.get('reward_mean'))} staleness {_num(last.get('staleness_mean'), '{:.2f}')}")
+            f"reward {_num(last.get('reward_mean'))} staleness {_num(last.get('staleness_mean'), '{:.2f}')} "
+            f"calls in flight {_in_flight(s)} tokens/s generated {_num(tps['rollout'], '{:.0f}')} "
+            f"prefilled {_num(tps.get('prefill'), '{:.0f}')}")
 
 
 # --- gyre top -----------------------------------------------------------------------------

@@ -266,7 +266,7 @@ class Coordinator:
             task.cancel()
         await asyncio.gather(*self.runs.values(), return_exceptions=True)
         if save:
-            await self._final_checkpoint()
+            await resume.final_checkpoint(self)
         if self.sandboxes is not None:
             await self.sandboxes.close()
         await self.proxy.stop()
@@ -292,18 +292,6 @@ class Coordinator:
         await asyncio.gather(task, return_exceptions=True)
         if batch is not None:
             self.buffer.untake(batch.taken)
-
-    async def _final_checkpoint(self) -> None:
-        """Every end keeps what was trained: a checkpoint of the last step, unless one exists."""
-        if not self.steps_done or self.checkpointed_step == self.steps_done or 0 in self.dead:
-            return
-        try:
-            await resume.checkpoint(self)
-        except Exception as e:  # noqa: BLE001 - the run's own error (if any) matters more
-            log.error("the final checkpoint (step %d) failed: %s", self.steps_done, e)
-            return
-        log.info("checkpoint of step %d saved: %s", self.steps_done,
-                 resume.step_dir(self.c.run_dir, self.steps_done) / "trainer.pt")
 
     def _summary(self) -> None:
         wall = self.metrics.now()
@@ -372,7 +360,9 @@ class Coordinator:
                      *self.runs.values()):
             if task is not None and task.done() and not task.cancelled() and task.exception():
                 raise task.exception()  # a failed step, switch, publication or launch ends the run
-        self.rates.sample(self.metrics.now(), sum(r.tokens for r in self.table.routes.values()), self.tokens_trained)
+        routes = self.table.routes.values()
+        self.rates.sample(self.metrics.now(), sum(r.tokens for r in routes), self.tokens_trained,
+                          prefill_tokens=sum(r.prefilled for r in routes))
         self._watch_workers()
         health.start_rejoin(self)
         d = decide(self.schedule_state())

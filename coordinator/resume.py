@@ -156,6 +156,20 @@ async def checkpoint(coord) -> None:
                        seconds=round(time.monotonic() - t0, 3))
 
 
+async def final_checkpoint(coord) -> None:
+    """Every end keeps what was trained: a checkpoint of the last step, unless one exists
+    (main.py's shutdown, after the step in flight was settled)."""
+    if not coord.steps_done or coord.checkpointed_step == coord.steps_done or 0 in coord.dead:
+        return
+    try:
+        await checkpoint(coord)
+    except Exception as e:  # noqa: BLE001 - the run's own error (if any) matters more
+        log.error("the final checkpoint (step %d) failed: %s", coord.steps_done, e)
+        return
+    log.info("checkpoint of step %d saved: %s", coord.steps_done,
+             step_dir(coord.c.run_dir, coord.steps_done) / "trainer.pt")
+
+
 async def restore(coord) -> None:
     """The latest checkpoint into the core and every engine; the buffer from the journal.
 

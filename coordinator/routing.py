@@ -52,14 +52,32 @@ class Route:
     calls: int = 0
     prompt_tokens: int = 0  # of the calls whose engine said how many it reused
     cached_tokens: int = 0
+    # For the live view, which would otherwise read "0 tokens/s" through a long prefill:
+    # calls in flight that have no token yet (queued in the engine or in prefill), and the
+    # prompt tokens the engine computed rather than reused, counted at each attempt's first
+    # token (when its prefill is done) where the engine said how many it reused.
+    awaiting: int = 0
+    prefilled: int = 0
+    prefill_reports: int = 0  # first tokens whose prefill count is in `prefilled`
 
     def started(self, now: float) -> None:
         if self.inflight == 0:
             self.busy_since = now
         self.inflight += 1
+        self.awaiting += 1
 
-    def finished(self, now: float) -> None:
+    def first_token(self, prompt_tokens: int, cached_tokens: int | None) -> None:
+        """An attempt's first token arrived: its prefill is over."""
+        self.awaiting -= 1
+        if cached_tokens is not None:
+            self.prefilled += max(0, prompt_tokens - cached_tokens)
+            self.prefill_reports += 1
+
+    def finished(self, now: float, awaiting: bool = False) -> None:
+        """An attempt ended; `awaiting`: before its first token (aborted, refused, handed back)."""
         self.inflight -= 1
+        if awaiting:
+            self.awaiting -= 1
         if self.inflight == 0 and self.busy_since is not None:
             self.busy_s += now - self.busy_since
             self.busy_since = None
@@ -261,10 +279,14 @@ class LinkBackend:
             try:
                 async for c in self.link.generate(route.node, msg, frames, on_frames=keep_kv):
                     attempt.saw(c.cached_tokens)
+                    if c.token_ids and not attempt.got_token:
+                        attempt.got_token = True
+                        route.first_token(attempt.prompt_tokens, attempt.cached)
                     if c.finished and c.finish_reason == "abort" and not self._aborted.pop(rid, False):
                         handed_back = True  # the node gave it back (role change, shutdown)
                         if c.token_ids:
                             produced += c.token_ids
+                            route.tokens += len(c.token_ids)
                             yield _chunk(c, route.node, usage, finished=False)
                         break
                     produced += c.token_ids
@@ -283,7 +305,7 @@ class LinkBackend:
                 log.info("request %s refused by %s while it left rollout: %s; rerouting", rid, route.node, e)
                 handed_back = True  # the node stopped accepting between routing and arrival
             finally:
-                route.finished(loop.time())
+                route.finished(loop.time(), awaiting=not attempt.got_token)
                 self.table.served(route.node, attempt.prompt_tokens, attempt.cached)
                 self._where.pop(rid, None)
             if not handed_back or len(produced) >= params.max_new_tokens:
@@ -316,6 +338,7 @@ class LinkBackend:
 class _Attempt:
     prompt_tokens: int
     cached: int | None = None  # as the engine reported it; None until (unless) it does
+    got_token: bool = False  # its first token arrived (Route.awaiting counts it until then)
 
     def saw(self, cached_tokens: int | None) -> None:
         if cached_tokens is not None:

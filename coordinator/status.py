@@ -2,8 +2,9 @@
 
 `snapshot(coord)` reads the counters, roles, routes, the batch in flight and the last
 step; `Rates` keeps a short window of cumulative token counts sampled each tick, so
-tokens/s is recent, not averaged over the run. Served at `GET /gyre/status` on the proxy
-and drawn by cli/live.py. Holds no secret (no keys, no prompts). Not a renderer.
+tokens/s is recent, not averaged over the run. A value nobody measured is None (the view
+shows n/a), never 0. Served at `GET /gyre/status` on the proxy and drawn by cli/live.py.
+Holds no secret (no keys, no prompts). Not a renderer.
 """
 
 from __future__ import annotations
@@ -16,14 +17,18 @@ TIMELINE_KEEP = 64  # role changes kept per cell
 
 
 class Rates:
-    """Tokens/s over the last WINDOW_S seconds, from cumulative counts sampled each tick."""
+    """Tokens/s over the last WINDOW_S seconds, from cumulative counts the tick samples:
+    rollout tokens generated, tokens trained (counted when a step ends, so a step's tokens
+    land at once) and, where the tick passes it, prompt tokens the engines prefilled
+    (computed, not reused). Generated tokens/s is truly 0 while every call is in prefill."""
 
     def __init__(self, window_s: float = WINDOW_S):
         self.window_s = window_s
-        self.samples: deque[tuple[float, int, int]] = deque()
+        self.samples: deque[tuple[float, int, int, int | None]] = deque()
 
-    def sample(self, t: float, rollout_tokens: int, trained_tokens: int) -> None:
-        self.samples.append((t, rollout_tokens, trained_tokens))
+    def sample(self, t: float, rollout_tokens: int, trained_tokens: int, prefill_tokens: int | None = None) -> None:
+        """Called by the coordinator's tick; `prefill_tokens`: the routes' `prefilled` summed."""
+        self.samples.append((t, rollout_tokens, trained_tokens, prefill_tokens))
         while len(self.samples) > 2 and t - self.samples[1][0] >= self.window_s:
             self.samples.popleft()
 
@@ -31,8 +36,15 @@ class Rates:
         """(rollout, training) tokens/s; None until two samples span some time."""
         if len(self.samples) < 2 or self.samples[-1][0] <= self.samples[0][0]:
             return None, None
-        (t0, r0, k0), (t1, r1, k1) = self.samples[0], self.samples[-1]
+        (t0, r0, k0, _), (t1, r1, k1, _) = self.samples[0], self.samples[-1]
         return (r1 - r0) / (t1 - t0), (k1 - k0) / (t1 - t0)
+
+    def prefill_per_second(self) -> float | None:
+        """Prompt tokens prefilled per second; None until two samples with a count span some time."""
+        if len(self.samples) < 2 or self.samples[-1][0] <= self.samples[0][0]:
+            return None
+        (t0, _, _, p0), (t1, _, _, p1) = self.samples[0], self.samples[-1]
+        return None if p0 is None or p1 is None else (p1 - p0) / (t1 - t0)
 
 
 def snapshot(coord) -> dict:
@@ -59,11 +71,15 @@ def snapshot(coord) -> dict:
             "hit_rate": None if route is None or route.hit_rate is None else round(route.hit_rate, 4),
             "cached_tokens": route.cached_tokens if route else 0,
             "prompt_tokens": route.prompt_tokens if route else 0,
+            "awaiting_first_token": route.awaiting if route else 0,  # of `running`: queued or in prefill
+            "prefilled_tokens": route.prefilled if route else 0,
             "claimed": batch.claimed.get(i, 0) if batch else 0,
             "in_role_s": round(now - history[-1][0], 1),
             "timeline": [[round(t, 2), r] for t, r in history[-TIMELINE_KEEP:]],
         })
     rollout_tps, train_tps = coord.rates.per_second()
+    # Prefill is unknown (None), not 0, until an engine has said what it reused.
+    prefill_tps = coord.rates.prefill_per_second() if any(r.prefill_reports for r in routes.values()) else None
     last = coord.reports[-1] if coord.reports else None
     return {
         "t": now, "wall": time.time(), "policy": c.policy, "run_dir": str(c.run_dir),
@@ -71,7 +87,7 @@ def snapshot(coord) -> dict:
         "proxy": coord.proxy.base_url if coord.proxy else None,
         "steps": {"done": coord.steps_done, "target": c.steps},
         "version": coord.version, "trainer_version": coord.trainer_version,
-        "burst": {"steps": coord.steps_in_burst, "mu": c.mu, "publications": coord.publications},
+        "burst": {"steps": coord.steps_in_burst, "mu": c.mu, "phi": c.phi, "publications": coord.publications},
         "waterlevel": {"queued": wl.queued, "running": wl.running, "finished": wl.f, "d": wl.d, "p": wl.p,
                        "f": wl.f, "level": wl.waterlevel},
         "ready_groups": coord.buffer.ready_count,
@@ -81,7 +97,12 @@ def snapshot(coord) -> dict:
             "staleness_mean": last.staleness_mean, "loss": last.loss, "tokens_trained": last.tokens_trained,
             "seconds": last.seconds, "cells_training": last.cells_training},
         "tokens_per_s": {"rollout": None if rollout_tps is None else round(rollout_tps, 1),
-                         "training": None if train_tps is None else round(train_tps, 1)},
+                         "training": None if train_tps is None else round(train_tps, 1),
+                         "prefill": None if prefill_tps is None else round(prefill_tps, 1)},
+        "rates_window_s": coord.rates.window_s,
+        # Model calls at the engines now (executions `running` may be in harness code instead).
+        "calls": {"in_flight": sum(r.inflight for r in routes.values()),
+                  "awaiting_first_token": sum(r.awaiting for r in routes.values())},
         "role_switches": coord.role_switches[-8:],
         # How late the event loop ran over the last window (ms): what a harness call waited.
         "loop_lag_ms": coord.probe.lag_ms(since=coord.probe.samples[-1][0] - WINDOW_S)

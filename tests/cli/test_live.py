@@ -1,5 +1,6 @@
-"""The live view: rendered from a recorded coordinator state at 80 and 160 columns, the plain
-line form, and `gyre top` attaching to a status endpoint over HTTP."""
+"""The live view: rendered from a recorded coordinator state at 80 and 160 columns, its
+legend, what it says while calls wait for their first token (and n/a for what nobody
+measured), the plain line form, and `gyre top` attaching to a status endpoint over HTTP."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ from typer.testing import CliRunner
 
 from gyre.cli.live import plain_line, render, strip
 from gyre.cli.main import app
+from gyre.coordinator.routing import LinkBackend, RoutingTable
+from gyre.coordinator.status import Rates, snapshot
+from gyre.proxy.backend import GenParams
 from gyre.proxy.server import ProxyServer
 from tests.scripted import ScriptedEngine
 from tests.support import ThreadEngineBackend
@@ -73,6 +77,179 @@ def test_plain_line():
     line = plain_line(STATUS)
     assert line.startswith("t=40s step 2/3 version 2 queued 0 running 16 finished 32 cells RR")
     assert "\n" not in line
+
+
+# --- the legend, and tokens/s that never reads a bare 0 for calls in prefill --------------
+
+LEGEND_AT_80 = [  # each phrase whole, on one line
+    "burst: steps since publishing, of mu per burst", "phi: batches queued ahead",
+    "d p f: dispatched, launched, finished", "prefill: uncached prompt tokens", "run: calls in flight",
+    "homes: executions routed here", "hit: prefix-cache hit rate", "claim: micro-steps it claimed in the batch",
+    "timeline: - rollout  # training"]
+
+
+def prefilling() -> dict:
+    """16 calls at the engines, none with a token yet, the engines prefilling 3,712 tokens/s."""
+    s = copy.deepcopy(STATUS)
+    s["burst"]["phi"] = 0.5
+    s["rates_window_s"] = 10.0
+    s["tokens_per_s"].update(rollout=0.0, prefill=3712.4)
+    s["calls"] = {"in_flight": 16, "awaiting_first_token": 16}
+    return s
+
+
+@pytest.mark.parametrize("width", [80, 100, 120, 160])
+def test_the_legend_explains_the_terms_at_every_width(width):
+    lines = draw(prefilling(), width).splitlines()
+    assert max(len(line) for line in lines) <= width
+    for phrase in LEGEND_AT_80:
+        assert any(phrase in line for line in lines), phrase
+    legend = [line for line in lines if any(phrase in line for phrase in LEGEND_AT_80)]
+    assert len(legend) <= {80: 4, 100: 4, 120: 3, 160: 2}[width]  # packed, not one line per entry
+    assert "phi 0.5" in lines[0]
+    assert not any("phi:" in line for line in draw(STATUS, width).splitlines())  # not shown: not explained
+
+
+@pytest.mark.parametrize("width", [80, 160])
+def test_calls_without_a_token_yet_show_prefill_and_calls_not_a_bare_0(width):
+    text = draw(prefilling(), width)
+    assert max(len(line) for line in text.splitlines()) <= width
+    assert "tokens/s (last 10s) rollout 0  prefill 3712  training 21" in text
+    assert "calls 16 in flight: 0 generating, 16 queued or in prefill" in text
+    assert plain_line(prefilling()).endswith("calls in flight 16 tokens/s generated 0 prefilled 3712")
+
+
+def test_executions_between_calls_say_they_are_not_calling_the_model():
+    s = copy.deepcopy(STATUS)
+    s["calls"] = {"in_flight": 0, "awaiting_first_token": 0}
+    assert "calls 0 in flight (the 16 running executions are not calling the model)" in draw(s, 80)
+    for cell in s["cells"]:
+        cell.update(role="training", accepting=False)
+    assert "calls 0 in flight (no cell takes calls now; 16 executions running)" in draw(s, 80)
+
+
+def test_what_nobody_measured_reads_na_never_0():
+    s = copy.deepcopy(STATUS)
+    s["tokens_per_s"] = {"rollout": None, "training": None, "prefill": None}
+    text = draw(s, 80)
+    assert "rollout n/a  prefill n/a  training n/a" in text
+    assert "generated n/a prefilled n/a" in plain_line(s)
+    recorded = draw(STATUS, 80)  # a coordinator from before prefill counts and "calls"
+    assert "prefill n/a" in recorded and "prefill 0" not in recorded
+    assert "calls 15 in flight" in recorded  # its cells' running calls
+    rows = [line for line in recorded.splitlines() if line.lstrip().startswith(("0 ", "1 "))]
+    assert all(row.split()[4] == "n/a" for row in rows)  # no hit rate known yet
+
+
+def test_rates_prefill_is_unknown_until_the_tick_passes_its_count():
+    rates = Rates(window_s=10.0)
+    assert rates.per_second() == (None, None) and rates.prefill_per_second() is None
+    rates.sample(0.0, 0, 0)
+    rates.sample(2.0, 10, 0)
+    assert rates.per_second() == (5.0, 0.0) and rates.prefill_per_second() is None
+    rates = Rates(window_s=10.0)
+    for t, prefilled in ((0.0, 0), (5.0, 1851), (10.0, 3702), (15.0, 3702)):
+        rates.sample(t, 0, 0, prefill_tokens=prefilled)
+    assert rates.per_second() == (0.0, 0.0)
+    assert rates.prefill_per_second() == pytest.approx(1851 / 10)  # the last 10 s: 5.0 to 15.0
+
+
+class ScriptedLink:
+    """The coordinator's link to workerds, as LinkBackend uses it: each node's chunks are
+    what the test puts on that node's queue."""
+
+    def __init__(self, nodes):
+        self.chunks = {n: asyncio.Queue() for n in nodes}
+        self.sent = asyncio.Queue()
+        self._ids = iter(range(1, 1000))
+
+    def new_req_id(self) -> int:
+        return next(self._ids)
+
+    async def generate(self, node, msg, frames, on_frames=None):
+        await self.sent.put(node)
+        while True:
+            chunk = await self.chunks[node].get()
+            yield chunk
+            if chunk.finished:
+                return
+
+
+def chunk(tokens, *, cached=None, finished=False, reason=None):
+    from gyre.workerd import wire
+
+    return wire.GenerateChunk(req_id=0, rid="r", token_ids=tokens, logprobs=[0.0] * len(tokens), version=0,
+                              finished=finished, finish_reason=reason, cached_tokens=cached)
+
+
+class Coordinator:
+    """What status.snapshot reads of a coordinator, around a real RoutingTable and Rates."""
+
+    def __init__(self, table: RoutingTable):
+        from types import SimpleNamespace as NS
+
+        from gyre.coordinator.waterlevel import Counters
+
+        self.c = NS(policy="elastic", run_dir="runs/x", steps=3, mu=1, phi=0.0)
+        self.wl = NS(c=Counters(d=16, p=16, f=0))
+        self.metrics, self.rates, self.table = NS(now=lambda: 40.0), Rates(), table
+        self.batch = self.step_task = self.link = self.proxy = self.launcher = None
+        self.roles, self.nodes = ["rollout", "rollout"], ["a", "b"]
+        self.role_history = [[(0.0, "rollout")], [(0.0, "rollout")]]
+        self.reports, self.role_switches, self.status_counts = [], [], {}
+        self.should_exit, self.steps_done, self.version, self.trainer_version = False, 0, 0, 0
+        self.steps_in_burst = self.publications = 0
+        self.buffer, self.probe, self.gc = NS(ready_count=0), NS(samples=[]), NS(status=lambda: {})
+
+    def _idle(self, task) -> bool:
+        return task is None
+
+    def settled(self, cell: int) -> bool:
+        return True
+
+
+async def test_a_call_in_prefill_is_in_flight_awaiting_and_counts_its_prefill_at_its_first_token():
+    table = RoutingTable()
+    table.set_nodes(["a", "b"])
+    link = ScriptedLink(["a", "b"])
+    backend = LinkBackend(link, table)
+    coord = Coordinator(table)
+    a, b = table.routes["a"], table.routes["b"]
+
+    async def call():
+        return [c async for c in backend.generate("r", list(range(1851)), GenParams(max_new_tokens=3), "e0")]
+
+    task = asyncio.create_task(call())
+    assert await link.sent.get() == "a"
+    status = snapshot(coord)  # in prefill: nothing generated, and no engine has said what it reused
+    assert (a.inflight, a.awaiting, a.tokens) == (1, 1, 0)
+    assert status["calls"] == {"in_flight": 1, "awaiting_first_token": 1}
+    assert status["tokens_per_s"]["prefill"] is None and status["cells"][0]["awaiting_first_token"] == 1
+    assert "calls 1 in flight: 0 generating, 1 queued or in prefill" in draw(status, 80)
+
+    await link.chunks["a"].put(chunk([5], cached=1800))  # the prefill is over: 51 tokens computed
+    await asyncio.sleep(0.01)
+    assert (a.awaiting, a.tokens, a.prefilled, a.prefill_reports) == (0, 1, 51, 1)
+    assert snapshot(coord)["calls"] == {"in_flight": 1, "awaiting_first_token": 0}
+    await link.chunks["a"].put(chunk([6, 7], cached=1800, finished=True, reason="length"))
+    assert [c.token_ids for c in await task] == [[5], [6, 7]]
+    assert (a.inflight, a.awaiting, a.tokens, a.prefilled) == (0, 0, 3, 51)
+
+    # Handed back before its first token: it leaves a's counts, waits on b, whose engine
+    # does not say what it reused (so nothing is added to `prefilled`).
+    task = asyncio.create_task(call())
+    assert await link.sent.get() == "a"
+    await link.chunks["a"].put(chunk([], cached=0, finished=True, reason="abort"))
+    assert await link.sent.get() == "b"
+    assert (a.inflight, a.awaiting, b.inflight, b.awaiting) == (0, 0, 1, 1)
+    await link.chunks["b"].put(chunk([8, 9, 10], finished=True, reason="length"))
+    await task
+    assert (b.inflight, b.awaiting, b.prefilled, b.prefill_reports, b.tokens) == (0, 0, 0, 0, 3)
+
+    # Sampled by the tick with the routes' counts, prefill has a rate.
+    coord.rates.sample(0.0, 0, 0, prefill_tokens=0)
+    coord.rates.sample(2.0, 6, 0, prefill_tokens=sum(r.prefilled for r in table.routes.values()))
+    assert snapshot(coord)["tokens_per_s"] == {"rollout": 3.0, "training": 0.0, "prefill": 25.5}
 
 
 @pytest.fixture
