@@ -114,14 +114,16 @@ def config_show(config: ConfigArg = None, set_: SetOpt = None, steps: StepsOpt =
     """Print the resolved run config: every field, its value and where it came from."""
     import json
 
-    from gyre.coordinator.runconfig import resolved, show_text, with_model_defaults
+    from gyre.coordinator.runconfig import load_config_file, resolved, show_text, with_model_defaults
 
+    named = config is not None and "run_dir" in _guard(load_config_file, path=config)  # a run's own config.json
+    default = None if named else Path("runs") / "up-<timestamp>"
     cfg, file_values, overrides = _resolve_config(config, set_ or [], steps=steps, policy=policy,
-                                                  run_dir=run_dir or Path("runs") / "up-<timestamp>", model=model)
+                                                  run_dir=run_dir or default, model=model)
     if (cfg.model_dir / "config.json").exists():  # per-model defaults (lr, output limits, context) resolved
         cfg = _guard(with_model_defaults, config=cfg)
-    for key in ("run_dir", "model_dir"):  # derived, not given: shown as defaults
-        if not (run_dir if key == "run_dir" else model) and key not in file_values:
+    for key in ("run_dir", "model_dir"):  # not given as flags: from the file, else defaults
+        if not (run_dir if key == "run_dir" else model):
             overrides.pop(key, None)
     rows = resolved(cfg, file_values, overrides)
     typer.echo(json.dumps(rows, indent=2) if as_json else show_text(rows))
@@ -225,7 +227,8 @@ def up(
             _fail(ValueError("--resume takes the run's own config.json; only --steps may change"))
         lock = _guard(claim, run_dir=absolute(resume), resume=True)
         try:
-            cfg, _, _ = _resolve_config(lock.run_dir / "config.json", [], steps=steps, run_dir=lock.run_dir)
+            cfg, _, _ = _resolve_config(lock.run_dir / "config.json", [], steps=steps, run_dir=lock.run_dir,
+                                        model=_moved_model(lock.run_dir))
             code = 0
             if _resumable(lock.run_dir, target=cfg.steps, extended=steps is not None):
                 _preflight(cfg)
@@ -253,6 +256,20 @@ def up(
     finally:
         lock.release()
     raise typer.Exit(code)
+
+
+def _moved_model(run_dir: Path) -> Path | None:
+    """The model directory of a run directory that was moved or copied, where the model was
+    inside it (the embedded default's RUN_DIR/model): config.json names the old path."""
+    from gyre.coordinator.runconfig import load_config_file
+
+    recorded = _guard(load_config_file, path=run_dir / "config.json")
+    try:
+        old_run, old_model = Path(recorded["run_dir"]), Path(recorded["model_dir"])
+        inside = old_model.relative_to(old_run)
+    except (KeyError, TypeError, ValueError):
+        return None
+    return run_dir / inside if old_run != run_dir else None
 
 
 def _resumable(run_dir: Path, target: int, extended: bool) -> bool:
@@ -537,9 +554,11 @@ def _fail(e: Exception) -> None:
 
 
 def _add_commands() -> None:
+    from gyre.cli.doctor import doctor
     from gyre.cli.export import export
 
     app.command("export")(export)
+    app.command("doctor")(doctor)
 
 
 _add_subapps()

@@ -61,6 +61,8 @@ def state(run_dir: Path) -> RunState:
         target = orjson.loads(config.read_bytes()).get("steps")
     except (orjson.JSONDecodeError, AttributeError):
         target = None
+    if not isinstance(target, int) or isinstance(target, bool):
+        target = None  # a damaged config: its target is unknown (build_config names the field)
     done, summary = 0, None
     for ev in _tail_events(run_dir / "metrics.jsonl"):
         if ev.get("event") == "step":

@@ -133,3 +133,22 @@ def test_a_missing_sandbox_backend_is_one_line_before_anything_starts(tmp_path, 
     args = [str(examples) if a == "EXAMPLES" else a for a in args]
     assert says in one_line_error(runner.invoke(app, ["up", "--no-live", *args]))
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_moved_run_directory_resumes_with_its_own_model(tmp_path):
+    """config.json names the embedded model by its absolute path inside the old run directory."""
+    from gyre.cli.main import _moved_model
+
+    run = tmp_path / "new"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"run_dir": "/old/run", "model_dir": "/old/run/model"}))
+    assert _moved_model(run) == run / "model"
+    (run / "config.json").write_text(json.dumps({"run_dir": "/old/run", "model_dir": "/models/smollm2"}))
+    assert _moved_model(run) is None  # a model of its own stays where it is
+
+
+def test_a_config_with_a_damaged_steps_field_has_an_unknown_target(tmp_path):
+    from gyre.coordinator.rundir import state
+
+    (tmp_path / "config.json").write_text(json.dumps({"steps": "five"}))
+    assert state(tmp_path).steps_target is None  # before: a TypeError traceback from `gyre up`
