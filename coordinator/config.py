@@ -131,6 +131,10 @@ class CoordinatorConfig:
     eval_every: int = 0
     eval_tasks_path: Path | None = None
     eval_k: int = 1
+    # Bind the worker link (address) beyond loopback without keys_dir: any process that reaches it
+    # can register as a worker and answer calls. Refused unless set; warned about at start.
+    allow_unauthenticated_link: bool = False
+    eval_pass_threshold: float = 1.0  # a held-out execution passes with a valid reward at least this
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -195,6 +199,12 @@ class CoordinatorConfig:
         if POLICIES[self.policy].fixed_split and not 1 <= self.async_training_cells < self.cells:
             raise ValueError(f"{self.policy} needs 1 <= async_training_cells < cells ({self.cells}); "
                              f"got {self.async_training_cells}")
+        from gyre.coordinator.keys import on_loopback
+
+        if self.keys_dir is None and not on_loopback(self.address) and not self.allow_unauthenticated_link:
+            raise ValueError(f"address {self.address} is not on loopback and keys_dir is unset: any process that "
+                             f"reaches it could pose as a worker; run `gyre keys init DIR` and set keys_dir = DIR, "
+                             f"or set allow_unauthenticated_link = true to bind it without keys")
 
     def preset(self):
         from gyre.coordinator.harnesses import resolve

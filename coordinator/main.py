@@ -20,12 +20,12 @@ import os
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass
 
-from gyre.coordinator import health, resume
+from gyre.coordinator import health, report, resume
 from gyre.coordinator.buffer import Execution, Group, TrajectoryBuffer
 from gyre.coordinator.config import CoordinatorConfig
 from gyre.coordinator.gcpolicy import GcPolicy
+from gyre.coordinator.heldout import HeldOut
 from gyre.coordinator.launcher import Launcher, launch_spec, open_sandboxes
 from gyre.coordinator.link import WorkerCallTimeout, WorkerDeadError, WorkerError
 from gyre.coordinator.local import LocalCluster
@@ -34,6 +34,7 @@ from gyre.coordinator.metrics import Metrics
 from gyre.coordinator.policies import POLICIES
 from gyre.coordinator.preflight import start_proxy
 from gyre.coordinator.publisher import WeightPublisher, memcpy_seconds
+from gyre.coordinator.report import StepReport
 from gyre.coordinator.routing import LinkBackend, RoutingTable
 from gyre.coordinator.sandbox import SandboxError
 from gyre.coordinator.schedule import BatchView, State, decide, topup
@@ -54,25 +55,6 @@ SWITCH_INTERVAL_S = 0.0005
 TICK_S = 0.1
 
 
-@dataclass
-class StepReport:
-    step: int
-    version: int
-    reward_mean: float | None
-    reward_valid_frac: float | None
-    staleness_mean: float
-    groups: int
-    executions: int
-    tokens_trained: int
-    cells_training: int
-    loss: float
-    seconds: float
-    # Groups whose valid rewards were all equal: group-relative advantages are zero, so
-    # they train nothing (a run of such steps learns nothing; the reward needs spread).
-    equal_reward_groups: int = 0
-
-
-
 class InfraFailures(GyreError):
     """Executions keep failing before the agent's work could be assessed: the run stops."""
 
@@ -84,6 +66,9 @@ class Coordinator:
         self.resume = resume  # continue RUN_DIR from its latest checkpoint (resume.py)
         tasks = load_task_source(config.tasks_path) if config.tasks_path else default_tasks()
         self.tasks = TaskSource(tasks, seed=config.seed)
+        # Held-out evaluation rounds (heldout.py): never trained, on the slots training leaves free.
+        self.heldout = HeldOut(load_task_source(config.eval_tasks_path), k=config.eval_k,
+                               threshold=config.eval_pass_threshold) if config.eval_every else None
         self.spec = POLICIES[config.policy]
         self.wl = Waterlevel()
         self.buffer = TrajectoryBuffer(config.min_valid)
@@ -182,7 +167,7 @@ class Coordinator:
                 ended = True
             finally:
                 await self._shutdown(save=ended or isinstance(self.fatal, InfraFailures))
-                self._summary()
+                report.summary(self)
         self.metrics.close()
         return self.reports
 
@@ -229,8 +214,8 @@ class Coordinator:
         self.launcher = Launcher(self.proxy, c.run_dir, launch_spec(c), default_evaluator={"type": "similarity"},
                                  pool=self.sandboxes.pool, owner=self.sandboxes.owner,
                                  remote_relay=self._remote_relay)
-        for task in self.tasks.tasks:  # a task this sandbox cannot run fails the start, named
-            self.launcher.check_task(task)
+        for task in [*self.tasks.tasks, *(self.heldout.tasks if self.heldout else ())]:
+            self.launcher.check_task(task)  # a task this sandbox cannot run fails the start, named
         # Gradient reduction: every cell joins one gloo world with prebuilt prefix groups.
         init = c.reducer_init or self.cluster.reducer_init(c.run_dir)
         link = self.link
@@ -247,6 +232,8 @@ class Coordinator:
             await resume.restore(self)
         else:
             self._dispatch(c.initial_groups)
+            if self.heldout is not None:  # the base model's score, to compare the trained one's with
+                self.heldout.dispatch(step=0, version=0)
         # Packing and evaluators run in threads; each time the loop wakes while one holds the
         # GIL it waits up to the switch interval (CPython's 5 ms) for every callback it runs.
         sys.setswitchinterval(SWITCH_INTERVAL_S)
@@ -265,6 +252,9 @@ class Coordinator:
         for task in list(self.runs.values()):
             task.cancel()
         await asyncio.gather(*self.runs.values(), return_exceptions=True)
+        for run in self.heldout.cancel_queued() if self.heldout else ():  # their rounds end, marked incomplete
+            run.status, run.valid = "cancelled", False
+            self._close(run)
         if save:
             await resume.final_checkpoint(self)
         if self.sandboxes is not None:
@@ -292,27 +282,6 @@ class Coordinator:
         await asyncio.gather(task, return_exceptions=True)
         if batch is not None:
             self.buffer.untake(batch.taken)
-
-    def _summary(self) -> None:
-        wall = self.metrics.now()
-        cells = []
-        for i, node in enumerate(self.nodes):
-            route = self.table.routes.get(node)
-            rollout_busy = route.busy_s if route else 0.0
-            train_busy = self.train_busy_s.get(i, 0.0)
-            rss = self.peak_rss[i] if i < len(self.peak_rss) else None
-            cells.append({"cell": i, "rollout_busy_s": round(rollout_busy, 3), "train_busy_s": round(train_busy, 3),
-                          "rollout_tokens": route.tokens if route else 0,
-                          "peak_rss_mb": None if rss is None else round(rss / 2**20, 1),
-                          "idle_frac": round(max(0.0, 1 - (rollout_busy + train_busy) / wall), 4) if wall else None})
-        self.metrics.emit("summary", steps=self.steps_done, wall_s=wall, statuses=dict(self.status_counts),
-                          pending_groups=sorted([*(g.id for g in self.buffer.groups.values() if g.state != "consumed"),
-                                                 *(ev["group"] for ev in self.held)]),
-                          dropped_groups=sorted(g.id for g in self.buffer.groups.values() if g.state == "dropped"),
-                          dead_cells=sorted(self.dead), rejoined_cells=sorted(self.no_reducer),
-                          counters={"d": self.wl.c.d, "p": self.wl.c.p, "f": self.wl.c.f},
-                          rollout_tokens=sum(c["rollout_tokens"] for c in cells),
-                          tokens_trained=self.tokens_trained, cells=cells)
 
     async def _remote_relay(self, node: str, pid: int, proxy_port: int):
         """A proxy listener in a sandbox on `node`'s host, made by its workerd (relays.py):
@@ -367,6 +336,7 @@ class Coordinator:
         health.start_rejoin(self)
         d = decide(self.schedule_state())
         self._launch(d.launch)
+        self._launch_eval(d.launch_eval)
         if d.publish:
             self.side_task = asyncio.create_task(self._publish(), name="gyre-publish")
         for cell, role in d.switches:
@@ -396,7 +366,9 @@ class Coordinator:
                      switching=frozenset(cell for cell, t in self.switch_tasks.items() if not t.done()),
                      busy=frozenset(batch.busy) if batch is not None else frozenset(),
                      dead=frozenset(self.dead), no_reducer=frozenset(self.no_reducer), batch=view,
-                     transfer=not self._idle(self.side_task))
+                     transfer=not self._idle(self.side_task),
+                     eval_queued=len(self.heldout.queue) if self.heldout else 0,
+                     eval_running=len(self.heldout.running) if self.heldout else 0)
 
     def settled(self, cell: int) -> bool:
         """The cell holds its role: no switch of it is under way (a batch claims only then)."""
@@ -416,6 +388,13 @@ class Coordinator:
             n -= 1
         self.queue.extendleft(reversed(waiting))
 
+    def _launch_eval(self, n: int) -> None:
+        queue = self.heldout.queue if self.heldout is not None else ()
+        for _ in range(min(n, len(queue))):
+            run = queue.popleft()
+            self.heldout.launched(run)
+            self.runs[run.id] = asyncio.create_task(self._execute(run), name=f"gyre-eval-{run.id}")
+
     async def _execute(self, run: Execution) -> None:
         try:
             await self.launcher.run(run)
@@ -433,6 +412,9 @@ class Coordinator:
         if run.closed:
             return
         run.t_end = run.t_end or time.time()
+        if run.group < 0:  # a held-out evaluation: recorded, scored, never trained
+            self._close_eval(run)
+            return
         self.wl.terminate(run.tracked)
         self.runs.pop(run.id, None)
         self.status_counts[run.status] = self.status_counts.get(run.status, 0) + 1
@@ -461,6 +443,20 @@ class Coordinator:
             self.replacements += 1
             self._dispatch(1)
         self.changed.set()
+
+    def _close_eval(self, run: Execution) -> None:
+        self.runs.pop(run.id, None)
+        r = self.heldout.round_of(run)
+        self.metrics.emit("execution", id=run.id, group=None, eval=r.number, task=run.task.id, status=run.status,
+                          reward=run.reward, valid=run.valid, version_dispatched=run.version_dispatched,
+                          t_start=self.metrics.since_start(run.t_start), t_end=self.metrics.since_start(run.t_end),
+                          ref=run.ref[:200])
+        event = self.heldout.close(run)
+        if event is not None:
+            self.metrics.emit("eval", **event)
+            log.info("held-out eval %d (step %d, version %d): pass@%d %s, pass@1 %s over %d tasks",
+                     event["round"], event["step"], event["version"], event["k"], _fmt(event["pass_at_k"]),
+                     _fmt(event["pass_at_1"]), event["scored_tasks"])
 
     def _dispatch(self, n_groups: int) -> None:
         c = self.c
@@ -552,42 +548,8 @@ class Coordinator:
         satellites = [c for c in res.participants if c != 0]
         if satellites and self.steps_in_burst < self.c.mu:  # they train the next step of the burst too
             await self._level(satellites)
-        self._report(res.groups, res.executions, res.results, version_before, len(res.participants),
-                     time.monotonic() - t0, res.tokens)
-
-    def _report(self, groups, executions, results, version_before, n_cells, seconds, packed) -> None:
-        runs = [r for g in groups for r in g.runs if r.status != "cancelled"]
-        valid = [r.reward for r in runs if r.valid and r.reward is not None]
-        staleness = [version_before - g.version for g in groups]
-        rep = StepReport(step=self.steps_done, version=self.trainer_version,
-                         reward_mean=sum(valid) / len(valid) if valid else None,
-                         reward_valid_frac=len(valid) / len(runs) if runs else None,
-                         staleness_mean=sum(staleness) / len(staleness), groups=len(groups),
-                         executions=executions, tokens_trained=sum(r.tokens for r in results),
-                         cells_training=n_cells, loss=sum(r.loss for r in results), seconds=round(seconds, 3),
-                         equal_reward_groups=sum(_equal_rewards(g) for g in groups))
-        self.reports.append(rep)
-        self.tokens_trained += rep.tokens_trained
-        # Engine/trainer gap over the step's targets (token-weighted mean of b - l): near zero
-        # when the engines run the trainer's weights; a health signal for GPU backends.
-        tokens = sum(r.tokens for r in results)
-        mismatch = sum(r.mismatch_kl * r.tokens for r in results) / tokens if tokens else None
-        prefill, cached = prefill_of(runs)
-        self.metrics.emit("step", **rep.__dict__, mismatch=mismatch, staleness=staleness,
-                          group_ids=[g.id for g in groups], prefill_tokens=prefill, cached_tokens=cached,
-                          # The forward pass: tokens computed, unique admitted (each tree node on
-                          # an admitted path once), path-expanded, and the trainers' seconds.
-                          packing=self.c.packing, forward_tokens=packed.forward,
-                          unique_admitted_tokens=packed.unique, expanded_tokens=packed.expanded,
-                          trainer_seconds=round(sum(r.seconds for r in results), 4),
-                          loop_lag_ms=self.probe.lag_ms(since=self._step_began),
-                          cache_hit_rate=None if prefill is None or not prefill + cached
-                          else round(cached / (prefill + cached), 4),
-                          waterlevel=self.wl.c.waterlevel,
-                          counters={"d": self.wl.c.d, "p": self.wl.c.p, "f": self.wl.c.f},
-                          statuses=dict(self.status_counts))
-        if self.on_step is not None:
-            self.on_step(rep)
+        report.step(self, res.groups, res.executions, res.results, version_before, len(res.participants),
+                    time.monotonic() - t0, res.tokens)
 
     # 4) publication
     async def _publish(self) -> None:
@@ -608,20 +570,11 @@ class Coordinator:
                           memcpy_seconds=round(memcpy_seconds(nbytes), 5) if nbytes else None)
         if self.steps_done < self.c.steps:
             self._dispatch(topup(self.c.phi, self.c.mu, self.c.groups_per_step, self.publications))
+        if self.heldout is not None and self.steps_done % self.c.eval_every == 0:
+            self.heldout.dispatch(step=self.steps_done, version=version)  # the version just published
         if self.c.checkpoint_every and self.steps_done % self.c.checkpoint_every == 0 and self.steps_done:
             await resume.checkpoint(self)
 
 
-def _equal_rewards(group: Group) -> bool:
-    """Every counted valid reward of the group the same: no advantage to learn from."""
-    rewards = [r.reward for r in group.valid_runs[: group.size] if r.reward is not None]
-    return len(rewards) > 0 and max(rewards) == min(rewards)
-
-
-def prefill_of(runs) -> tuple[int | None, int | None]:
-    """(computed, reused) prompt tokens over the model calls of a step's executions; None
-    where no call's engine said (an unknown is never counted as zero)."""
-    known = [c for r in runs if r.recorder is not None for c in r.recorder.calls if c.get("cached_tokens") is not None]
-    if not known:
-        return None, None
-    return sum(c["prefill_tokens"] for c in known), sum(c["cached_tokens"] for c in known)
+def _fmt(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.3f}"

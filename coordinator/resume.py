@@ -199,7 +199,8 @@ async def restore(coord) -> None:
         coord.steps_in_burst = 0
     coord.status_counts = {}
     for out in outcomes.values():  # every closed execution of the run, before and after the checkpoint
-        coord.status_counts[out["status"]] = coord.status_counts.get(out["status"], 0) + 1
+        if out.get("eval") is None:  # held-out evaluations are not the run's executions
+            coord.status_counts[out["status"]] = coord.status_counts.get(out["status"], 0) + 1
     coord.tokens_trained = st.get("tokens_trained", 0)
     coord.weights.forget(coord.version)
     if folder is not None:

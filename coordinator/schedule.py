@@ -21,7 +21,10 @@ The rules, in the order `decide` applies them:
    window is open.
 5. A step starts on the settled training prefix once nothing in it is still switching to
    training and the policy's readiness holds (a full batch, or one ready group).
-6. Done: the last step is trained and published, nothing in flight.
+6. Held-out evaluations (never trained, outside the waterlevel the policies see) take the
+   serving slots training executions leave free, also after the last step; while any is
+   left then, every live cell rolls out, and the run is done only once they are too.
+7. Done: the last step is trained and published, nothing in flight.
 """
 
 from __future__ import annotations
@@ -66,6 +69,8 @@ class State:
     standalone: int = 0  # executions a never-training rollout pool serves
     batch: BatchView | None = None
     transfer: bool = False  # weights are moving (a publication or a rejoin)
+    eval_queued: int = 0  # held-out evaluation executions waiting for a slot
+    eval_running: int = 0
 
     @property
     def cells(self) -> int:
@@ -79,6 +84,7 @@ class State:
 @dataclass(frozen=True, slots=True)
 class Decisions:
     launch: int = 0  # queued executions to start now
+    launch_eval: int = 0  # queued evaluation executions to start now
     publish: bool = False
     switches: tuple[tuple[int, str], ...] = ()  # (cell, role) changes to start now
     joins: tuple[int, ...] = ()  # cells that join the batch in flight, in order
@@ -86,20 +92,24 @@ class Decisions:
     done: bool = False
 
     def __bool__(self) -> bool:  # anything to carry out
-        return bool(self.launch or self.publish or self.switches or self.joins or self.start_step)
+        return bool(self.launch or self.launch_eval or self.publish or self.switches or self.joins or self.start_step)
 
 
 def decide(s: State) -> Decisions:
     publish = _publish(s)
     k = trainable(s)
     want = target_roles(s, k)
+    evals = s.eval_queued + s.eval_running
+    if evals and s.steps_done >= s.steps:  # training is over: every live cell serves the evaluations
+        want = [r if c in s.dead else ROLLOUT for c, r in enumerate(s.roles)]
     held = s.switching | s.busy | s.dead | ({0} if s.transfer or publish else set())
     switches = tuple((c, r) for c, r in enumerate(want) if r != s.roles[c] and c not in held)
     start = () if publish else _start(s, want, k)
     done = (s.steps_done >= s.steps and s.batch is None and not s.transfer and not publish
-            and not s.switching)
-    return Decisions(launch=_launch(s), publish=publish, switches=switches, joins=_joins(s, want, k),
-                     start_step=start, done=done)
+            and not s.switching and not evals)
+    launch = _launch(s)
+    return Decisions(launch=launch, launch_eval=_launch_eval(s, launch), publish=publish, switches=switches,
+                     joins=_joins(s, want, k), start_step=start, done=done)
 
 
 def trainable(s: State) -> int:
@@ -168,7 +178,12 @@ def _pause_or_resume(s: State, want: list[str], k: int) -> None:
 def _launch(s: State) -> int:
     if s.steps_done >= s.steps:
         return 0
-    return min(s.queued, max(0, serving_slots(s) - s.running))
+    return min(s.queued, max(0, serving_slots(s) - s.running - s.eval_running))
+
+
+def _launch_eval(s: State, launch: int) -> int:
+    free = serving_slots(s) - s.running - launch - s.eval_running
+    return min(s.eval_queued, max(0, free))
 
 
 def _publish(s: State) -> bool:

@@ -88,7 +88,7 @@ def test_up_takes_sandbox_and_tasks(tmp_path, monkeypatch):
 def test_a_step_of_equal_rewards_says_it_trained_nothing_and_why():
     from gyre.cli.up import _why_flat
     from gyre.coordinator.buffer import Execution, Group
-    from gyre.coordinator.main import StepReport, _equal_rewards
+    from gyre.coordinator.report import StepReport, _equal_rewards
     from gyre.coordinator.waterlevel import Waterlevel
 
     wl = Waterlevel()
