@@ -295,6 +295,10 @@ def _preflight(cfg) -> None:
     from gyre.coordinator.taskformats import load_task_source
 
     _guard(check_ports, config=cfg)
+    if cfg.trackers:
+        from gyre.coordinator.trackers import check as check_trackers
+
+        _guard(check_trackers, trackers=cfg.trackers)
     tasks = _guard(load_task_source, path=cfg.tasks_path) if cfg.tasks_path else []
     _guard(check_sandbox, backend=cfg.sandbox, url=cfg.sandbox_url, hosts=cfg.sandbox_hosts, tasks=tasks,
            internet=cfg.sandbox_internet)

@@ -194,6 +194,9 @@ class CoordinatorConfig:
         if len(self.reward_range) != 2 or not all(isinstance(x, int | float) for x in self.reward_range) \
                 or not self.reward_range[0] < self.reward_range[1]:
             raise ValueError(f"reward_range must be [low, high] with low < high, got {list(self.reward_range)}")
+        from gyre.coordinator.trackers import validate as validate_trackers
+
+        validate_trackers(self.trackers, self.tracker_options)
         if self.eval_every and self.eval_tasks_path is None:
             raise ValueError("eval_every needs eval_tasks_path (the held-out tasks)")
         if POLICIES[self.policy].fixed_split and not 1 <= self.async_training_cells < self.cells:
