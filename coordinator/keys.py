@@ -12,11 +12,13 @@ handshake, so it cannot even register). Secret files are written 0600. Layout:
 Copy DIR/coordinator.key and DIR/workers/NAME.key_secret (with NAME.key) to a worker's
 node; keep DIR/coordinator.key_secret on the coordinator only. Here, not in workerd/, because
 the coordinator imports nothing of workerd's but wire; workerd's server.py reads its
-`client_keys` from here. Not the link: link.py and server.py apply these to their sockets.
+`client_keys` from here. `on_loopback` says which bind addresses need no keys. Not the link:
+link.py and server.py apply these to their sockets.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import shutil
@@ -104,3 +106,21 @@ def client_keys(root: Path, name: str) -> tuple[bytes, bytes, bytes]:
     public, secret = _load(where / f"{name}.key_secret", secret=True)
     server_public, _ = _load(root / "coordinator.key", secret=False)
     return public, secret, server_public
+
+
+def on_loopback(address: str) -> bool:
+    """Whether a ZeroMQ bind address is reachable from this host only: tcp:// on a loopback
+    address (127.0.0.0/8, ::1, localhost, the `lo` interface), ipc:// or inproc://. Without
+    CURVE keys the worker link binds nothing else unless the run config opts in."""
+    scheme, _, rest = address.partition("://")
+    if scheme in ("ipc", "inproc"):
+        return True
+    if scheme != "tcp":
+        return False
+    host = rest.rpartition(":")[0].strip("[]")
+    if host in ("localhost", "lo"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # *, an interface name, a host name: not provably loopback
+        return False

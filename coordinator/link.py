@@ -3,7 +3,9 @@
 Request/reply by `req_id` (futures), generation streams by `req_id` (queues), and
 lifecycle messages (Register, Ready, Heartbeat, Deregister, WorkerDead) handed to a
 callback. A node that dies fails every pending future for it with `WorkerDeadError`.
-Not a scheduler: it never decides where work goes.
+A reply counts only from the connection the request went to, and a connection that has
+not registered is read no further than its first frame (the port may be open to processes
+that hold no key: see `_receive`). Not a scheduler: it never decides where work goes.
 """
 
 from __future__ import annotations
@@ -25,6 +27,16 @@ from gyre.workerd import wire
 log = logging.getLogger("gyre.coordinator")
 
 LIFECYCLE = (wire.Register, wire.Ready, wire.Heartbeat, wire.Deregister, wire.WorkerDead)
+# ZeroMQ queues at most this many messages per connection; past it, it stops reading that
+# connection and TCP pushes back on the sender (0, unbounded, let a flood grow without end).
+RECV_HWM = 1000
+RECV_BATCH = 256  # messages read before the reader lets the event loop run other tasks
+# What a connection that has not registered may send, how large, and how many per second
+# (a bucket per kind, its burst the second number): a Register, or the Heartbeat of a worker
+# an earlier coordinator welcomed (answered with Reregister). Anything else is dropped unread.
+UNREGISTERED = {b"Register": (200.0, 1000), b"Heartbeat": (200.0, 1000)}
+UNREGISTERED_MAX_BYTES = 64 << 10  # a Register's payload is a few hundred bytes
+DROP_LOG_S = 10.0  # dropped messages are reported at most this often
 
 
 class WorkerDeadError(wire.GyreError):
@@ -75,9 +87,19 @@ class WorkerLink:
         self.nodes: dict[str, NodeLink] = {}
         self.on_event = on_event or (lambda msg: None)
         self.address = bind
+        self.dropped: dict[str, int] = {}  # messages dropped, by reason (a handful of fixed reasons)
+        self._unreported = 0  # dropped since the last report
+        self._report_at = 0.0  # monotonic time of the next report allowed
+        # Unregistered connections' messages let through: kind -> [tokens, last refill].
+        self._buckets = {kind: [float(burst), time.monotonic()] for kind, (_, burst) in UNREGISTERED.items()}
 
     async def start(self) -> str:
         """Bind (created here, after uvloop is installed); returns the bound address."""
+        from gyre.coordinator.keys import on_loopback
+
+        if self._keys_dir is None and not on_loopback(self._bind):  # the run config opted in (allow_...)
+            log.warning("the worker link %s is not on loopback and has no CURVE keys: any process that reaches it "
+                        "can register as a worker and answer requests; set keys_dir (gyre keys init DIR)", self._bind)
         sock = self._ctx.socket(zmq.ROUTER)
         if self._keys_dir is not None:
             from zmq.auth.asyncio import AsyncioAuthenticator
@@ -90,11 +112,13 @@ class WorkerLink:
             self._auth.configure_curve(domain="*", location=str(authorized))
             sock.curve_publickey, sock.curve_secretkey, sock.curve_server = public, secret, True
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable replies raise, never vanish
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
+        # ROUTER_HANDOVER stays off: a second connection claiming a connected worker's routing id
+        # is never read (ZeroMQ holds it aside), so what arrives under a worker's id is the worker's.
+        sock.setsockopt(zmq.SNDHWM, 0)  # what we send is bounded by our own requests in flight
+        sock.setsockopt(zmq.RCVHWM, RECV_HWM)
         sock.setsockopt(zmq.LINGER, 0)
+        self._sock = sock  # closed by close(), bound or not
         sock.bind(self._bind)
-        self._sock = sock
         self.address = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         return self.address
 
@@ -115,14 +139,15 @@ class WorkerLink:
 
     async def send(self, node: str, msg: Any, tensors: list[wire.TensorFrame] | None = None,
                    force: bool = False) -> None:
-        """`force`: to a node marked dead that still talks (Reregister), bypassing the check."""
+        """`force`: to a node marked dead, or never registered, that still talks (Reregister)."""
         link = self.nodes.get(node)
-        if link is None or (not link.alive and not force):
+        if not force and (link is None or not link.alive):
             raise WorkerDeadError(f"node {node} is not connected")
         try:
             await self._sock.send_multipart([node.encode(), *wire.encode(msg, tensors)], copy=False)
         except zmq.ZMQError as e:  # EHOSTUNREACH under ROUTER_MANDATORY
-            self.mark_dead(node, f"send failed: {e}")
+            if link is not None:
+                self.mark_dead(node, f"send failed: {e}")
             raise WorkerDeadError(f"node {node} unreachable: {e}") from None
 
     async def request(self, node: str, msg: Any, tensors: list[wire.TensorFrame] | None = None,
@@ -188,21 +213,70 @@ class WorkerLink:
     async def serve(self) -> None:
         """Reader loop: run as a task for the coordinator's lifetime."""
         while True:
-            frames = await self._sock.recv_multipart(copy=False)
+            self._receive(await self._sock.recv_multipart(copy=False))
+            # Then what is queued already, a batch at a time, and the loop's other tasks in
+            # between: awaiting a socket that holds a message never yields, so a flood read
+            # only by awaits starved every call (and a NOBLOCK read costs a third of an await).
+            for _ in range(RECV_BATCH):
+                ready = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                try:
+                    frames = ready.result()
+                except zmq.Again:
+                    break
+                self._receive(frames)
+            await asyncio.sleep(0)
+
+    def _receive(self, frames: list[zmq.Frame]) -> None:
+        """One message: who sent it first, then (only for a registered worker, or a small
+        Register or Heartbeat within its rate) what it says."""
+        # 1) Who: the connection's routing id. A peer picks its own (without keys, any local
+        #    process can connect), but ZeroMQ never reads a second connection claiming one in use,
+        #    so what arrives under a registered worker's id comes from that worker's connection.
+        try:
             node = frames[0].bytes.decode()
-            try:
-                msg, tensors = wire.decode(frames[1:])
-            except wire.WireError as e:
-                log.warning("undecodable message from %s: %s", node, e)
-                continue
+        except UnicodeDecodeError:  # ZeroMQ's own ids for peers that name none (b"\0" + 4 bytes)
+            return self._drop(frames[0].bytes, "not a registered worker")
+        # 2) A connection that has not registered: dropped on its kind frame alone unless it
+        #    registers (or heartbeats, for Reregister), small and within the rate. A flood costs
+        #    a lookup per message, never a decode, and nothing is kept per connection.
+        if node not in self.nodes and not self._admit_unregistered(frames):
+            return self._drop(node, "not a registered worker")
+        try:
+            msg, tensors = wire.decode(frames[1:])
+        except wire.WireError as e:
+            return self._drop(node, "undecodable", str(e))
+        try:
             self._dispatch(node, msg, tensors)
+        except (TypeError, ValueError, AttributeError) as e:  # a field of the wrong type (wire checks none)
+            if isinstance(msg, wire.Register):
+                self.nodes.pop(node, None)  # not registered after all
+            self._drop(node, "malformed", f"{type(msg).__name__}: {type(e).__name__}: {e}")
+
+    def _admit_unregistered(self, frames: list[zmq.Frame]) -> bool:
+        rate = UNREGISTERED.get(frames[1].bytes) if len(frames) == 3 else None
+        if rate is None or len(frames[2]) > UNREGISTERED_MAX_BYTES:
+            return False
+        bucket, now = self._buckets[frames[1].bytes], time.monotonic()
+        bucket[0] = min(float(rate[1]), bucket[0] + (now - bucket[1]) * rate[0])
+        bucket[1] = now
+        if bucket[0] < 1.0:
+            return False
+        bucket[0] -= 1.0
+        return True
 
     def _dispatch(self, node: str, msg: Any, tensors: list[wire.TensorFrame]) -> None:
         link = self.nodes.get(node)
-        if isinstance(msg, wire.Register) or link is None:
-            link = self.nodes[node] = NodeLink(node)
-        link.last_seen = time.monotonic()
         if isinstance(msg, LIFECYCLE):
+            # A worker speaks for itself only: a Register, Ready or Deregister naming another
+            # node (its connection, or a connection posing as it) would re-welcome or kill that one.
+            if msg.node_id != node:
+                return self._drop(node, "a lifecycle message naming another node", repr(msg.node_id))
+            if isinstance(msg, wire.Register):  # a new session (the cluster may refuse it: refuse())
+                link = self.nodes[node] = NodeLink(node)
+            if link is None:  # a Heartbeat, unregistered: the cluster asks it to register again
+                self.on_event(msg)
+                return
+            link.last_seen = time.monotonic()
             if isinstance(msg, (wire.Deregister, wire.WorkerDead)):
                 reason = getattr(msg, "reason", "")
                 self.mark_dead(node, f"{type(msg).__name__}: {reason}")
@@ -212,16 +286,39 @@ class WorkerLink:
             # cluster answers such heartbeats with Reregister), so its state is fresh.
             self.on_event(msg)
             return
+        if link is None:  # only Register and Heartbeat get past _receive unregistered
+            return self._drop(node, "not a registered worker")
+        link.last_seen = time.monotonic()
         pending = self._pending.get(getattr(msg, "req_id", -1))
         if pending is None:
             log.debug("reply %s for no pending request", type(msg).__name__)
             return
+        if pending.node != node:  # req_ids are guessable (1, 2, 3, ...): the sender is not
+            return self._drop(node, "a reply to a request sent to another node", f"req_id {msg.req_id}")
         if pending.stream is not None:
             if tensors and pending.on_frames is not None:
                 pending.on_frames(msg, tensors)
             pending.stream.put_nowait(msg)
         elif not pending.future.done():
             pending.future.set_result((msg, tensors))
+
+    def refuse(self, node: str, why: str) -> None:
+        """The cluster refused `node`'s Register: forget it (its messages are dropped unread
+        from now on) and report it, at most every DROP_LOG_S with the others."""
+        self.nodes.pop(node, None)
+        self._drop(node, "registration refused", why)
+
+    def _drop(self, who: str | bytes, reason: str, detail: str = "") -> None:
+        """Count a dropped message; warn at once, then at most every DROP_LOG_S seconds."""
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+        self._unreported += 1
+        now = time.monotonic()
+        if now < self._report_at:
+            return
+        log.warning("worker link: dropped %d message(s) since the last report, the last from %s: %s%s "
+                    "(reported at most every %g s)", self._unreported, repr(who)[:80], reason,
+                    f" ({detail[:200]})" if detail else "", DROP_LOG_S)
+        self._unreported, self._report_at = 0, now + DROP_LOG_S
 
     def mark_dead(self, node: str, reason: str) -> None:
         """Fail everything pending on `node`; called on WorkerDead, Deregister or silence."""

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import sys
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,8 @@ from gyre.coordinator.link import WorkerLink
 from gyre.workerd import wire
 
 log = logging.getLogger("gyre.coordinator")
+
+EVENTS_KEPT = 10_000  # lifecycle messages kept in `events` (a registration flood must not grow it)
 
 
 class ClusterStartError(wire.GyreError):
@@ -64,7 +67,10 @@ class LocalCluster:
         self.procs: list[asyncio.subprocess.Process] = []
         self._ready = asyncio.Event()
         self._reader: asyncio.Task | None = None
-        self.events: list = []  # lifecycle messages seen (Register, Ready, WorkerDead, ...)
+        # Lifecycle messages seen (Register, Ready, WorkerDead, ...), the latest EVENTS_KEPT;
+        # heartbeats are only counted: a long run's would fill it.
+        self.events: deque = deque(maxlen=EVENTS_KEPT)
+        self.heartbeats = 0
         self.on_rejoin: Callable[[int, str], None] | None = None  # (cell, node) ready after start-up
         self._reregistering: set[str] = set()  # nodes asked to register again, not yet registered
 
@@ -117,14 +123,19 @@ class LocalCluster:
         return "rollout" if cell == 0 else "training"
 
     def _on_event(self, msg) -> None:
-        self.events.append(msg)
+        """The link's lifecycle messages; it has checked that each comes from the node it names."""
+        if isinstance(msg, wire.Heartbeat):
+            self.heartbeats += 1
+        else:
+            self.events.append(msg)
         if isinstance(msg, wire.Register):
             self._reregistering.discard(msg.node_id)
             cell = msg.cell if msg.cell is not None else self._free_cell()
             holder = next((n for n in self.nodes.values() if n.cell == cell and n.node_id != msg.node_id), None)
             if cell is None or cell >= self.cells or (holder is not None and self._alive(holder.node_id)):
-                log.error("refusing workerd %s: cell %s is %s", msg.node_id, cell,
-                          "out of range" if cell is None or cell >= self.cells else f"held by {holder.node_id}")
+                # Logged by the link, at most every few seconds: a flood of Registers is one line.
+                self.link.refuse(msg.node_id, f"cell {cell} is " + (
+                    "out of range" if cell is None or cell >= self.cells else f"held by {holder.node_id}"))
                 return
             if holder is not None:
                 del self.nodes[holder.node_id]
@@ -153,6 +164,8 @@ class LocalCluster:
             # A worker welcomed by an earlier coordinator (we restarted, e.g. to resume), or one
             # declared dead after a silence that has come back: it must register again.
             if msg.node_id not in self._reregistering:
+                if len(self._reregistering) >= EVENTS_KEPT:  # unregistered peers that never register
+                    self._reregistering.clear()
                 self._reregistering.add(msg.node_id)
                 log.info("workerd %s is unknown or was declared dead: asking it to register again", msg.node_id)
                 asyncio.ensure_future(self.link.send(msg.node_id, wire.Reregister(reason="new session"), force=True)

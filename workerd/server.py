@@ -1,10 +1,11 @@
 """server.py: `WorkerServer`, the thin ZeroMQ shell around `Worker`.
 
 One I/O thread owns the DEALER socket to the coordinator: it moves incoming frames to
-an inbox queue, forwards outgoing frames that the main thread pushes over an inproc pair,
-and sends heartbeats. The main thread blocks for input only when the engine is idle and
-otherwise steps the engine, so backend calls never wait on the network. Not the logic:
-that is worker.py.
+an inbox queue (bounded: when the main thread falls behind it stops reading, and ZeroMQ
+pushes back on the coordinator), forwards outgoing frames that the main thread pushes over
+an inproc pair, and sends heartbeats. The main thread blocks for input only when the engine
+is idle and otherwise steps the engine, so backend calls never wait on the network. Not the
+logic: that is worker.py.
 """
 
 from __future__ import annotations
@@ -27,6 +28,13 @@ from gyre.workerd.worker import Out, Worker
 
 log = logging.getLogger("gyre.workerd")
 
+# The inbox holds at most this many messages, or bytes (one larger message, a LoadWeights,
+# still passes: the bound is checked before each read); past either, the I/O thread stops
+# reading and ZeroMQ queues at most RECV_HWM more before TCP pushes back on the coordinator.
+INBOX_MAX = 256
+INBOX_MAX_BYTES = 64 << 20
+RECV_HWM = 16
+
 
 class HandshakeTimeout(wire.GyreError):
     """No Welcome from the coordinator within the deadline."""
@@ -44,7 +52,9 @@ class WorkerServer:
         self.should_exit = False
         self.force_exit = False
         self.welcomed = False
-        self._inbox: queue.Queue = queue.Queue()
+        self._inbox: queue.Queue = queue.Queue()  # bounded by the I/O thread (INBOX_MAX, INBOX_MAX_BYTES)
+        self._inbox_bytes = 0  # held in the inbox; both threads update it, under the lock
+        self._inbox_lock = threading.Lock()
         self._ctx = zmq.Context()
         self._io_stop = threading.Event()
         self._outbox_addr = f"inproc://gyre-outbox-{id(self)}"
@@ -61,7 +71,7 @@ class WorkerServer:
         dealer.setsockopt(zmq.IDENTITY, self.node_id.encode())
         dealer.setsockopt(zmq.LINGER, 2000)  # let Deregister/WorkerDead leave on exit
         dealer.setsockopt(zmq.SNDHWM, 0)
-        dealer.setsockopt(zmq.RCVHWM, 0)
+        dealer.setsockopt(zmq.RCVHWM, RECV_HWM)
         if self._curve is not None:
             dealer.curve_publickey, dealer.curve_secretkey, dealer.curve_serverkey = self._curve
         dealer.connect(self.config.coordinator)
@@ -72,12 +82,21 @@ class WorkerServer:
         poller.register(dealer, zmq.POLLIN)
         poller.register(pull, zmq.POLLIN)
         next_beat = time.monotonic()
+        reading = True
         try:
             while not self._io_stop.is_set():
-                timeout = max(0.0, next_beat - time.monotonic()) * 1000
-                events = dict(poller.poll(timeout=min(timeout, 100)))
+                # Read the coordinator only while the inbox has room (else ZeroMQ and TCP hold the
+                # rest); paused, look again soon: the main thread drains without telling us.
+                if reading != self._inbox_has_room():
+                    reading = not reading
+                    poller.modify(dealer, zmq.POLLIN if reading else 0)
+                timeout = max(0.0, next_beat - time.monotonic()) * 1000 if self.welcomed else 100
+                events = dict(poller.poll(timeout=min(timeout, 100 if reading else 5)))
                 if dealer in events:
-                    self._inbox.put(dealer.recv_multipart(copy=False))
+                    frames = dealer.recv_multipart(copy=False)
+                    with self._inbox_lock:
+                        self._inbox_bytes += _nbytes(frames)
+                    self._inbox.put(frames)
                 if pull in events:
                     dealer.send_multipart(pull.recv_multipart(copy=False), copy=False)
                 if self.welcomed and time.monotonic() >= next_beat:
@@ -89,6 +108,9 @@ class WorkerServer:
         finally:
             pull.close(linger=0)
             dealer.close()  # keeps LINGER so queued frames still leave
+
+    def _inbox_has_room(self) -> bool:
+        return self._inbox.qsize() < INBOX_MAX and self._inbox_bytes < INBOX_MAX_BYTES
 
     def _heartbeat(self) -> wire.Heartbeat:
         w = self.worker
@@ -149,8 +171,12 @@ class WorkerServer:
             frames = self._inbox.get(timeout=0.1) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
-        while True:
+        for handled in range(1, INBOX_MAX + 1):
+            with self._inbox_lock:
+                self._inbox_bytes -= _nbytes(frames)
             self._handle(frames)
+            if handled == INBOX_MAX:  # an inbox's worth: the engine steps before the next
+                return
             try:
                 frames = self._inbox.get_nowait()
             except queue.Empty:
@@ -221,6 +247,10 @@ class WorkerServer:
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
+
+
+def _nbytes(frames) -> int:
+    return sum(len(f) for f in frames)
 
 
 def serve(config: WorkerConfig) -> int:

@@ -15,7 +15,9 @@ import pytest
 
 from gyre.coordinator.config import CoordinatorConfig
 from gyre.coordinator.link import WorkerLink
+from gyre.coordinator.local import LocalCluster
 from gyre.coordinator.main import Coordinator
+from gyre.workerd import wire
 
 HERE = Path(__file__).parent
 EVAL = [sys.executable, str(HERE / "_evaluator.py")]
@@ -198,3 +200,23 @@ async def test_a_stalled_worker_is_declared_dead_and_rejoins_after_registering_a
     (rejoin,) = [x for x in lines if x["event"] == "worker_rejoined"]
     assert rejoin["node"] == "local-1"  # the same process, registered again
     assert {x["status"] for x in lines if x["event"] == "execution"} <= {"completed", "cancelled"}
+
+
+@pytest.mark.timeout(180)
+async def test_a_second_worker_for_a_held_name_or_cell_is_not_let_in(tiny_dir):
+    """Two more `gyre workerd` processes while cell 0's is up: one under its node id (ZeroMQ
+    never reads a connection claiming a connected id), one under a name of its own for the
+    same cell (refused). Neither is welcomed, nothing is kept of them, the first serves on."""
+    async with LocalCluster(tiny_dir, cells=1, roles=("rollout",)) as cluster:
+        link, node = cluster.link, cluster.node_of_cell(0)
+        procs = [await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "gyre.cli", "workerd", "--coordinator", link.address, "--cell", "0",
+            "--node-id", name, "--welcome-timeout", "3", stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE) for name in (node, "second-0")]
+        errors = [(await asyncio.wait_for(p.communicate(), 60))[1] for p in procs]
+        assert [p.returncode for p in procs] == [1, 1] and all(b"HandshakeTimeout" in e for e in errors)
+        assert list(link.nodes) == [node] and link.nodes[node].alive
+        assert link.dropped == {"registration refused": 1}  # second-0's; the other was never read
+        assert [type(e) for e in cluster.events] == [wire.Register, wire.Ready, wire.Register]
+        msg = wire.Generate(req_id=link.new_req_id(), rid="a", prompt_ids=list(b"hi"), max_new_tokens=4)
+        assert sum(len(c.token_ids) for c in [c async for c in link.generate(node, msg)]) == 4
