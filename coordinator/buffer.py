@@ -34,6 +34,7 @@ class Execution:
     t_start: float | None = None
     t_end: float | None = None
     recorder: Any = None  # the proxy's Recorder (tree, calls)
+    copy_out_error: str | None = None  # what the workspace copy left out or stopped at (launcher.py)
 
     @property
     def closed(self) -> bool:
@@ -109,11 +110,19 @@ class TrajectoryBuffer:
 
 def advantages(group: Group) -> dict[str, float]:
     """Group-relative: (r - mean) / (std + eps) over the group's valid rewards only
-    (the first N valid, when oversampling produced more)."""
+    (the first N valid, when oversampling produced more).
+
+    Computed on the rewards divided by their largest magnitude, s: the advantage is the same,
+    (x - m) / (sd + eps / s) with x = r / s, but no sum or square can overflow, so any finite
+    rewards (1e308 among them) give finite advantages, never inf or NaN."""
     runs = group.valid_runs[: group.size]
-    rewards = [r.reward for r in runs]
-    if not rewards:
+    if not runs:
         return {}
-    mean = sum(rewards) / len(rewards)
-    std = math.sqrt(sum((x - mean) ** 2 for x in rewards) / len(rewards))
-    return {r.id: (r.reward - mean) / (std + 1e-6) for r in runs}
+    scale = max(abs(r.reward) for r in runs)
+    if scale == 0.0:
+        return {r.id: 0.0 for r in runs}
+    xs = [r.reward / scale for r in runs]  # each in [-1, 1]
+    mean = math.fsum(xs) / len(xs)
+    std = math.sqrt(math.fsum((x - mean) ** 2 for x in xs) / len(xs))
+    eps = 1e-6 / scale  # inf for the tiniest scales: advantages 0, as the unscaled formula gives
+    return {r.id: (x - mean) / (std + eps) for r, x in zip(runs, xs)}

@@ -3,8 +3,9 @@
 Three evaluators share one async interface: similarity of answer.txt to the task's target
 (the embedded default), an external command that prints JSON, and a Python callable.
 `evaluate_with_retries` turns exceptions into failed attempts and a run of failures into an
-invalid outcome with no score: a missing reward is never filled in as 0. Not the launcher,
-and not where rewards become advantages.
+invalid outcome with no score: a missing reward is never filled in as 0; a score that is not
+finite or lies outside the run's reward_range (`valid_reward`) is no reward either. Not the
+launcher, and not where rewards become advantages.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from gyre.coordinator.sandbox.process import end_pipes, exit_of
 from gyre.coordinator.tasks import Task
 from gyre.workerd.wire import GyreError
 
@@ -33,6 +35,9 @@ ANSWER_FILE = "answer.txt"  # where the demo harness writes its final answer
 MAX_ANSWER_BYTES = 64 * 1024
 MAX_COMPARED_CHARS = 1024  # the LCS is O(len(answer) * len(target)); see similarity()
 REAP_TIMEOUT_S = 5.0  # waiting for a SIGKILLed evaluator to be reaped
+OUTPUT_GRACE_S = 2.0  # output still coming once the command has exited (a child holding its pipes)
+STDOUT_TAIL, STDERR_TAIL = 1 << 20, 64 << 10  # what is kept of an evaluator's output (the result is the last line)
+REWARD_RANGE = (-1e6, 1e6)  # the run config's default reward_range
 
 
 class EvaluatorError(GyreError):
@@ -56,6 +61,20 @@ class Outcome:
 
 class Evaluator(Protocol):
     async def evaluate(self, task: Task, workspace: Path) -> Outcome: ...
+
+
+def valid_reward(value: Any, reward_range: tuple[float, float] = REWARD_RANGE) -> str | None:
+    """None when `value` can be trained on: a number (not a bool), finite, within
+    `reward_range` (low and high included); else why not, in a few words. Pure: the launcher
+    asks at the evaluator's boundary, resume of the rewards it journaled."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"reward {value!r} is not a number"
+    if not math.isfinite(value):
+        return f"reward {value} is not finite"
+    low, high = reward_range
+    if not low <= value <= high:
+        return f"reward {value:g} is outside reward_range [{low:g}, {high:g}]"
+    return None
 
 
 def outcome_from_dict(result: Any, default_ref: str) -> Outcome:
@@ -152,19 +171,29 @@ def _kill_group(proc: asyncio.subprocess.Process) -> None:
     # start_new_session=True made the command a group leader: its children die with it.
     try:
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass  # already gone
+    except (ProcessLookupError, PermissionError):
+        pass  # already gone (the group with it)
 
 
 def _tail(data: bytes, limit: int = 300) -> str:
     return " ".join(data.decode("utf-8", errors="replace").split())[-limit:]
 
 
+async def _read_into(stream: asyncio.StreamReader, buf: bytearray, keep: int) -> None:
+    """The stream's last `keep` bytes into `buf`, as they come (a cancelled read leaves what it had)."""
+    while chunk := await stream.read(65536):
+        buf += chunk
+        del buf[:-keep]
+
+
 class CommandEvaluator:
     """Runs `argv` in the workspace; its last non-empty stdout line is the JSON result.
 
     Environment: GYRE_WORKSPACE, GYRE_TASK_ID, GYRE_TASK_PROMPT and, when the task has one,
-    GYRE_TARGET. A non-zero exit, a timeout or unreadable output is a failed attempt.
+    GYRE_TARGET. A non-zero exit, a timeout or unreadable output is a failed attempt. The
+    attempt ends when the command exits: output its children still send is read for
+    OUTPUT_GRACE_S, then its process group is killed (nothing of it outlives the attempt),
+    and only the tails of its output are kept.
     """
 
     def __init__(self, argv: list[str], timeout_s: float):
@@ -182,23 +211,27 @@ class CommandEvaluator:
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True)
         except OSError as e:
             raise EvaluatorFailed(f"cannot start {self.argv[0]!r}: {e}") from None
+        stdout, stderr = bytearray(), bytearray()
+        readers = [asyncio.ensure_future(_read_into(proc.stdout, stdout, STDOUT_TAIL)),
+                   asyncio.ensure_future(_read_into(proc.stderr, stderr, STDERR_TAIL))]
+        exited = exit_of(proc.pid)  # not proc.wait(): that also waits for every holder of its pipes
         try:
             async with asyncio.timeout(self.timeout_s):
-                stdout, stderr = await proc.communicate()
-        except BaseException as e:
-            # Timeout or cancellation: kill the whole group, reap it (bounded), then report.
+                await asyncio.shield(exited)
+            # 1) Exited: what its children still write is read for a grace (a child holding the
+            #    pipes must not turn a result into a timeout), 2) then its group is killed.
+            await asyncio.wait(readers, timeout=OUTPUT_GRACE_S)
+        except TimeoutError:
+            raise EvaluatorFailed(f"timed out after {self.timeout_s:g}s") from None
+        finally:
+            # Always (a result, a timeout, a cancellation): nothing of the command outlives
+            # the attempt; its pipes are closed and it is reaped, boundedly.
             _kill_group(proc)
-            try:
-                async with asyncio.timeout(REAP_TIMEOUT_S):
-                    await proc.wait()
-            except TimeoutError:
-                log.warning("evaluator pid %d not reaped %.0fs after SIGKILL", proc.pid, REAP_TIMEOUT_S)
-            if isinstance(e, TimeoutError):
-                raise EvaluatorFailed(f"timed out after {self.timeout_s:g}s") from None
-            raise
+            await asyncio.shield(end_pipes(proc, REAP_TIMEOUT_S, *readers))
+            exited.cancel()
         if proc.returncode != 0:
-            raise EvaluatorFailed(f"exit {proc.returncode}: {_tail(stderr) or '(no stderr)'}")
-        return self._parse(stdout)
+            raise EvaluatorFailed(f"exit {proc.returncode}: {_tail(bytes(stderr)) or '(no stderr)'}")
+        return self._parse(bytes(stdout))
 
     def _parse(self, stdout: bytes) -> Outcome:
         lines = [ln for ln in stdout.decode("utf-8", errors="replace").splitlines() if ln.strip()]
@@ -294,20 +327,27 @@ def _checked(outcome: Any) -> Outcome:
 
 async def evaluate_with_retries(evaluator: Evaluator, task: Task, workspace: Path, *, deadline: float,
                                 max_attempts: int = 3, backoff_s: float = 0.5,
-                                clock: Callable[[], float] = time.monotonic) -> Outcome:
+                                clock: Callable[[], float] = time.monotonic,
+                                reward_range: tuple[float, float] = REWARD_RANGE) -> Outcome:
     """Evaluate `workspace`, retrying failed attempts against the same state until `deadline`.
 
     Called by the launcher once the harness has ended (also after a timeout). The first attempt
     always runs; another starts only while attempts < max_attempts and the backoff ends before
     `deadline` (a `clock` time). Each attempt is bounded by its evaluator (CommandEvaluator's
     timeout_s). All failed: Outcome(score=None, valid=False, error=last error), never a 0.
-    An outcome with valid=False is a successful evaluation and is returned as is.
+    An outcome with valid=False is a successful evaluation and is returned as is. A valid
+    score outside `reward_range` ends it at once (the same state would score the same) as
+    invalid, the error naming the score and the range: it is never trained on.
     """
     attempts, error = 0, "no attempt"
     while True:
         attempts += 1
         try:
             outcome = _checked(await evaluator.evaluate(task, workspace))
+            why = valid_reward(outcome.score, reward_range) if outcome.valid else None
+            if why is not None:
+                log.warning("task %s: evaluation returned an unusable reward: %s", task.id, why)
+                return Outcome(score=None, valid=False, ref="", error=f"invalid reward: {why}", attempts=attempts)
             return dataclasses.replace(outcome, attempts=attempts)
         except EvaluatorError as e:
             # A configuration error fails every attempt the same way: stop now.

@@ -6,9 +6,14 @@ URL and a fresh per-execution key in both OpenAI and Anthropic variable names, p
 preset's own variables; in an isolated sandbox the base URL is a listener inside the
 sandbox's own network namespace (sandbox/netns.py), the only thing it can reach. At the
 deadline the harness is stopped inside (SIGTERM to its group, SIGKILL after the grace) and
-the sandbox kept, so a timed-out execution is still scored on its preserved work: by the
-task's verifier inside the sandbox (tests copied in only now), else by an evaluator on the
-workspace copied out to RUN_DIR/executions/ID/workspace. Ends in exactly one status:
+the sandbox kept, so a timed-out execution is still scored on its preserved work. Before
+anything is scored every process of the sandbox is killed (a daemon the agent left could
+rewrite what is scored), and the workspace is copied out to RUN_DIR/executions/ID/workspace
+(links never followed, under a cap; what went wrong is recorded, never the status); only
+then are the task's tests copied in and its verifier run inside, else an evaluator scores
+the copy. A reward outside reward_range is no reward (evaluator_error). The harness's
+storage is held to the task's storage_mb (measured as it runs) and harness.log is capped.
+The sandbox is always removed (unless kept). Ends in exactly one status:
 
     harness               calls recorded   evaluation     status
     exit 0                any              ok / failed    completed / evaluator_error
@@ -16,6 +21,7 @@ workspace copied out to RUN_DIR/executions/ID/workspace. Ends in exactly one sta
     exit != 0, no call    0                -              placeholder (valid zero)
     could not start       0                -              aborted_infra (invalid)
     deadline              any              ok / failed    timed_out / evaluator_error
+    over storage_mb       (as exit 137: killed, like a memory hog)
     sandbox failed        any              -              aborted_infra, or placeholder
                                                           under infra_failure = "placeholder"
 
@@ -34,9 +40,17 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from gyre.coordinator.buffer import Execution
-from gyre.coordinator.evaluator import Outcome, build_evaluator, evaluate_with_retries
+from gyre.coordinator.evaluator import (
+    REWARD_RANGE,
+    EvaluatorError,
+    EvaluatorFailed,
+    Outcome,
+    build_evaluator,
+    evaluate_with_retries,
+)
 from gyre.coordinator.harnesses import HarnessError, HarnessPreset
 from gyre.coordinator.sandbox import (
+    ExecResult,
     ImageBuildError,
     Limits,
     Sandbox,
@@ -45,13 +59,16 @@ from gyre.coordinator.sandbox import (
     SandboxSpec,
     make_backend,
     reaper,
+    storage,
 )
 from gyre.coordinator.sandbox.base import (
+    COPY_LIMIT_BYTES,
     LABEL_EXECUTION,
     LABEL_OWNER,
     LABEL_PROCESS,
     LABEL_RUN_DIR,
     LABEL_TASK,
+    CappedLog,
     process_label,
 )
 from gyre.coordinator.sandbox.hosts import PING_INTERVAL_S, PING_TIMEOUT_S, HostPool, SandboxHost, host_specs
@@ -59,7 +76,7 @@ from gyre.coordinator.sandbox.netns import ProxyRelay
 from gyre.coordinator.sandbox.preflight import task_refusal
 from gyre.coordinator.sandbox.process import ProcessBackend
 from gyre.coordinator.tasks import Task, make_workspace
-from gyre.coordinator.verifier import SOLUTION_DIR, TESTS_DIR, build_verifier
+from gyre.coordinator.verifier import SOLUTION_DIR, build_verifier, prepare_sandbox
 from gyre.proxy.server import ProxyServer
 
 log = logging.getLogger("gyre.coordinator")
@@ -67,6 +84,8 @@ STATE_INSIDE = "/tmp/gyre-state"  # the harness's own state folder inside a cont
 INFRA_FAILURE = ("aborted_infra", "placeholder")
 CANCEL_CLEANUP_S = 30.0  # a stopped execution's sandbox cleanup may take this long before the stop moves on
 KEEP = ("never", "on_failure", "always")
+HARNESS_LOG_BYTES = 64 << 20  # harness.log keeps this much of the harness's output, then says so
+STORAGE_EXIT = 137  # the exit a harness stopped at its storage limit counts as (a memory hog's, killed)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,6 +100,7 @@ class LaunchSpec:
     limits: Limits = field(default_factory=Limits)  # defaults under the task's own
     swe_score: str = "all"  # all | fraction
     solution: bool = False  # run the task's solution/solve.sh instead of the harness
+    reward_range: tuple[float, float] = REWARD_RANGE  # a valid reward is finite and within it
 
 
 def launch_spec(c, *, solution: bool = False) -> LaunchSpec:
@@ -88,7 +108,8 @@ def launch_spec(c, *, solution: bool = False) -> LaunchSpec:
     return LaunchSpec(preset=c.preset(), timeout_s=c.execution_timeout_s, eval_attempts=c.eval_attempts,
                       eval_budget_s=c.eval_budget_s, infra_failure=c.infra_failure, keep_sandbox=c.keep_sandbox,
                       allow_internet=c.sandbox_internet, swe_score=c.swe_score, solution=solution,
-                      limits=Limits(cpus=c.sandbox_cpus, memory_mb=c.sandbox_memory_mb, pids=c.sandbox_pids))
+                      limits=Limits(cpus=c.sandbox_cpus, memory_mb=c.sandbox_memory_mb, pids=c.sandbox_pids),
+                      reward_range=tuple(c.reward_range))
 
 
 @dataclass
@@ -187,6 +208,7 @@ class Launcher:
         # async (node, pid, proxy_port) -> (port, close): a listener made by that node's workerd.
         self.remote_relay = remote_relay
         self._live: dict[str, Sandbox] = {}
+        self._copied: set[str] = set()  # executions whose workspace has been copied out (once, before any test)
         self._presets: dict[str, HarnessPreset] = {}
         self._images: dict[tuple[str, str], asyncio.Future] = {}  # (task id, host) -> its image (or the error)
         self._image_errors: dict[str, BaseException] = {}  # task id -> the build's error (the task's own fault)
@@ -313,35 +335,38 @@ class Launcher:
         sandbox = None
         failed = True
         try:
-            try:
-                image = await self.prepare(run.task, host)
-                sandbox = await self._open(run, folder, image, host)
-                code, timed_out = await self._harness(run, sandbox, folder, host)
-            except SandboxError as e:
-                self._infra(run, str(e))
-                return
-            called = bool(run.recorder.calls)
-            if code is None:  # the harness could not even start: infrastructure, not a zero
-                run.status, run.reward, run.valid, run.ref = "aborted_infra", None, False, "harness could not start"
-            elif code != 0 and not called and not timed_out and not self.spec.solution:
-                run.status, run.reward, run.valid, run.ref = "placeholder", 0.0, True, f"harness exit {code}"
-            else:
-                try:
-                    outcome = await self._evaluate(run, sandbox, folder)
-                except SandboxError as e:
-                    self._infra(run, str(e))
-                    return
-                run.reward, run.valid, run.ref = outcome.score, outcome.valid, outcome.ref or (outcome.error or "")
-                run.eval_attempts = outcome.attempts
-                if outcome.error is not None:
-                    run.status = "evaluator_error"
-                else:
-                    run.status = "timed_out" if timed_out else "completed" if code == 0 else "harness_error"
-                    failed = False
+            image = await self.prepare(run.task, host)
+            sandbox = await self._open(run, folder, image, host)
+            code, timed_out = await self._harness(run, sandbox, folder, host)
+            failed = not await self._score(run, sandbox, folder, code, timed_out)
+        except SandboxError as e:
+            self._infra(run, str(e))
+        except Exception as e:  # noqa: BLE001 - unforeseen: still one status, and the run goes on
+            log.exception("execution %s failed", run.id)
+            run.status, run.reward, run.valid, run.ref = "aborted_infra", None, False, f"{type(e).__name__}: {e}"
         finally:
             run.t_end = time.time()
             if sandbox is not None:
                 await asyncio.shield(self._close(run, sandbox, folder, failed))
+
+    async def _score(self, run: Execution, sandbox: Sandbox, folder: Path, code: int | None, timed_out: bool) -> bool:
+        """The status the harness's end and its evaluation make (the table above); True when
+        the execution was scored (completed, timed_out, harness_error)."""
+        called = bool(run.recorder.calls)
+        if code is None:  # the harness could not even start: infrastructure, not a zero
+            run.status, run.reward, run.valid, run.ref = "aborted_infra", None, False, "harness could not start"
+            return False
+        if code != 0 and not called and not timed_out and not self.spec.solution:
+            run.status, run.reward, run.valid, run.ref = "placeholder", 0.0, True, f"harness exit {code}"
+            return False
+        outcome = await self._evaluate(run, sandbox, folder)
+        run.reward, run.valid, run.ref = outcome.score, outcome.valid, outcome.ref or (outcome.error or "")
+        run.eval_attempts = outcome.attempts
+        if outcome.error is not None:
+            run.status = "evaluator_error"
+            return False
+        run.status = "timed_out" if timed_out else "completed" if code == 0 else "harness_error"
+        return True
 
     def _infra(self, run: Execution, why: str) -> None:
         log.warning("execution %s: sandbox failure: %s", run.id, why)
@@ -367,7 +392,7 @@ class Launcher:
         try:
             code, timed_out = await self._harness(run, sandbox, folder, host)
         finally:
-            await asyncio.shield(self._close(run, sandbox, folder, False))
+            await asyncio.shield(self._close(run, sandbox, folder, False))  # never raises
         return code, timed_out, folder / "workspace"
 
     async def _open(self, run: Execution, folder: Path, image: str | None, host: SandboxHost) -> Sandbox:
@@ -392,14 +417,18 @@ class Launcher:
             workspace = await asyncio.to_thread(make_workspace, task, folder / "workspace")
             spec = SandboxSpec(execution=run.id, labels=labels, workdir=str(workspace), limits=limits, mounts=mounts)
         sandbox = await host.backend.create(spec)
-        (folder / "sandbox.json").write_text(json.dumps({  # where it ran, for the user and the reaper's logs
-            "host": host.name, "backend": self.backend.name, "id": getattr(sandbox, "id", None), "image": image}))
+        try:  # from here the sandbox exists: whatever fails before the caller holds it removes it
+            (folder / "sandbox.json").write_text(json.dumps({  # where it ran, for the user and the reaper's logs
+                "host": host.name, "backend": self.backend.name, "id": getattr(sandbox, "id", None), "image": image}))
+            if self.backend.needs_image and task.workspace:  # a JSONL task's files, into the image's workdir
+                await asyncio.to_thread(make_workspace, Task(id=task.id, prompt=task.prompt,
+                                                             workspace=task.workspace), folder / "task-files")
+                await sandbox.upload(folder / "task-files", sandbox.workdir)
+        except BaseException:
+            await asyncio.shield(self._remove(run, sandbox))
+            raise
         self._live[run.id] = sandbox
         self._presets[run.id] = preset  # the preset as it runs there
-        if self.backend.needs_image and task.workspace:  # a JSONL task's files, into the image's workdir
-            await asyncio.to_thread(make_workspace, Task(id=task.id, prompt=task.prompt, workspace=task.workspace),
-                                    folder / "task-files")
-            await sandbox.upload(folder / "task-files", sandbox.workdir)
         return sandbox
 
     async def _harness(self, run: Execution, sandbox: Sandbox, folder: Path,
@@ -465,10 +494,9 @@ class Launcher:
                 raise SandboxError(f"task {run.task.id!r} has no solution/solve.sh")
             await sandbox.upload(Path(run.task.solution_dir), SOLUTION_DIR)
             argv = ["bash", f"{SOLUTION_DIR}/solve.sh"]
-        with open(folder / "harness.log", "ab") as logf:
+        with open(folder / "harness.log", "ab") as logf:  # gyre's own lines go to logf, past the cap
             try:
-                result = await sandbox.exec(argv, env=env, timeout_s=timeout, grace_s=self.spec.preset.grace_s,
-                                            log=logf)
+                result = await self._exec_held(sandbox, argv, env, timeout, logf)
             except SandboxError as e:
                 if not contained:  # the process backend: the command itself could not start
                     hint = f" (install: {preset.install})" if preset.install and preset.executable() is None else ""
@@ -482,58 +510,122 @@ class Launcher:
                 return None, False
         if contained:
             try:
-                await sandbox.download(STATE_INSIDE, host_state)
-            except (FileNotFoundError, SandboxError) as e:
+                report = await sandbox.download(STATE_INSIDE, host_state)
+                if report.problem():
+                    log.warning("execution %s: harness state copied out in part: %s", run.id, report.problem())
+            except (OSError, SandboxError) as e:  # FileNotFoundError among them: the harness kept none
                 log.debug("execution %s: harness state not copied out: %s", run.id, e)
         return result.code, result.timed_out
 
+    async def _exec_held(self, sandbox: Sandbox, argv: list[str], env: dict, timeout: float, logf) -> ExecResult:
+        """The harness's exec, its output capped in harness.log and, where the task sets
+        storage_mb, its storage held to it (sandbox/storage.py): over the limit the harness
+        is stopped and its exit counts as STORAGE_EXIT."""
+        kw = dict(env=env, timeout_s=timeout, grace_s=self.spec.preset.grace_s,
+                  log=CappedLog(logf, HARNESS_LOG_BYTES, "harness.log"))
+        limit_mb = sandbox.spec.limits.storage_mb
+        if not limit_mb:
+            return await sandbox.exec(argv, **kw)
+        result, used = await storage.exec_within(sandbox, limit_mb << 20, argv, **kw)
+        if used <= limit_mb << 20:
+            return result
+        logf.write(f"gyre: storage limit of {limit_mb} MiB exceeded ({used >> 20} MiB written); the harness "
+                   f"{'was stopped' if result is None else 'had ended'}\n".encode())
+        return ExecResult(STORAGE_EXIT, False, b"")
+
     async def _evaluate(self, run: Execution, sandbox: Sandbox, folder: Path) -> Outcome:
         task = run.task
-        await sandbox.cancel()  # nothing of the agent's still runs while it is scored
+        # 1) Nothing of the agent's runs from here on: a daemon it left could rewrite the reward,
+        #    read the tests or copy them into its workspace (SandboxError if that cannot be made sure).
+        await sandbox.cancel()
         deadline = time.monotonic() + self.spec.eval_budget_s
-        if task.verifier:
-            if task.tests_dir is not None:  # only now: the agent never saw the tests
-                await sandbox.upload(Path(task.tests_dir), TESTS_DIR)
-            evaluator = build_verifier(task, sandbox, swe_mode=self.spec.swe_score, log_path=folder / "verifier.log")
-            workspace = folder / "workspace"
-        else:
-            workspace = await self._copy_out(sandbox, folder)
-            evaluator = build_evaluator(task.evaluator or self.default_evaluator)
+        # 2) Its workspace out before any test goes in: the saved copy is the agent's work alone.
+        workspace = await self._copy_out(run, sandbox, folder, needed=not task.verifier)
+        try:
+            if task.verifier:
+                # 3) The verifier's own /tests and /logs/verifier, made now: nothing the agent left there counts.
+                evaluator = build_verifier(task, sandbox, swe_mode=self.spec.swe_score,
+                                           log_path=folder / "verifier.log")
+                await prepare_sandbox(sandbox, Path(task.tests_dir) if task.tests_dir is not None else None)
+            else:
+                evaluator = build_evaluator(task.evaluator or self.default_evaluator)
+        except (EvaluatorError, EvaluatorFailed) as e:
+            return Outcome(score=None, valid=False, ref="", error=f"{type(e).__name__}: {e}")
         return await evaluate_with_retries(evaluator, task, workspace, deadline=deadline,
-                                           max_attempts=self.spec.eval_attempts)
+                                           max_attempts=self.spec.eval_attempts, reward_range=self.spec.reward_range)
 
-    async def _copy_out(self, sandbox: Sandbox, folder: Path) -> Path:
+    async def _copy_out(self, run: Execution, sandbox: Sandbox, folder: Path, *, needed: bool) -> Path:
+        """The container's workdir to RUN_DIR/executions/ID/workspace, once per execution (links
+        kept only where they stay inside, never followed; at most the larger of 512 MiB and
+        storage_mb). What went wrong is recorded as its copy_out_error; it raises (SandboxError)
+        only when the copy is `needed` (a host evaluator scores it) and none could be made."""
         workspace = folder / "workspace"
-        if self.backend.needs_image and not workspace.exists():
-            try:
-                await sandbox.download(sandbox.workdir, workspace)
-            except FileNotFoundError:
-                workspace.mkdir(parents=True, exist_ok=True)  # the agent removed its workdir
+        if not self.backend.needs_image or run.id in self._copied:
+            return workspace  # a host folder already (process, bubblewrap), or copied
+        self._copied.add(run.id)
+        limit = max(COPY_LIMIT_BYTES, (sandbox.spec.limits.storage_mb or 0) << 20)
+        try:
+            problem = (await sandbox.download(sandbox.workdir, workspace, limit_bytes=limit)).problem()
+        except FileNotFoundError:
+            workspace.mkdir(parents=True, exist_ok=True)  # the agent removed its workdir
+            problem = None
+        except (SandboxError, OSError) as e:
+            problem = f"{type(e).__name__}: {e}"
+            if needed:
+                raise SandboxError(f"workspace not copied out: {e}") from None
+        if problem is not None:
+            self._note_copy_out(run, folder, problem)
         return workspace
 
+    def _note_copy_out(self, run: Execution, folder: Path, problem: str) -> None:
+        log.warning("execution %s: workspace copy-out: %s", run.id, problem)
+        run.copy_out_error = problem[:500]  # in the execution's record (Execution.copy_out_error)
+        try:
+            info = json.loads((folder / "sandbox.json").read_text())
+            info["copy_out_error"] = run.copy_out_error
+            (folder / "sandbox.json").write_text(json.dumps(info))
+        except (OSError, ValueError) as e:
+            log.warning("execution %s: copy-out error not recorded in sandbox.json: %s", run.id, e)
+
     async def _close(self, run: Execution, sandbox: Sandbox, folder: Path, failed: bool) -> None:
+        """After the execution has its status: its processes killed, its workspace copied out
+        (if not yet), then the sandbox removed (or kept). Never raises: nothing here may change
+        the status or stop the run."""
         self._live.pop(run.id, None)
         try:
-            await sandbox.cancel()
-            await self._copy_out(sandbox, folder)  # the preserved work, for the run directory
-        except (SandboxError, OSError) as e:
+            if run.id not in self._copied:
+                await sandbox.cancel()
+                await self._copy_out(run, sandbox, folder, needed=False)
+        except Exception as e:  # noqa: BLE001 - logged; the sandbox is still removed below
             log.warning("execution %s: workspace not copied out: %s", run.id, e)
+        finally:
+            self._copied.discard(run.id)
         keep = self.spec.keep_sandbox == "always" or (self.spec.keep_sandbox == "on_failure" and failed)
         if keep:
             info = {"backend": self.backend.name, "id": getattr(sandbox, "id", None), "status": run.status}
-            reaper.mark_kept(self.run_dir, run.id, info)  # the reaper leaves it alone
-            log.warning("execution %s: sandbox %s kept (keep_sandbox = %s)", run.id, info["id"],
-                        self.spec.keep_sandbox)
-            return
+            try:
+                reaper.mark_kept(self.run_dir, run.id, info)  # the reaper leaves it alone
+                log.warning("execution %s: sandbox %s kept (keep_sandbox = %s)", run.id, info["id"],
+                            self.spec.keep_sandbox)
+                return
+            except OSError as e:
+                log.warning("execution %s: sandbox not kept (%s): removed", run.id, e)
+        await self._remove(run, sandbox)
+
+    @staticmethod
+    async def _remove(run: Execution, sandbox: Sandbox) -> None:
         try:
             await sandbox.stop()
-        except SandboxError as e:
+        except Exception as e:  # noqa: BLE001 - a sandbox left is the reaper's at shutdown
             log.warning("execution %s: sandbox not removed: %s", run.id, e)
 
     async def stop(self, run_id: str) -> None:
         sandbox = self._live.get(run_id)
         if sandbox is not None:
-            await sandbox.cancel()
+            try:
+                await sandbox.cancel()
+            except SandboxError as e:
+                log.warning("execution %s: not stopped: %s", run_id, e)
 
     async def stop_all(self) -> None:
         await asyncio.gather(*(self.stop(r) for r in list(self._live)))

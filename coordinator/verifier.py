@@ -8,7 +8,10 @@ not. SWE-style: the row's test_patch is applied, its test_cmd runs, and the FAIL
 PASS_TO_PASS ids are looked up in the output (pytest -rA / -v lines, unittest's "... ok");
 reward 1 when all pass, else 0, or the FAIL_TO_PASS fraction (`swe_score = "fraction"`).
 A verifier that cannot produce a reward fails the attempt (EvaluatorFailed, retried, then
-evaluator_error): never a 0. Not the host-side evaluators (evaluator.py).
+evaluator_error): never a 0. What the launcher guarantees before a verifier runs: nothing of
+the agent's still runs, /tests and /logs/verifier are fresh (`prepare_sandbox`), and the
+workspace has been copied out. Logs and test output are capped. Not the host-side
+evaluators (evaluator.py).
 """
 
 from __future__ import annotations
@@ -20,11 +23,17 @@ import tempfile
 from pathlib import Path
 
 from gyre.coordinator.evaluator import EvaluatorError, EvaluatorFailed, Outcome
-from gyre.coordinator.sandbox.base import Sandbox
+from gyre.coordinator.sandbox.base import CappedLog, Sandbox
 from gyre.coordinator.tasks import Task
 
 TESTS_DIR, SOLUTION_DIR, VERIFIER_LOGS = "/tests", "/solution", "/logs/verifier"
 SCORE_MODES = ("all", "fraction")
+LOG_LIMIT_BYTES = 16 << 20  # of verifier.log, and of a SWE test run's output
+# Before the tests go in (the agent's processes are gone by then): whatever the agent left at
+# /tests (a planted conftest.py, a link elsewhere) or at /logs (a link) is removed, and the
+# verifier's output folder is made anew.
+_FRESH = (f'if [ -L /logs ] || {{ [ -e /logs ] && [ ! -d /logs ]; }}; then rm -f /logs; fi; '
+          f'rm -rf {TESTS_DIR} {VERIFIER_LOGS} && mkdir -p {VERIFIER_LOGS}')
 # In the workdir when it still exists, else / (an agent may have removed it).
 _IN_WORKDIR = 'cd "$1" 2>/dev/null || cd /; shift; exec "$@"'
 
@@ -68,6 +77,18 @@ async def in_workdir(sandbox: Sandbox, argv: list[str], **kw):
     return await sandbox.exec(["sh", "-c", _IN_WORKDIR, "sh", sandbox.workdir, *argv], cwd="/", **kw)
 
 
+async def prepare_sandbox(sandbox: Sandbox, tests_dir: Path | None) -> None:
+    """A Harbor task's /tests and /logs/verifier as the verifier's own, then its tests copied
+    to /tests (a SWE row brings its tests as a patch: nothing to do). Called by the launcher
+    once the agent's processes are gone and its workspace is out."""
+    if tests_dir is None:
+        return
+    r = await sandbox.exec(["sh", "-c", _FRESH], cwd="/", timeout_s=60)
+    if r.code != 0:
+        raise EvaluatorFailed(f"could not clear {TESTS_DIR} and {VERIFIER_LOGS} (exit {r.code}): {_tail(r.output)}")
+    await sandbox.upload(Path(tests_dir), TESTS_DIR)
+
+
 class HarborVerifier:
     """tests/test.sh in the sandbox; the reward from /logs/verifier."""
 
@@ -82,7 +103,7 @@ class HarborVerifier:
         await sb.exec(["sh", "-c", f"rm -rf {VERIFIER_LOGS} && mkdir -p {VERIFIER_LOGS}"], cwd="/", timeout_s=60)
         with open(self.log_path, "ab") if self.log_path else tempfile.TemporaryFile() as logf:
             r = await in_workdir(sb, ["bash", f"{TESTS_DIR}/test.sh"], env=self.env, timeout_s=self.timeout_s,
-                                 log=logf)
+                                 log=CappedLog(logf, LOG_LIMIT_BYTES, "verifier.log"))
         if r.timed_out:
             raise EvaluatorFailed(f"tests/test.sh timed out after {self.timeout_s:g}s")
         text = await sb.read_file(f"{VERIFIER_LOGS}/reward.txt")
@@ -127,6 +148,32 @@ def swe_score(results: dict[str, bool], f2p: list[str], p2p: list[str], mode: st
     return float(f_ok == len(f2p) and p_ok == len(p2p)), ref
 
 
+class _HeadAndTail:
+    """A test run's output, its first and last `limit / 2` bytes kept (pytest -v names each
+    test as it runs, -rA in a summary at the end): a log that writes forever stays bounded."""
+
+    def __init__(self, limit: int):
+        self.half = limit // 2
+        self.head, self.tail = bytearray(), bytearray()
+        self.dropped = 0
+
+    def write(self, data: bytes) -> int:
+        room = self.half - len(self.head)
+        self.head += data[:max(room, 0)]
+        self.tail += data[max(room, 0):]
+        if (over := len(self.tail) - self.half) > 0:
+            del self.tail[:over]
+            self.dropped += over
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+    def value(self) -> bytes:
+        gap = f"\ngyre: {self.dropped} bytes of the test output dropped here\n".encode() if self.dropped else b""
+        return bytes(self.head) + gap + bytes(self.tail)
+
+
 class SweVerifier:
     def __init__(self, sandbox: Sandbox, spec: dict, mode: str = "all", log_path: Path | None = None):
         if mode not in SCORE_MODES:
@@ -155,10 +202,9 @@ class SweVerifier:
         if not self._patched:  # the agent's changes conflict with the tests: its work fails them
             return Outcome(score=0.0, valid=True, ref="test_patch did not apply")
         timeout = float(self.spec.get("timeout_s") or 1800.0)
-        with tempfile.TemporaryFile() as tmpf:
-            r = await in_workdir(self.sandbox, ["bash", "-lc", self.spec["test_cmd"]], timeout_s=timeout, log=tmpf)
-            tmpf.seek(0)
-            output = tmpf.read()
+        kept = _HeadAndTail(LOG_LIMIT_BYTES)
+        r = await in_workdir(self.sandbox, ["bash", "-lc", self.spec["test_cmd"]], timeout_s=timeout, log=kept)
+        output = kept.value()
         if self.log_path is not None:
             with open(self.log_path, "ab") as f:
                 f.write(output)

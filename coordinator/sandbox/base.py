@@ -3,10 +3,13 @@
 A `SandboxBackend` makes `Sandbox`es from a `SandboxSpec` (an image or a host folder, resource
 limits, read-only mounts, the labels naming the run and execution). A sandbox has the verbs
 the systems gyre is compared with converge on: `exec` (with its deadline enforced inside the
-sandbox), `upload`, `download`, `stop` (remove it), `cancel` (kill what runs in it, keep its
+sandbox), `upload`, `download` (never following a link, under a size cap), `stop` (remove it),
+`cancel` (kill everything that runs in it, what escaped its exec's process group too, keep its
 files), plus `netns_pid` for the proxy-only network (netns.py binds the proxy's listener in
-that process's network namespace). `reap` removes the sandboxes of runs that are no longer
-alive. One file per backend: process.py, docker_api.py (podman, docker), bubblewrap.py.
+that process's network namespace) and `storage_used` (what the agent wrote, for storage_mb).
+`reap` removes the sandboxes of runs that are no longer alive. One file per backend:
+process.py, docker_api.py (podman, docker), bubblewrap.py; files.py copies out, storage.py
+measures. `CappedLog` bounds a log file.
 Not the launcher: it decides what runs in a sandbox and when.
 """
 
@@ -28,6 +31,8 @@ LABEL_PROCESS = "gyre.process"  # HOST:PID:START of the process that made it: al
 LABEL_EXECUTION = "gyre.execution"
 LABEL_TASK = "gyre.task"
 IN_SANDBOX_ROOT = "/opt/gyre"  # where read-only harness mounts land inside container sandboxes
+COPY_LIMIT_BYTES = 512 << 20  # a download stops here unless its caller gives another cap
+SKIPPED_KEPT = 20  # a copy's report names this many of the entries it left out (and counts them all)
 
 
 def _start_time(pid: int) -> str | None:
@@ -105,6 +110,59 @@ class ExecResult:
         return self.code == 137
 
 
+@dataclass
+class CopyReport:
+    """What a `download` did: the bytes it copied (held to its cap: file contents, plus a
+    header's worth per entry where it copies an archive), the entries it left out and why (a
+    link that leads out of the copy, a device, a name that escapes), and whether it stopped
+    at its cap (`truncated`: what comes after was not copied)."""
+
+    bytes: int = 0
+    skipped: list[str] = field(default_factory=list)  # the first SKIPPED_KEPT of them, each with why
+    left_out: int = 0  # how many entries were left out
+    truncated: bool = False
+
+    def skip(self, why: str) -> None:
+        self.left_out += 1
+        if len(self.skipped) < SKIPPED_KEPT:
+            self.skipped.append(why)
+
+    def problem(self) -> str | None:
+        """One line for the execution's record, None when the copy is whole."""
+        parts = []
+        if self.truncated:
+            parts.append(f"stopped at its cap after {self.bytes >> 20} MiB: the rest was not copied")
+        if self.left_out:
+            parts.append(f"{self.left_out} entries left out ({'; '.join(self.skipped[:3])}"
+                         f"{', ...' if self.left_out > 3 else ''})")
+        return "; ".join(parts) or None
+
+
+class CappedLog:
+    """A binary log file that takes at most `limit` bytes of output, then one line saying so;
+    later output is dropped (and still drained by the caller, so the writer never blocks).
+    Has no `fileno`: a backend copies through it instead of handing the file to a child."""
+
+    def __init__(self, f: BinaryIO, limit: int, name: str = "log"):
+        self.f, self.limit, self.name = f, limit, name
+        self.written = 0
+        self.truncated = False
+
+    def write(self, data: bytes) -> int:
+        room = self.limit - self.written
+        if room > 0:
+            self.f.write(data[:room])
+            self.written += min(room, len(data))
+        if len(data) > room and not self.truncated:
+            self.truncated = True
+            self.f.write(f"\ngyre: {self.name} reached its cap of {self.limit >> 20} MiB; "
+                         "the rest of the output was dropped\n".encode())
+        return len(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 class Sandbox(abc.ABC):
     """One live sandbox. Paths given to its verbs are paths inside it."""
 
@@ -125,9 +183,12 @@ class Sandbox(abc.ABC):
         """Copy a host file or folder to `dest` inside (a folder's contents land in `dest`)."""
 
     @abc.abstractmethod
-    async def download(self, src: str, dest: Path) -> None:
+    async def download(self, src: str, dest: Path, *, limit_bytes: int = COPY_LIMIT_BYTES) -> CopyReport:
         """Copy the file or folder `src` inside to the host path `dest` (a folder's contents
-        land in `dest`). A missing `src` raises FileNotFoundError."""
+        land in `dest`). A link is copied as a link or, where it leads out of the copy, left
+        out; nothing is ever read through one. The copy stops after `limit_bytes`. What was
+        left out is in the report; a missing `src` raises FileNotFoundError, an engine that
+        fails SandboxError."""
 
     async def read_file(self, path: str, limit: int = 1 << 20) -> bytes | None:
         """The bytes of a file inside (at most `limit`), None when it is not there."""
@@ -135,7 +196,7 @@ class Sandbox(abc.ABC):
 
         with tempfile.TemporaryDirectory(prefix="gyre-read-") as tmp:
             try:
-                await self.download(path, Path(tmp) / "f")
+                await self.download(path, Path(tmp) / "f", limit_bytes=limit)
             except FileNotFoundError:
                 return None
             target = Path(tmp) / "f"
@@ -146,7 +207,16 @@ class Sandbox(abc.ABC):
 
     @abc.abstractmethod
     async def cancel(self) -> None:
-        """Kill every process started in the sandbox by `exec`; its files stay."""
+        """Kill every process in the sandbox, also what left its exec's process group (a
+        daemon, a `setsid`); its files stay, and a later `exec` still runs there. The
+        launcher calls it before anything is scored: nothing of the agent's may run then.
+        SandboxError when it cannot be sure."""
+
+    async def storage_used(self) -> int | None:
+        """Bytes written in the sandbox so far (a container's writable layer, a host
+        workspace's files), None when the backend cannot tell; storage.py holds the
+        harness to the task's storage_mb with it."""
+        return None
 
     @abc.abstractmethod
     async def stop(self) -> None:

@@ -6,7 +6,9 @@ folder (workspace and harness state) is the one writable place, /tmp is private,
 command gets private PID, IPC and UTS namespaces. The network namespace is the sandbox's
 own: a holder process (`bwrap --unshare-net ... sleep infinity`) keeps it alive, each `exec`
 enters it (nsenter) and the proxy's listener is bound in it (netns.py), so the harness
-reaches the proxy and nothing else. `stop` returns once every process of the sandbox is
+reaches the proxy and nothing else. An exec's PID namespace ends with its command (bwrap's
+init goes, and the kernel kills what it left); `cancel` also sweeps for the sandbox's
+markers, as the process backend does. `stop` returns once every process of the sandbox is
 gone. Paths inside are the host's paths. Needs bwrap and, for entering the namespace, root.
 Limits are not enforced (no cgroup of its own).
 """
@@ -78,6 +80,9 @@ class BubblewrapSandbox(ProcessSandbox):
 
     def netns_pid(self) -> int | None:
         return self.child if self.holder.poll() is None else None
+
+    def _spared_groups(self) -> frozenset[int]:
+        return frozenset({self.holder.pid})  # the holder carries the markers too; `stop` ends it
 
     def _argv(self, argv: list[str], cwd: str) -> list[str]:
         binds = []

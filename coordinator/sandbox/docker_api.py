@@ -6,23 +6,26 @@ containers.conf. A sandbox is a container started `--init --network none ... sle
 infinity` from the task's image, with the image's working directory and files as the agent's
 workspace; `exec` runs a command in it under `timeout -k GRACE T` (the deadline is enforced
 inside: killing the host-side client would leave the process running) and records the
-wrapper's pid, so a cancelled call kills its process group inside. Files move as tar
-streams (put_archive / get_archive). Images are built from a task's environment folder under
-a content-hashed tag, once per content (images.py). The SDK blocks: every call runs in a
-worker thread.
+wrapper's pid, so a cancelled call kills its process group inside. `cancel` SIGKILLs the
+container's init, which takes every process of its PID namespace with it (a daemon the agent
+left, whatever group it is in); the files stay and the next `exec` starts it again. Files
+move as tar streams (put_archive / get_archive); a download is extracted entry by entry,
+never through a link and under a cap. Images are built from a task's environment folder
+under a content-hashed tag, once per content (images.py). The SDK blocks: every call runs
+in a worker thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures
 import functools
 import io
+import json
 import logging
 import secrets
-import shutil
 import tarfile
-import tempfile
 import threading
 import time
 import traceback
@@ -31,8 +34,10 @@ from typing import Any, BinaryIO
 
 from gyre.coordinator.sandbox import images
 from gyre.coordinator.sandbox.base import (
+    COPY_LIMIT_BYTES,
     LABEL_EXECUTION,
     LABEL_OWNER,
+    CopyReport,
     ExecResult,
     ImageBuildError,
     Sandbox,
@@ -40,6 +45,7 @@ from gyre.coordinator.sandbox.base import (
     SandboxError,
     SandboxSpec,
 )
+from gyre.coordinator.sandbox.files import untar_capped
 
 log = logging.getLogger("gyre.coordinator")
 OUTPUT_TAIL = 64 * 1024
@@ -104,27 +110,6 @@ def _tar_of(src: Path, arcname: str) -> bytes:
     return buf.getvalue()
 
 
-def _untar(chunks, dest: Path, is_dir: bool) -> None:
-    """Extract a get_archive stream (one top-level entry) as `dest`: a folder's contents into
-    it, a file as it. The "data" filter refuses links and paths that leave the target."""
-    with tempfile.TemporaryDirectory(prefix="gyre-dl-") as tmp:
-        with tempfile.TemporaryFile() as f:
-            for chunk in chunks:
-                f.write(chunk)
-            f.seek(0)
-            with tarfile.open(fileobj=f, mode="r") as tar:
-                tops = {Path(m.name).parts[0] for m in tar.getmembers() if Path(m.name).parts}
-                tar.extractall(tmp, filter="data")
-        if len(tops) != 1:
-            raise SandboxError(f"an archive with {len(tops)} top-level entries")
-        top = Path(tmp, tops.pop())
-        if is_dir:
-            shutil.copytree(top, dest, dirs_exist_ok=True, symlinks=True)
-        else:
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.move(str(top), dest)
-
-
 class ContainerSandbox(Sandbox):
     def __init__(self, backend: DockerAPIBackend, container: Any, spec: SandboxSpec, workdir: str, pid: int | None):
         self.backend = backend
@@ -134,6 +119,8 @@ class ContainerSandbox(Sandbox):
         self._pid = pid
         self._execs: set[str] = set()  # tokens of execs whose wrapper may still run
         self._removed = False
+        self._running = True  # False once `cancel` has killed it; the next exec starts it again
+        self._starting = asyncio.Lock()
 
     @property
     def id(self) -> str:
@@ -146,6 +133,7 @@ class ContainerSandbox(Sandbox):
         return self._pid
 
     async def exec(self, argv, *, env=None, cwd=None, timeout_s=None, grace_s=5.0, log=None, user=None):
+        await self._ensure_running()
         token = secrets.token_hex(6)
         # `timeout` leads its own process group and forwards a signal it gets to all of it; 0: no deadline.
         limit = "0" if timeout_s is None else f"{max(timeout_s, 0.001):.3f}"
@@ -196,6 +184,8 @@ class ContainerSandbox(Sandbox):
 
     async def _kill(self, token: str) -> None:
         """SIGTERM the exec's group inside (timeout forwards it, then SIGKILLs after the grace)."""
+        if token not in self._execs:  # `cancel` killed it with the container (its pid file is stale)
+            return
         # `timeout` passes the TERM to its group and SIGKILLs it after the grace; should the
         # group outlive that (timeout itself killed), the whole group is SIGKILLed here.
         script = (f'p=$(cat {PID_DIR}/{token} 2>/dev/null); [ -n "$p" ] || exit 0; kill -TERM "$p" 2>/dev/null; '
@@ -220,19 +210,28 @@ class ContainerSandbox(Sandbox):
         if not ok:
             raise SandboxError(f"upload to {dest} in {self.container.short_id} refused")
 
-    async def download(self, src: str, dest: Path) -> None:
+    async def download(self, src: str, dest: Path, *, limit_bytes: int = COPY_LIMIT_BYTES) -> CopyReport:
         import docker.errors
 
-        def pull() -> None:
+        def pull() -> CopyReport:
+            # The archive endpoint by hand (the SDK's get_archive hides its response): a copy
+            # that stops at its cap closes the response here instead of leaving its socket open.
+            api = self.backend.client.api
             try:
-                stream, stat = self.container.get_archive(src)
+                res = api._get(api._url("/containers/{0}/archive", self.container.id), params={"path": src},
+                               stream=True)
+                api._raise_for_status(res)
             except docker.errors.NotFound:
                 raise FileNotFoundError(src) from None
-            is_dir = (stat.get("mode", 0) & (1 << 31)) != 0  # Go's os.ModeDir
-            _untar(stream, Path(dest), is_dir)
+            try:
+                stat = json.loads(base64.b64decode(res.headers.get("X-Docker-Container-Path-Stat") or "e30="))
+                is_dir = (stat.get("mode", 0) & (1 << 31)) != 0  # Go's os.ModeDir
+                return untar_capped(res.iter_content(1 << 16, False), Path(dest), is_dir, limit_bytes)
+            finally:
+                res.close()
 
         try:
-            await self.backend.io(pull)
+            return await self.backend.io(pull)
         except FileNotFoundError:
             raise
         except _api_error() as e:
@@ -240,7 +239,58 @@ class ContainerSandbox(Sandbox):
             raise SandboxError(f"download of {src} from {self.container.short_id}: {e}") from None
 
     async def cancel(self) -> None:
-        await asyncio.gather(*(self._kill(t) for t in list(self._execs)))
+        """SIGKILL the container's init: the kernel ends its whole PID namespace, so nothing
+        an exec left behind survives (a group kill would miss a `setsid` daemon)."""
+        import docker.errors
+
+        def halt() -> None:
+            try:
+                self.container.kill(signal="SIGKILL")
+            except docker.errors.APIError:
+                self.container.reload()
+                if self.container.status == "running":
+                    raise
+            self.container.wait(condition="not-running", timeout=KILL_WAIT_S)  # every process gone
+
+        if self._removed:
+            return
+        try:
+            await self.backend.io(halt)
+        except _api_error() as e:
+            _released(e)
+            raise SandboxError(f"could not stop what runs in {self.container.short_id}: {e}") from None
+        self._running, self._pid = False, None
+        self._execs.clear()
+
+    async def _ensure_running(self) -> None:
+        """Start the container again after `cancel` (its files as they were, a fresh init)."""
+        async with self._starting:
+            if self._running:
+                return
+
+            def start() -> int | None:
+                self.container.start()
+                self.container.reload()
+                return self.container.attrs.get("State", {}).get("Pid") or None
+
+            try:
+                self._pid = await self.backend.io(start)
+            except _api_error() as e:
+                _released(e)
+                raise SandboxError(f"could not start {self.container.short_id} again: {e}") from None
+            self._running = True
+
+    async def storage_used(self) -> int | None:
+        def size() -> int | None:
+            api = self.backend.client.api  # inspect with ?size=1: the SDK's inspect does not ask for it
+            res = api._get(api._url("/containers/{0}/json", self.container.id), params={"size": 1})
+            return api._result(res, True).get("SizeRw")
+
+        try:
+            return await self.backend.io(size)
+        except _api_error() as e:
+            _released(e)
+            raise SandboxError(f"size of {self.container.short_id}: {e}") from None
 
     async def stop(self) -> None:
         if self._removed:
@@ -370,19 +420,25 @@ class DockerAPIBackend(SandboxBackend):
 
     async def reap(self, alive) -> int:
         def sweep() -> int:
+            import docker.errors
+
             removed = 0
-            for c in self.client.containers.list(all=True, filters={"label": LABEL_OWNER}):
-                labels = c.labels or {}
+            # The list call alone (labels are in it): the SDK's containers.list inspects each
+            # one after, and fails when another process removes one in between.
+            for c in self.client.api.containers(all=True, filters={"label": LABEL_OWNER}):
+                labels, short = c.get("Labels") or {}, c["Id"][:12]
                 if alive(labels):
                     continue
-                log.info("%s: removing orphan sandbox %s (execution %s)", self.name, c.short_id,
+                log.info("%s: removing orphan sandbox %s (execution %s)", self.name, short,
                          labels.get(LABEL_EXECUTION))
                 try:
-                    c.remove(force=True)
+                    self.client.api.remove_container(c["Id"], force=True)
                     removed += 1
+                except docker.errors.NotFound:
+                    pass  # gone already
                 except _api_error() as e:
                     _released(e)
-                    log.warning("%s: could not remove orphan %s: %s", self.name, c.short_id, e)
+                    log.warning("%s: could not remove orphan %s: %s", self.name, short, e)
             return removed
 
         try:

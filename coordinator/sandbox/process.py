@@ -2,16 +2,20 @@
 
 No isolation (the embedded default and harnesses that need none): the workspace is a host
 folder, `exec` starts the command in its own session with the host's environment plus the
-given variables, and the deadline is SIGTERM to its process group, SIGKILL after the grace.
-Every process it starts carries GYRE_SANDBOX_OWNER / GYRE_SANDBOX_RUN_DIR (and the maker's
-process and the execution) in its environment, which is how `reap` finds the harnesses a
-killed coordinator left behind.
+given variables, and the deadline is SIGTERM to its process group, SIGKILL after the grace;
+what is left of the group when the command ends is SIGKILLed. Every process it starts
+carries GYRE_SANDBOX_OWNER / GYRE_SANDBOX_RUN_DIR (and the maker's process and the
+execution) in its environment, which is how `cancel` finds what left the group (a `setsid`
+daemon) and `reap` the harnesses a killed coordinator left behind. A process that drops its
+environment (`env -i`) escapes both: this backend isolates nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import select
 import shutil
 import signal
 from collections.abc import Mapping
@@ -19,27 +23,34 @@ from pathlib import Path
 from typing import BinaryIO
 
 from gyre.coordinator.sandbox.base import (
+    COPY_LIMIT_BYTES,
     LABEL_EXECUTION,
     LABEL_OWNER,
     LABEL_PROCESS,
     LABEL_RUN_DIR,
+    CopyReport,
     ExecResult,
     Sandbox,
     SandboxBackend,
     SandboxError,
     SandboxSpec,
 )
+from gyre.coordinator.sandbox.files import copy_capped
 
+log = logging.getLogger("gyre.coordinator")
 OUTPUT_TAIL = 64 * 1024
+READ_GRACE_S = 5.0  # output still coming once the command has ended is read this long, then dropped
+KILL_ROUNDS = 100  # `cancel` sweeps for marked processes until one finds none, at most this often
 ENV_OWNER, ENV_RUN_DIR, ENV_PROCESS = "GYRE_SANDBOX_OWNER", "GYRE_SANDBOX_RUN_DIR", "GYRE_SANDBOX_PROCESS"
 ENV_EXECUTION = "GYRE_SANDBOX_EXECUTION"
 _ENV_MARKERS = {ENV_OWNER.encode(), ENV_RUN_DIR.encode(), ENV_PROCESS.encode(), ENV_EXECUTION.encode()}
 
 
-async def _read_tail(stream: asyncio.StreamReader | None, log: BinaryIO | None) -> bytes:
-    tail = bytearray()
+async def _read_tail(stream: asyncio.StreamReader | None, log: BinaryIO | None, tail: bytearray) -> None:
+    """Copy `stream` to `log`, else keep its tail in `tail` (filled as it comes: a reader
+    cancelled after the grace leaves what it had)."""
     if stream is None:
-        return b""
+        return
     while chunk := await stream.read(65536):
         if log is not None:
             log.write(chunk)
@@ -47,7 +58,49 @@ async def _read_tail(stream: asyncio.StreamReader | None, log: BinaryIO | None) 
         else:
             tail += chunk
             del tail[:-OUTPUT_TAIL]
-    return bytes(tail)
+
+
+def exit_of(pid: int) -> asyncio.Future:
+    """A future done once process `pid` has exited, from its pidfd. asyncio's own
+    `Process.wait()` returns only once its pipes have closed too, which a child that keeps
+    them open (a daemon the command left) would put off for as long as it lives."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:  # gone (and reaped) already
+        fut.set_result(None)
+        return fut
+
+    def release(_=None) -> None:
+        loop.remove_reader(fd)
+        os.close(fd)
+
+    def exited() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    loop.add_reader(fd, exited)
+    fut.add_done_callback(release)  # also when the waiter is cancelled
+    return fut
+
+
+async def end_pipes(proc: asyncio.subprocess.Process, grace_s: float, *readers: asyncio.Future) -> None:
+    """Once `proc` has exited: let `readers` finish for `grace_s`, then close its pipes (a
+    process that left its group may still hold them) and reap it."""
+    pending = [r for r in readers if not r.done()]
+    if pending:
+        await asyncio.wait(pending, timeout=grace_s)
+    transport = getattr(proc, "_transport", None)  # asyncio has no public way to give up a child's pipes
+    if transport is not None:
+        for fd in (1, 2):
+            pipe = transport.get_pipe_transport(fd)
+            if pipe is not None:
+                pipe.close()
+    try:
+        await asyncio.wait_for(proc.wait(), 10.0)  # returns once the pipes are closed and it is reaped
+    except TimeoutError:
+        log.warning("process %d not reaped 10 s after its exit", proc.pid)
 
 
 def killpg(pid: int, sig: int) -> bool:
@@ -60,8 +113,10 @@ def killpg(pid: int, sig: int) -> bool:
 
 async def run_group(argv: list[str], *, env: Mapping[str, str], cwd: str | None, timeout_s: float | None,
                     grace_s: float, log: BinaryIO | None, procs: set) -> ExecResult:
-    """`argv` as a session leader; its group is stopped at the deadline or on cancellation."""
-    # A log file takes the output directly (no copy through the event loop).
+    """`argv` as a session leader; its group is stopped at the deadline or on cancellation,
+    and what is left of it SIGKILLed when the leader ends."""
+    # A plain log file takes the output directly (no copy through the event loop); a capped
+    # one (no fileno) is written through here.
     direct = log is not None and hasattr(log, "fileno")
     if direct:
         log.flush()
@@ -73,40 +128,57 @@ async def run_group(argv: list[str], *, env: Mapping[str, str], cwd: str | None,
     except OSError as e:
         raise SandboxError(f"cannot start {argv[0]!r}: {e}") from None
     procs.add(proc)
-    reader = asyncio.ensure_future(_read_tail(None if direct else proc.stdout, log))
+    tail = bytearray()
+    reader = asyncio.ensure_future(_read_tail(None if direct else proc.stdout, log, tail))
+    exited = exit_of(proc.pid)
     timed_out = False
     try:
         try:
-            await asyncio.wait_for(proc.wait(), timeout_s)
+            await asyncio.wait_for(asyncio.shield(exited), timeout_s)
         except TimeoutError:
             timed_out = True
-            await stop_group(proc, grace_s)
+            await stop_group(proc, grace_s, exited)
         except asyncio.CancelledError:
-            await asyncio.shield(stop_group(proc, grace_s))
+            await asyncio.shield(_stopped(proc, grace_s, exited, reader))
             raise
-        # A child that kept the pipe open (a daemon it forked) must not hold the call.
-        try:
-            output = await asyncio.wait_for(asyncio.shield(reader), 5.0)
-        except TimeoutError:
-            killpg(proc.pid, signal.SIGKILL)
-            output = await reader
-        return ExecResult(proc.returncode, timed_out, output)
+        # The leader has ended (its pid names the group while any member lives, so it is
+        # not reused yet): nothing it started in its group outlives it.
+        killpg(proc.pid, signal.SIGKILL)
+        # A process that left the group and holds the pipe must not hold the call: the
+        # output is read for a grace, then what came is kept.
+        await end_pipes(proc, READ_GRACE_S, reader)
+        return ExecResult(proc.returncode, timed_out, bytes(tail))
     finally:
         procs.discard(proc)
+        exited.cancel()
         if not reader.done():
             reader.cancel()
 
 
-async def stop_group(proc: asyncio.subprocess.Process, grace_s: float) -> None:
-    """SIGTERM the process group, SIGKILL after the grace period."""
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-        if proc.returncode is not None or not killpg(proc.pid, sig):
-            return
-        try:
-            await asyncio.wait_for(proc.wait(), wait)
-            return
-        except TimeoutError:
-            continue
+async def _stopped(proc: asyncio.subprocess.Process, grace_s: float, exited: asyncio.Future,
+                   reader: asyncio.Future) -> None:
+    await stop_group(proc, grace_s, exited)
+    await end_pipes(proc, 0.0, reader)
+
+
+async def stop_group(proc: asyncio.subprocess.Process, grace_s: float, exited: asyncio.Future | None = None) -> None:
+    """SIGTERM the process group, SIGKILL after the grace period (the group's stragglers
+    too, once the leader is gone). `exited`: the leader's `exit_of`."""
+    own = exited is None
+    exited = exit_of(proc.pid) if own else exited
+    try:
+        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+            if exited.done() or proc.returncode is not None or not killpg(proc.pid, sig):
+                break
+            try:
+                await asyncio.wait_for(asyncio.shield(exited), wait)
+                break
+            except TimeoutError:
+                continue
+        killpg(proc.pid, signal.SIGKILL)
+    finally:
+        if own:
+            exited.cancel()
 
 
 def _copy(src: Path, dest: Path) -> None:
@@ -117,6 +189,56 @@ def _copy(src: Path, dest: Path) -> None:
     else:
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, dest)
+
+
+def kill_marked(owner: str, execution: str, spare_groups: frozenset[int] = frozenset()) -> int:
+    """SIGKILL every process whose environment carries this sandbox's markers (but those in
+    `spare_groups`), sweeping until a sweep finds none: a process forking as it dies is
+    caught by the next. Returns how many were killed; SandboxError when they keep coming."""
+    if not owner or not execution:
+        return 0  # an unlabelled sandbox: its markers would match every other unlabelled one
+    want = {ENV_OWNER: owner, ENV_EXECUTION: execution}
+    killed = 0
+    for _ in range(KILL_ROUNDS):
+        found = 0
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and _kill_if_marked(int(entry), want, spare_groups):
+                found += 1
+        if not found:
+            return killed
+        killed += found
+    raise SandboxError(f"processes of execution {execution} kept appearing after {KILL_ROUNDS} sweeps")
+
+
+def _kill_if_marked(pid: int, want: dict[str, str], spare_groups: frozenset[int]) -> bool:
+    try:
+        fd = os.pidfd_open(pid)  # pins the process: a pid reused after the check is not signalled
+    except OSError:
+        return False
+    try:
+        env = _environ(str(pid))
+        if any(env.get(k) != v for k, v in want.items()) or os.getpgid(pid) in spare_groups:
+            return False
+        if select.select([fd], [], [], 0)[0]:  # it has exited already: /proc may show another now
+            return False
+        signal.pidfd_send_signal(fd, signal.SIGKILL)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+    finally:
+        os.close(fd)
+
+
+def tree_bytes(root: str) -> int:
+    """Disk blocks in use under `root`, links not followed (a sparse file counts what it holds)."""
+    total = 0
+    for here, dirs, files in os.walk(root):
+        for name in files + dirs:
+            try:
+                total += os.lstat(os.path.join(here, name)).st_blocks * 512
+            except OSError:
+                continue
+    return total
 
 
 class ProcessSandbox(Sandbox):
@@ -136,14 +258,23 @@ class ProcessSandbox(Sandbox):
     async def upload(self, src: Path, dest: str) -> None:
         await asyncio.to_thread(_copy, Path(src), self._host(dest))
 
-    async def download(self, src: str, dest: Path) -> None:
+    async def download(self, src: str, dest: Path, *, limit_bytes: int = COPY_LIMIT_BYTES) -> CopyReport:
         host = self._host(src)
         if host.resolve() == Path(dest).resolve():
-            return  # the workspace is already where the run directory keeps it
-        await asyncio.to_thread(_copy, host, Path(dest))
+            return CopyReport()  # the workspace is already where the run directory keeps it
+        return await asyncio.to_thread(copy_capped, host, Path(dest), limit_bytes)
+
+    def _spared_groups(self) -> frozenset[int]:
+        return frozenset()  # bubblewrap: its network holder's
 
     async def cancel(self) -> None:
         await asyncio.gather(*(stop_group(p, 0.0) for p in list(self._procs)))
+        labels = self.spec.labels
+        await asyncio.to_thread(kill_marked, labels.get(LABEL_OWNER, ""), labels.get(LABEL_EXECUTION, ""),
+                                self._spared_groups())
+
+    async def storage_used(self) -> int | None:
+        return await asyncio.to_thread(tree_bytes, self.workdir)
 
     async def stop(self) -> None:
         await self.cancel()  # the folder is the run directory's: it stays

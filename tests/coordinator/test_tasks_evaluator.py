@@ -293,6 +293,63 @@ async def test_command_timeout_kills_the_child(tmp_path, monkeypatch):
     assert proc.returncode == -signal.SIGKILL  # killed and reaped, not left running
 
 
+def _ends(pid: int, within_s: float = 5.0) -> bool:
+    """Whether process `pid` has exited (or does within `within_s`): its pidfd turns readable."""
+    import os
+    import select
+
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], within_s)[0])
+    finally:
+        os.close(fd)
+
+
+async def test_a_child_holding_stdout_does_not_hold_the_result(tmp_path):
+    # The evaluator prints its result and exits; a child it started keeps its stdout open.
+    code = ("import json, subprocess, sys\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
+            "print(json.dumps({'score': 0.5, 'ref': str(child.pid)}), flush=True)\n")
+    start = time.monotonic()
+    out = await CommandEvaluator(py(code), timeout_s=8).evaluate(TASK, tmp_path)
+    assert out.score == 0.5 and out.valid and time.monotonic() - start < 8
+    assert _ends(int(out.ref))  # and the child went with the attempt
+
+
+async def test_nothing_of_an_evaluator_outlives_its_attempt(tmp_path):
+    code = ("import json, subprocess, sys\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'],\n"
+            "                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+            "print(json.dumps({'score': 1, 'ref': str(child.pid)}))\n")
+    out = await CommandEvaluator(py(code), timeout_s=30).evaluate(TASK, tmp_path)
+    assert out.score == 1.0
+    assert _ends(int(out.ref))
+
+
+def test_an_evaluators_output_is_kept_to_its_tail(tmp_path):
+    """200 MiB on stdout and 20 MiB on stderr before the result: the result is read, and the
+    evaluating process (a fresh one, to measure its peak memory) holds only the tails."""
+    noisy = ("import os; [os.write(1, b'x' * (1 << 20)) for _ in range(200)]; os.write(2, b'e' * (20 << 20)); "
+             "print(); print('{\"score\": 0.5}')")
+    script = ("import asyncio, re, sys\n"
+              "from pathlib import Path\n"
+              "from gyre.coordinator.evaluator import CommandEvaluator\n"
+              "from gyre.coordinator.tasks import Task\n"
+              f"out = asyncio.run(CommandEvaluator([sys.executable, '-c', {noisy!r}], 120).evaluate(\n"
+              "    Task(id='n', prompt='p'), Path('.')))\n"
+              # VmHWM, not ru_maxrss: that one keeps the peak of the pytest process it was forked from.
+              "peak = re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1)\n"
+              "print(out.score, int(peak) >> 10)\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    score, peak_mib = done.stdout.split()
+    assert float(score) == 0.5
+    assert int(peak_mib) < 120, peak_mib  # not the 220 MiB it printed
+
+
 # ---------------------------------------------------------------------------------------------
 # CallableEvaluator and build_evaluator
 

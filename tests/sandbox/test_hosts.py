@@ -175,7 +175,8 @@ async def test_a_host_in_another_network_namespace_gets_its_proxy_network_from_i
                             groups_per_step=1, group_size=1, min_valid=1, workers="external", address=address,
                             reducer_init=f"tcp://{addr}:{29900 + secrets.randbelow(90)}", topology_timeout_s=120,
                             tasks_path=folder, sandbox="podman", proxy_host=f"{SUBNET}.1",
-                            sandbox_hosts=({"name": "far", "url": f"tcp://{addr}:{engine_port}", "node": "ns-0"},))
+                            sandbox_hosts=({"name": "far", "url": f"tcp://{addr}:{engine_port}", "node": "ns-0"},),
+                            allow_unauthenticated_link=True)  # a private bridge of this test's own
     worker = await asyncio.create_subprocess_exec(
         "ip", "netns", "exec", ns, sys.executable, "-m", "gyre.cli", "workerd", "--coordinator", address,
         "--cell", "0", "--node-id", "ns-0", "--heartbeat", "0.5", env=dict(os.environ, GLOO_SOCKET_IFNAME=ifname),
