@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import NamedTuple
 from xml.sax.saxutils import escape
 
+from gyre.coordinator.metrics import read_events
 from gyre.coordinator.policies import POLICIES
 from gyre.coordinator.sim import ROLLOUT, SWITCHING, TRAINING, SimResult
 
@@ -169,7 +170,7 @@ def role_timeline_svg(result: SimResult) -> str:
 def result_from_metrics(path: str | Path) -> RunResult:
     """A real run's role timeline (and headline figures) as a SimResult, so real runs and
     simulations draw the same text strip and SVG. Switches count from their measured time."""
-    events = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
+    events = read_events(path)  # a torn line (a crash's, or a full disk's) skipped with a warning
     cfg_path = Path(path).with_name("config.json")
     cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
     cells = int(cfg.get("cells", 1 + max((e["cell"] for e in events if e["event"] == "role"), default=0)))

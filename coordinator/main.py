@@ -41,6 +41,7 @@ from gyre.coordinator.schedule import BatchView, State, decide, topup
 from gyre.coordinator.status import Rates, snapshot
 from gyre.coordinator.taskformats import load_task_source
 from gyre.coordinator.tasks import TaskSource, default_tasks
+from gyre.coordinator.trackers import Trackers
 from gyre.coordinator.training import Batch
 from gyre.coordinator.waterlevel import Waterlevel
 from gyre.proxy.chat import ChatTokenizer
@@ -142,7 +143,8 @@ class Coordinator:
             self._journal = resume.read_journal(c.run_dir)
             t0 = time.monotonic() - self._journal[2]  # times continue from the journal's last
         (c.run_dir / "config.json").write_text(json.dumps(c.to_json(), indent=2))
-        self.metrics = Metrics(c.run_dir / "metrics.jsonl", t0=t0)
+        trackers = Trackers(c.trackers, c.tracker_options, c.run_dir, c.to_json()) if c.trackers else None
+        self.metrics = Metrics(c.run_dir / "metrics.jsonl", t0=t0, trackers=trackers)
         cluster = LocalCluster(c.model_dir, cells=c.cells, roles=tuple(self.roles), address=c.address,
                                trainer={"lr": c.lr, "temperature": c.rollout_temperature,
                                         "micro_step_tokens": c.micro_step_tokens, **c.trainer_options},
@@ -430,7 +432,7 @@ class Coordinator:
         self.metrics.emit("execution", id=run.id, group=run.group, status=run.status, reward=run.reward,
                           valid=run.valid, version_dispatched=run.version_dispatched,
                           t_start=self.metrics.since_start(run.t_start), t_end=self.metrics.since_start(run.t_end),
-                          ref=run.ref[:200], eval_attempts=run.eval_attempts)
+                          ref=run.ref[:200], eval_attempts=run.eval_attempts, copy_out_error=run.copy_out_error)
         for surplus in self.buffer.on_closed(run):
             surplus.status = "cancelled"
             task = self.runs.get(surplus.id)

@@ -2,12 +2,14 @@
 
 What survives a `kill -9` of the coordinator:
 
-- the journal, `metrics.jsonl`, flushed per line: a `dispatch` event per group (task, version,
-  execution ids) and an `execution` event per closed execution (status, reward, validity);
+- the journal, `metrics.jsonl`, written a whole line at a time, fsynced at checkpoints: a
+  `dispatch` event per group (task, version, execution ids) and an `execution` event per
+  closed execution (status, reward, validity);
 - each execution's records (`executions/<id>/nodes.jsonl`, `calls.jsonl`), written as calls
   complete;
-- checkpoints, every `checkpoint_every` steps at a publication (no batch in flight; a run
-  that stopped before its first resumes from step 0, its closed executions restored):
+- checkpoints, every `checkpoint_every` steps at a publication (no batch in flight) and at
+  every end of a run (final_checkpoint; a run killed before its first resumes from step 0,
+  its closed executions restored):
   `checkpoints/step-NNNNNN/trainer.pt` (the core's model, optimizer and version) and
   `state.json` (step, versions, publications, consumed groups, the task order), with
   `checkpoints/latest` naming the newest complete one (written last, atomically).
@@ -33,7 +35,8 @@ from typing import Any
 import orjson
 
 from gyre.coordinator.buffer import Execution, Group
-from gyre.proxy.records import load_execution
+from gyre.coordinator.evaluator import valid_reward
+from gyre.proxy.records import JournalError, RecordsError, load_execution
 from gyre.workerd import wire
 from gyre.workerd.wire import GyreError
 
@@ -143,6 +146,13 @@ async def checkpoint(coord) -> None:
     link = coord.link
     await link.request(coord.nodes[0], wire.SaveCheckpoint(req_id=link.new_req_id(), path=str(folder / "trainer.pt")),
                        timeout=coord.c.checkpoint_timeout_s)
+    try:  # the journal and the records the state will name, on disk (fsync) before the state says so
+        coord.metrics.sync()
+        coord.proxy.sync()
+    except JournalError as e:
+        log.warning("checkpoint of step %d not completed: the journal cannot be synced (%s); the next one retries",
+                    coord.steps_done, e)
+        return
     write_state(coord.c.run_dir, coord.steps_done, {
         "step": coord.steps_done, "version": coord.version, "publications": coord.publications,
         "steps_in_burst": coord.steps_in_burst, "groups_dispatched": coord.groups_dispatched,
@@ -279,11 +289,22 @@ def _rebuild(coord, group: Group, ev: dict, outcomes: dict[str, dict]) -> tuple[
     for i, run_id in enumerate(ev["runs"]):  # every run first: the group settles on all of them
         out = outcomes.get(run_id)
         tracked = coord.wl.dispatch(1)[0]
+        recorder = None
+        folder_ex = coord.c.run_dir / "executions" / run_id
+        if out is not None and out["status"] != "cancelled" and folder_ex.is_dir():
+            try:
+                recorder = load_execution(folder_ex)
+            except RecordsError as e:  # its tree is damaged: it cannot train; run it again instead
+                log.warning("execution %s: its records cannot be read (%s); dispatching it again", run_id, e)
+                out = None
         if out is not None and out["status"] != "cancelled":
-            run = Execution(run_id, group.id, i, group.task, tracked, group.version, status=out["status"],
-                            reward=out["reward"], valid=out["valid"], ref=out.get("ref", ""))
-            folder_ex = coord.c.run_dir / "executions" / run_id
-            run.recorder = load_execution(folder_ex) if folder_ex.is_dir() else None
+            status, reward, valid, ref = out["status"], out["reward"], out["valid"], out.get("ref", "")
+            why = valid_reward(reward, tuple(coord.c.reward_range)) if valid else None
+            if why is not None:  # journaled before rewards were checked: never trained, never a crash
+                status, reward, valid, ref = "evaluator_error", None, False, f"invalid reward: {why}"
+            run = Execution(run_id, group.id, i, group.task, tracked, group.version, status=status,
+                            reward=reward, valid=valid, ref=ref)
+            run.recorder = recorder
             coord.wl.launch(tracked)
             coord.wl.terminate(tracked)
             closed.append(run)

@@ -14,6 +14,7 @@ import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from gyre.coordinator.metrics import read_events
 from gyre.workerd.wire import GyreError
 
 
@@ -107,7 +108,7 @@ def workload_from_metrics(path: str | Path) -> Workload:
     switch and publication times are the measured ones. Cluster shape comes from config.json, else from
     the events."""
     path = Path(path)
-    events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    events = read_events(path)  # a torn line skipped with a warning
     cfg_path = path.parent / "config.json"
     cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
     groups: dict[int, list[float]] = {}

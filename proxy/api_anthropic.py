@@ -41,7 +41,8 @@ NAME = "anthropic"
 BLOCK_SEPARATOR = "\n"
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                404: "not_found_error", 408: "timeout_error", 413: "request_too_large",
+                415: "invalid_request_error", 429: "rate_limit_error",
                 504: "timeout_error", 529: "overloaded_error"}
 
 # Headers Claude Code sends that tell sessions and sub-agents apart (kept for records).
@@ -58,6 +59,12 @@ def new_tool_call_id() -> str:
 
 def error_body(status: int, message: str) -> dict:
     return {"type": "error", "error": {"type": _ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
+def overloaded_body(message: str) -> dict:
+    """A 503 to retry later (the proxy cannot take the call now: a full disk), as Anthropic
+    words an overload."""
+    return {"type": "error", "error": {"type": "overloaded_error", "message": message}}
 
 
 def overflow_body(prompt_tokens: int, max_context: int) -> dict:

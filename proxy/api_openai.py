@@ -44,8 +44,14 @@ def new_tool_call_id() -> str:
 
 def error_body(status: int, message: str, code: str | None = None) -> dict:
     kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-            413: "invalid_request_error", 429: "rate_limit_error"}.get(status, "server_error")
+            408: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+            429: "rate_limit_error"}.get(status, "server_error")
     return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+def overloaded_body(message: str) -> dict:
+    """A 503 to retry later (the proxy cannot take the call now: a full disk)."""
+    return error_body(503, message)
 
 
 def overflow_body(prompt_tokens: int, max_context: int) -> dict:
@@ -150,7 +156,7 @@ def parse_message(m: Any, field: str) -> Message:
         raise RequestError(f"{field}.role", f"unknown role {role!r}")
     msg = Message(role=role, content=text_of(m.get("content"), f"{field}.content"), name=m.get("name"))
     if role == "assistant":
-        for j, tc in enumerate(m.get("tool_calls") or []):
+        for j, tc in enumerate(expect(m.get("tool_calls") or [], list, f"{field}.tool_calls", "a list")):
             f = f"{field}.tool_calls[{j}]"
             expect(tc, dict, f, "an object")
             fn = expect(tc.get("function"), dict, f"{f}.function", "an object")

@@ -4,27 +4,34 @@
 the matched prefix, fresh tokens only for new segments) and `complete()` records the
 model's output as a policy node with its behaviour log-probs and versions. Recorded
 outputs are found again by tool-call id (the harness may re-serialise the arguments) or
-by their text. Not HTTP and not the engine: server.py drives both.
+by their text. A call's lines go to the files together or not at all (records.Journal):
+a write that fails (a full disk) takes back what the call added to the tree and raises
+JournalError, so memory and files always agree. Not HTTP and not the engine: server.py
+drives both.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 import orjson
 
 from gyre.proxy.admission import J_MAX, Rows, Trajectory, admit, materialise
 from gyre.proxy.chat import ChatTokenizer, Ref, display_key
+from gyre.proxy.records import Journal, JournalError, sync_dir
 from gyre.proxy.roles import CallInfo, RoleRule, delegation_prompt
 from gyre.proxy.segmenter import Segmenter
 from gyre.proxy.tree import Node, Tree
 from gyre.proxy.types import ChatRequest, ChatResult, ContextOverflow, ParseMemo
+
+log = logging.getLogger("gyre.proxy")
 
 
 @dataclass(slots=True)
@@ -60,11 +67,12 @@ class Recorder:
         self._first_model: str | None = None
         self._first_root_tools = False
         self._n_calls = 0
-        self._files: dict[str, IO[bytes]] = {}
+        self._journals: dict[str, Journal] = {}
         self._roles: dict[int, str] = {}  # node -> role of the call that ended there
         self._delegations: dict[str, tuple[str, int]] = {}  # sub-agent prompt -> (delegating call, its root)
         self._segmenter = Segmenter(self.tokenizer)  # re-renders only what changed since a recent call
         self.parse_memo = ParseMemo()  # re-parses only what changed (the server passes it to the API parser)
+        self._synced_dir = False
         if self.dir is not None:
             self.dir.mkdir(parents=True, exist_ok=True)
 
@@ -93,22 +101,28 @@ class Recorder:
         if max_context is not None and length >= max_context:
             raise ContextOverflow(length, max_context)
         # 2) Add the planned nodes.
-        self._n_calls += 1
-        call_id = f"{self.id}-c{self._n_calls:05d}"
-        new_tokens = 0
+        call_id = f"{self.id}-c{self._n_calls + 1:05d}"
+        new_tokens, n_before, lines, text_at = 0, len(self.tree.nodes), [], {}
         for step in plan:
             if step[0] == "text":
                 node = self.tree.add_text(parent, step[1], step[2], call_id)
                 new_tokens += len(step[2])
-                self._write_node(node, step[1])  # the tree keeps only the text's key
+                lines.append(("nodes", self._node_line(node, step[1])))  # the tree keeps only the text's key
             else:
                 _, source, kind, key, _ = step
                 node = self.tree.add_output_copy(parent, source, call_id)
                 if kind == "text":
-                    self._text_at[(parent, key)] = source.key
-                self._write_node(node)
+                    text_at[(parent, key)] = source.key
+                lines.append(("nodes", self._node_line(node)))
             path.append(node.id)
             parent = node.id
+        try:
+            self._commit(lines)
+        except JournalError:
+            self._take_back(n_before)  # the request is answered 503: as if it never came
+            raise
+        self._n_calls += 1
+        self._text_at.update(text_at)
         root = self.tree.nodes[path[0]].root
         delegated_by = self._delegated_by(req, root)
         role = self._classify(req, headers, root, delegated_by)
@@ -205,12 +219,27 @@ class Recorder:
         """Record the call. Only a call that ended normally leaves a trainable output."""
         parent = prep.path[-1]
         leaf = parent
-        out_node = None
+        out_node = node = None
+        n_before, lines = len(self.tree.nodes), []
         if output_ids:
             node = self.tree.add_output(parent, prep.call_id, list(output_ids), list(logprobs), list(versions))
             node.policy = status == "ok"
-            self._write_node(node)
+            lines.append(("nodes", self._node_line(node)))
             out_node, leaf = node.id, node.id
+        record = self._call_record(prep, request, status=status, finish_reason=finish_reason, engine=engine,
+                                   result=result, out_node=out_node, output_ids=output_ids, versions=versions,
+                                   invalid_tool_calls=invalid_tool_calls, cached_tokens=cached_tokens,
+                                   prefill_tokens=prefill_tokens, sampling=sampling)
+        # The file keeps the whole path (tree.path(prompt_node)); in memory it would cost a
+        # pointer per node per call, quadratic in an execution's calls.
+        lines.append(("calls", _dumps({**record, "prompt_path": prep.path})))
+        try:
+            self._commit(lines)  # the output node and its call: both on file, or neither
+        except JournalError:
+            self._take_back(n_before)
+            raise
+        # Only now the lookups that later calls follow (the call is on file).
+        if node is not None:
             if result is not None and status == "ok":
                 ids = [c.id for c in result.tool_calls]
                 self._outputs[prep.call_id] = node.id
@@ -225,6 +254,13 @@ class Recorder:
                     self._text_last[text] = prep.call_id
                     self._text_at[(parent, text)] = prep.call_id
         self._roles[leaf] = prep.role
+        self.calls.append(record)
+        return record
+
+    def _call_record(self, prep: Prepared, request: ChatRequest, *, status: str, finish_reason: str, engine: str,
+                     result: ChatResult | None, out_node: int | None, output_ids: list[int], versions: list[int],
+                     invalid_tool_calls: int, cached_tokens: int | None, prefill_tokens: int | None,
+                     sampling: dict | None) -> dict:
         record = {
             "call_id": prep.call_id, "execution": self.id, "api": request.api, "model": request.model,
             "role": prep.role, "status": status, "finish_reason": finish_reason, "engine": engine,
@@ -241,17 +277,18 @@ class Recorder:
             record["delegated_by"] = prep.delegated_by
         if sampling is not None:  # what the engine sampled with, and what the harness asked for
             record["sampling"] = sampling
-        self.calls.append(record)
-        # The file keeps the whole path (tree.path(prompt_node)); in memory it would cost a
-        # pointer per node per call, quadratic in an execution's calls.
-        self._write("calls", {**record, "prompt_path": prep.path})
         return record
 
     def record_request(self, body: Any, headers: dict[str, str], path: str) -> None:
         """Keep a raw request (for harness debugging); credentials never reach the file."""
         secret = {"authorization", "x-api-key", "proxy-authorization", "cookie"}
-        self._write("requests", {"seq": self._n_calls + 1, "t": time.time(), "path": path, "body": body,
-                                 "headers": {k: v for k, v in headers.items() if k.lower() not in secret}})
+        entry = {"seq": self._n_calls + 1, "t": time.time(), "path": path, "body": body,
+                 "headers": {k: v for k, v in headers.items() if k.lower() not in secret}}
+        try:
+            line = _dumps(entry)
+        except TypeError as e:  # nested past orjson's writing depth (255), which its reader (1024) accepts
+            line = _dumps({**entry, "body": None, "body_error": f"not kept: {e}"})
+        self._commit([("requests", line)])
 
     # --- training data ------------------------------------------------------------------
 
@@ -270,21 +307,57 @@ class Recorder:
 
     # --- files --------------------------------------------------------------------------
 
-    def _write_node(self, node: Node, text: str | None = None) -> Node:
-        """Append the node to nodes.jsonl; `text`: a text node's segment (the tree keeps its key)."""
-        self._write("nodes", {"id": node.id, "parent": node.parent, "kind": node.kind, "policy": node.policy,
-                              "call_id": node.call_id, "tokens": node.tokens, "logprobs": node.logprobs,
-                              "versions": node.versions, "key": display_key(text if text is not None else node.key)})
-        return node
+    def _node_line(self, node: Node, text: str | None = None) -> bytes:
+        """A node's line in nodes.jsonl; `text`: a text node's segment (the tree keeps its key)."""
+        return _dumps({"id": node.id, "parent": node.parent, "kind": node.kind, "policy": node.policy,
+                       "call_id": node.call_id, "tokens": node.tokens, "logprobs": node.logprobs,
+                       "versions": node.versions, "key": display_key(text if text is not None else node.key)})
 
     def _write(self, name: str, obj: Any) -> None:
+        self._commit([(name, _dumps(obj))])
+
+    def _commit(self, lines: list[tuple[str, bytes]]) -> None:
+        """Append each file's lines in one write, all files or none: a failure cuts the files
+        already written back and raises JournalError."""
+        if self.dir is None or not lines:
+            return
+        by_file: dict[str, list[bytes]] = {}
+        for name, line in lines:
+            by_file.setdefault(name, []).append(line)
+        done: list[tuple[Journal, int]] = []
+        try:
+            for name, chunk in by_file.items():
+                j = self._journals.get(name)
+                if j is None:
+                    try:
+                        j = self._journals[name] = Journal(self.dir / f"{name}.jsonl")
+                    except OSError as e:  # e.g. no room for the new file's inode
+                        raise JournalError(e.errno, f"opening {self.dir / name}.jsonl: {e.strerror or e}") from e
+                size = j.size
+                j.append(b"".join(chunk))
+                done.append((j, size))
+        except JournalError:
+            for j, size in done:
+                j.cut(size)
+            raise
+
+    def _take_back(self, n: int) -> None:
+        """Remove the nodes added since the tree held `n` (their lines never reached a file)."""
+        while len(self.tree.nodes) > n:
+            node = self.tree.nodes.pop()
+            table = self.tree.nodes[node.parent].children if node.parent >= 0 else self.tree.roots
+            del table[(node.kind, node.key)]
+
+    def sync(self) -> None:
+        """fsync every record written so far (the folder's entries too); the coordinator calls
+        it at checkpoints. Works after close(). Raises JournalError when the disk refuses."""
         if self.dir is None:
             return
-        f = self._files.get(name)
-        if f is None:
-            f = self._files[name] = open(self.dir / f"{name}.jsonl", "ab")
-        f.write(orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY) + b"\n")
-        f.flush()
+        for j in self._journals.values():
+            j.sync()
+        if not self._synced_dir:  # (each new file's entry in the folder: Journal.sync)
+            sync_dir(self.dir.parent)  # executions/: the execution's own folder entry
+            self._synced_dir = True
 
     def close(self) -> None:
         self.closed = True
@@ -292,11 +365,17 @@ class Recorder:
         # go; the tree and the records stay until the execution is trained.
         self._segmenter.recent.clear()
         self.parse_memo.recent.clear()
-        self._write("meta", {"event": "closed", "t": time.time(), "leaf_roles": self.leaf_roles,
-                             "tree": self.tree.stats()})
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
+        try:
+            self._write("meta", {"event": "closed", "t": time.time(), "leaf_roles": self.leaf_roles,
+                                 "tree": self.tree.stats()})
+        except JournalError as e:  # a summary only (the tree and calls are on file): not worth failing an end for
+            log.warning("execution %s: its closing summary was not written: %s", self.id, e)
+        for j in self._journals.values():
+            j.close()  # kept: sync() still reaches the files
+
+
+def _dumps(obj: Any) -> bytes:
+    return orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY) + b"\n"
 
 
 def new_key() -> str:

@@ -3,16 +3,24 @@
 One handler path for the three provider APIs: authenticate the per-execution key, parse
 into a ChatRequest, let the execution build the exact prompt ids, stream the engine's
 tokens back through the output parser (SSE token by token, keep-alives while waiting),
-and record the call. Bad input is a provider-shaped 4xx that touches no record. Runs in
-the caller's event loop (the coordinator's, or `gyre serve`'s). Not the engine router:
-a `Backend` is handed in.
+and record the call. Bad input is a provider-shaped 4xx that touches no record; a disk
+that refuses a record is a provider-shaped 503 with `retry-after` and leaves none. The
+connection layer bounds what a client can hold: request headers and bodies have deadlines,
+open connections a limit (below the fd limit); a response streams as long as it takes.
+Runs in the caller's event loop (the coordinator's, or `gyre serve`'s). Not the engine
+router: a `Backend` is handed in.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
+import os
+import resource
 import time
+import traceback
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,12 +29,14 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from gyre.proxy import api_anthropic, api_openai, api_responses
 from gyre.proxy.backend import Backend, BackendUnavailable, EngineRefused, GenParams
 from gyre.proxy.chat import ChatTokenizer
 from gyre.proxy.parser import OutputParser
 from gyre.proxy.recorder import Prepared, Recorder, new_key
+from gyre.proxy.records import JournalError
 from gyre.proxy.roles import rule
 from gyre.proxy.types import ChatRequest, ChatResult, ContextOverflow, RequestError, Usage
 
@@ -47,12 +57,47 @@ class ProxyConfig:
     role_rule: str = "generic"
     served_model: str = "gyre-policy"
     record_requests: bool = False  # also keep each raw request body (keys stripped) in requests.jsonl
+    # What one client can hold (slowloris): a connection's request line and headers must
+    # arrive within header_timeout_s of its opening, a body within body_timeout_s of its
+    # headers; an idle keep-alive connection closes after keepalive_timeout_s; connections
+    # past max_connections (clamped below the fd limit) are answered 503 and closed. None
+    # of these touches a response being streamed.
+    header_timeout_s: float = 30.0
+    body_timeout_s: float = 60.0
+    keepalive_timeout_s: float = 75.0
+    max_connections: int = 4096
+    # Below this many free bytes where records are written, model calls are answered 503
+    # (retry-after) before any byte instead of failing a record mid-call; 0: never.
+    min_free_disk_bytes: int = 16 * 1024 * 1024
+
+
+DISK_RETRY_AFTER_S = 10  # a full disk: harnesses retry after this
+_MAX_DEPTH = 254 - 8  # JSON nesting a request may have (orjson's writing limit less the margin _json checks)
+_REPORT_EVERY_S = 10.0
 
 
 class HttpError(Exception):
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None, *,
+                 close: bool = False, overloaded: bool = False):
         super().__init__(message)
         self.status, self.message, self.headers = status, message, headers or {}
+        self.close = close  # end the connection after the answer (the client is slow or broken)
+        self.overloaded = overloaded  # a 503 the harness should retry (Anthropic: overloaded_error)
+
+
+class _Tally:
+    """A recurring event logged once per interval with its count, never once per event."""
+
+    def __init__(self, message: str):
+        self.message, self.count, self._at = message, 0, None
+
+    def note(self, *args: object) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if self._at is None or now - self._at >= _REPORT_EVERY_S:
+            since = "" if self._at is None else f" ({self.count} in the last {now - self._at:.0f} s)"
+            log.warning(self.message + since, *args)
+            self._at, self.count = now, 0
 
 
 class ProxyServer:
@@ -68,6 +113,14 @@ class ProxyServer:
         self.base_url = ""
         self.on_record: Callable[[Recorder, dict], None] | None = None  # called as each call is recorded
         self.status_provider: Callable[[], dict] | None = None  # the coordinator's live state
+        self.max_connections = self.config.max_connections
+        self.open_connections = 0
+        self._header_timers: dict[web.RequestHandler, asyncio.TimerHandle] = {}
+        self._refused = _Tally("connections refused: %d open, the limit (max_connections)")
+        self._slow_headers = _Tally("connections closed without whole request headers after %.0f s "
+                                    "(header_timeout_s)")
+        self._disk = _Tally("model calls answered 503, records cannot be written: %s")
+        self._parser_gaps = _Tally("request parser gap, answered 400: %s at %s")
 
     # --- executions ---------------------------------------------------------------------
 
@@ -91,10 +144,16 @@ class ProxyServer:
             ex.close()
         return ex
 
+    def sync(self) -> None:
+        """fsync every execution's records so far (closed ones too, once); the coordinator
+        calls it at checkpoints. Raises JournalError when the disk refuses."""
+        for ex in self.executions.values():
+            ex.sync()
+
     # --- lifecycle ----------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_body_bytes)
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._headers_arrived])
         for path, api in (("/v1/chat/completions", api_openai), ("/v1/messages", api_anthropic),
                           ("/v1/responses", api_responses)):
             app.router.add_post(path, self._handler_for(api))
@@ -112,9 +171,19 @@ class ProxyServer:
         return handler
 
     async def start(self) -> str:
-        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        # Bodies arrive as sent (auto_decompress off): _json decodes them, bounded, and answers
+        # an encoding it cannot decode in the API's shape (aiohttp's own answer is plain text).
+        # An aiohttp without the option decodes them itself, and _json leaves them be.
+        kwargs = {"auto_decompress": False} if _OWN_DECODING else {}
+        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None,
+                                     keepalive_timeout=self.config.keepalive_timeout_s, **kwargs)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft != resource.RLIM_INFINITY and self.max_connections > soft - max(256, soft // 4):
+            self.max_connections = max(16, soft - max(256, soft // 4))  # files, sockets, sandboxes need the rest
+            log.info("max_connections %d clamped to %d: the fd limit is %d", self.config.max_connections,
+                     self.max_connections, soft)
+        site = _Site(self._runner, self.config.host, self.config.port, self._connection)
         await site.start()
         host, port = self._runner.addresses[0][:2]
         self.base_url = f"http://{host}:{port}"
@@ -126,6 +195,53 @@ class ProxyServer:
         for ex in self.executions.values():
             if not ex.closed:
                 ex.close()
+
+    # --- connections --------------------------------------------------------------------
+
+    def _connection(self) -> asyncio.BaseProtocol:
+        """A new connection's protocol: aiohttp's, counted, with a deadline for its first
+        request's headers; past the limit, one that answers 503 and closes (nothing else is
+        read). Later requests on a kept-alive connection are bounded by aiohttp's keep-alive
+        timer. Counted here, not from aiohttp's list: a burst of connections accepted in one
+        loop turn are all created before any of them is registered there."""
+        if self.open_connections >= self.max_connections:
+            self._refused.note(self.open_connections)
+            return _Refuse()
+        self.open_connections += 1
+        proto = self._runner.server()
+        if self.config.header_timeout_s > 0:
+            loop = asyncio.get_running_loop()
+            self._header_timers[proto] = loop.call_later(self.config.header_timeout_s, self._header_timeout, proto)
+        return _Counted(proto, self._connection_lost)
+
+    def _connection_lost(self, proto: web.RequestHandler) -> None:
+        self.open_connections -= 1
+        timer = self._header_timers.pop(proto, None)
+        if timer is not None:
+            timer.cancel()
+
+    def _header_timeout(self, proto: web.RequestHandler) -> None:
+        self._header_timers.pop(proto, None)
+        if proto.transport is not None:  # still open, and no request reached a handler
+            self._slow_headers.note(self.config.header_timeout_s)
+            proto.force_close()
+
+    @web.middleware
+    async def _headers_arrived(self, request: web.Request, handler):
+        """A request reached a handler: its connection's header deadline is met. aiohttp's
+        own 4xx (an unknown path, a wrong method) are answered as JSON errors too, in the
+        shape of the API the path belongs to."""
+        timer = self._header_timers.pop(request.protocol, None)
+        if timer is not None:
+            timer.cancel()
+        try:
+            return await handler(request)
+        except web.HTTPException as e:
+            if not 400 <= e.status < 500:
+                raise
+            api = api_anthropic if request.path.startswith("/v1/messages") else api_openai
+            return _error(api, e.status, f"{request.method} {request.path}: {e.reason}",
+                          {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None)
 
     # --- plain endpoints ----------------------------------------------------------------
 
@@ -142,7 +258,7 @@ class ProxyServer:
         try:
             self._auth(request, api_openai)
         except HttpError as e:
-            return _error(api_openai, e.status, e.message, e.headers)
+            return _http_error(api_openai, e)
         now = int(time.time())
         return web.json_response({"object": "list", "data": [
             {"id": self.config.served_model, "object": "model", "created": now, "owned_by": "gyre",
@@ -152,12 +268,14 @@ class ProxyServer:
         try:
             self._auth(request, api_anthropic)
             body = await self._json(request)
-            req = api_anthropic.parse_count_tokens(body, dict(request.headers))
+            req = self._parse(lambda: api_anthropic.parse_count_tokens(body, dict(request.headers)))
             return web.json_response({"input_tokens": len(self.tokenizer.prompt_ids(req.messages, req.tools))})
         except HttpError as e:
-            return _error(api_anthropic, e.status, e.message, e.headers)
+            return _http_error(api_anthropic, e)
         except RequestError as e:
             return _error(api_anthropic, e.status, str(e))
+        except ValueError as e:
+            return _error(api_anthropic, 400, str(e))
 
     # --- model calls --------------------------------------------------------------------
 
@@ -172,28 +290,78 @@ class ProxyServer:
         return ex
 
     async def _json(self, request: web.Request) -> Any:
+        limit = self.config.max_body_bytes
+        encoding = request.headers.get("Content-Encoding", "")
+        codings = _codings(encoding) if _OWN_DECODING else []  # checked before the body is read
         try:
-            raw = await request.read()
+            async with asyncio.timeout(self.config.body_timeout_s or None):
+                raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            raise HttpError(413, f"request body over the {self.config.max_body_bytes}-byte limit") from None
+            raise HttpError(413, f"request body over the {limit}-byte limit", close=True) from None
+        except TimeoutError:
+            raise HttpError(408, f"request body not received within {self.config.body_timeout_s:g} s "
+                                 "(body_timeout_s)", close=True) from None
+        except (RequestPayloadError, web.HTTPException) as e:  # e.g. a body cut short
+            raise HttpError(400, f"request body could not be read: {e}", close=True) from None
+        for coding in reversed(codings):
+            raw = _inflate(raw, coding, limit)
         try:
-            return orjson.loads(raw)
+            body = orjson.loads(raw)
         except orjson.JSONDecodeError as e:
             raise HttpError(400, f"malformed JSON body: {e}") from None
+        try:
+            # orjson reads JSON nested 1024 deep but writes only 254; the proxy writes parts
+            # of a request back (tool arguments, echoed fields, records) a few levels deeper
+            # still. One write of the body, margin included, refuses what would fail later
+            # (a third of the read's cost).
+            orjson.dumps([[[[[[[[body]]]]]]]])
+        except TypeError:
+            raise HttpError(400, f"request body nested deeper than {_MAX_DEPTH} levels") from None
+        return body
+
+    def _parse(self, parse: Callable[[], ChatRequest]) -> ChatRequest:
+        """An API's parser run: RequestError (a ValueError) as it says; an exception it did
+        not foresee is still the request's fault (a parser only reads the body), so a 400
+        that names it, and a warning naming the parser's gap."""
+        try:
+            return parse()
+        except (TypeError, AttributeError, KeyError, IndexError, RecursionError) as e:
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            self._parser_gaps.note(f"{type(e).__name__}: {e}", f"{Path(where.filename).name}:{where.lineno}")
+            raise HttpError(400, f"malformed request: {type(e).__name__}: {e}") from None
+
+    def _check_disk(self, execution: Recorder) -> None:
+        """A disk nearly full where the execution records: 503 before anything is generated."""
+        need = self.config.min_free_disk_bytes
+        if not need or execution.dir is None:
+            return
+        try:
+            st = os.statvfs(execution.dir)
+        except OSError:
+            return  # the write itself will say
+        free = st.f_bavail * st.f_frsize
+        if free < need:
+            message = f"{free} bytes free under {execution.dir}, below min_free_disk_bytes ({need})"
+            self._disk.note(message)
+            raise HttpError(503, f"the proxy cannot record calls now: {message}",
+                            {"retry-after": str(DISK_RETRY_AFTER_S)}, overloaded=True)
 
     async def _handle(self, request: web.Request, api: ModuleType) -> web.StreamResponse:
         try:
             execution = self._auth(request, api)
             body = await self._json(request)
-            req = api.parse_request(body, dict(request.headers), memo=execution.parse_memo)
+            req = self._parse(lambda: api.parse_request(body, dict(request.headers), memo=execution.parse_memo))
             instead = await self._intercept(request, api, req)
             if instead is not None:
                 return instead
+            self._check_disk(execution)
             if self.config.record_requests:
                 execution.record_request(body, dict(request.headers), str(request.rel_url))
             prep = execution.prepare(req, dict(request.headers), max_context=self.config.max_context)
         except HttpError as e:
-            return _error(api, e.status, e.message, e.headers)
+            return _http_error(api, e)
+        except JournalError as e:  # the prompt's nodes could not be written: taken back, nothing recorded
+            return self._disk_full(api, e)
         except ContextOverflow as e:  # in the provider's own words: harnesses compact on them
             return _json_error(400, api.overflow_body(e.prompt_tokens, e.max_context))
         except RequestError as e:
@@ -209,6 +377,11 @@ class ProxyServer:
         for tests, which answer chosen calls with errors (tests/support.py); an HttpError
         raised here is answered in the API's shape."""
         return None
+
+    def _disk_full(self, api: ModuleType, e: JournalError) -> web.Response:
+        self._disk.note(e)
+        return _http_error(api, HttpError(503, f"the proxy cannot record calls now: {e}",
+                                          {"retry-after": str(DISK_RETRY_AFTER_S)}, overloaded=True))
 
     def _max_tokens(self, req: ChatRequest, budget: int) -> int:
         """The request's limit (else the default), cut to the cap and to the context left."""
@@ -255,6 +428,10 @@ class _Call:
         except (ConnectionResetError, BrokenPipeError):
             self._record("disconnected")
             return web.Response(status=499)
+        except JournalError as e:
+            # The output's record could not be written (a full disk): taken back whole, and
+            # the harness, which has seen nothing of it, retries later.
+            return self.s._disk_full(self.api, e)
         except (BackendUnavailable, EngineRefused) as e:
             # No engine at all (503, retryable) or the engine refused the request (400): the
             # call is kept as an error record.
@@ -342,9 +519,9 @@ class _Call:
         await resp.prepare(self.request)
         kwargs = {"input_tokens": len(self.prep.prompt_ids)} if self.api is api_anthropic else {}
         stream = self.api.Stream(self.req, self.response_id, **kwargs)
-        for event in stream.start():
-            await resp.write(event)
         try:
+            for event in stream.start():
+                await resp.write(event)
             while True:
                 chunk = await self._next(queue, ping=lambda: resp.write(stream.ping()))
                 for d in self._absorb(chunk):
@@ -352,10 +529,14 @@ class _Call:
                         await resp.write(event)
                 if await self._stop_early() or chunk.finished:  # a stop string decides first
                     break
+            result = self._result()
+            self._record("ok", result)  # before the closing events: a record refused is an error event
         except (asyncio.CancelledError, ConnectionResetError, BrokenPipeError):
             raise  # the client left: run() records it
         except Exception as e:  # noqa: BLE001 - the stream has started: answered in it, recorded
-            if not isinstance(e, (BackendUnavailable, EngineRefused)):
+            if isinstance(e, JournalError):
+                self.s._disk.note(e)  # nothing of the call recorded; the harness never sees it end
+            elif not isinstance(e, (BackendUnavailable, EngineRefused)):
                 log.exception("call %s failed mid-stream", self.prep.call_id)
             self._record("error")
             status, message = _status_of(e)
@@ -363,8 +544,6 @@ class _Call:
                 await resp.write(event)
             await resp.write_eof()
             return resp
-        result = self._result()
-        self._record("ok", result)
         for event in stream.finish(result):
             await resp.write(event)
         await resp.write_eof()
@@ -378,14 +557,20 @@ class _Call:
         # The record's finish reason is what ended the call: an error or a disconnect, tool
         # calls, else the engine's stop or length.
         finish = status if status != "ok" else "tool_calls" if self.parser.tool_calls else self.finish
-        record = self.ex.complete(self.prep, output_ids=self.ids[:n], logprobs=self.logprobs[:n],
-                                  versions=self.versions[:n], finish_reason=finish, status=status,
-                                  engine=self.engine, result=result, request=self.req,
-                                  invalid_tool_calls=self.parser.invalid_tool_calls,
-                                  cached_tokens=self.cached_tokens, prefill_tokens=self.prefill_tokens,
-                                  sampling={"temperature": self.params.temperature, "top_p": self.params.top_p,
-                                            "client_temperature": self.req.temperature,
-                                            "client_top_p": self.req.top_p})
+        try:
+            record = self.ex.complete(self.prep, output_ids=self.ids[:n], logprobs=self.logprobs[:n],
+                                      versions=self.versions[:n], finish_reason=finish, status=status,
+                                      engine=self.engine, result=result, request=self.req,
+                                      invalid_tool_calls=self.parser.invalid_tool_calls,
+                                      cached_tokens=self.cached_tokens, prefill_tokens=self.prefill_tokens,
+                                      sampling={"temperature": self.params.temperature, "top_p": self.params.top_p,
+                                                "client_temperature": self.req.temperature,
+                                                "client_top_p": self.req.top_p})
+        except JournalError as e:
+            if status == "ok":
+                raise  # the caller answers 503 (or an error event) instead of the result
+            self.s._disk.note(e)  # an error or disconnect record lost whole: nothing half-written
+            return
         if self.s.on_record is not None:
             self.s.on_record(self.ex, record)
 
@@ -398,6 +583,14 @@ def _error(api: ModuleType, status: int, message: str, headers: dict[str, str] |
     return _json_error(status, api.error_body(status, message), headers)
 
 
+def _http_error(api: ModuleType, e: HttpError) -> web.Response:
+    body = api.overloaded_body(e.message) if e.overloaded else api.error_body(e.status, e.message)
+    resp = _json_error(e.status, body, e.headers)
+    if e.close:
+        resp.force_close()
+    return resp
+
+
 def _json_error(status: int, body: dict, headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(body), content_type="application/json", headers=headers)
 
@@ -406,6 +599,117 @@ def _status_of(e: Exception) -> tuple[int, str]:
     """The status and message a failure during generation is answered with."""
     if isinstance(e, BackendUnavailable):
         return 503, f"no rollout engine available: {e}"
+    if isinstance(e, JournalError):
+        return 503, f"the proxy cannot record calls now: {e}"
     if isinstance(e, EngineRefused):
         return 400, f"the engine refused the request: {e}"
     return 500, f"internal error: {type(e).__name__}: {e}"
+
+
+# --- request bodies and connections ---------------------------------------------------------
+
+_OWN_DECODING = "auto_decompress" in inspect.signature(web.RequestHandler.__init__).parameters
+_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+
+
+def _codings(header: str) -> list[str]:
+    """A Content-Encoding header's codings in the order applied (identity dropped); 415 for
+    one this proxy does not decode."""
+    codings = [c.strip().lower() for c in header.split(",")]
+    codings = [c for c in codings if c and c != "identity"]
+    unknown = [c for c in codings if c not in _WBITS]
+    if unknown:
+        raise HttpError(415, f"unsupported Content-Encoding {header!r}: this proxy decodes gzip and deflate "
+                             "request bodies (or none)", close=True)
+    return codings
+
+
+def _inflate(data: bytes, coding: str, limit: int) -> bytes:
+    """One coding undone, never past `limit` bytes (a small body may inflate to gigabytes):
+    400 for data that is not that coding, 413 past the limit. gzip may hold several
+    members; deflate is zlib-wrapped, or raw as some clients send it."""
+    wbits, out, total = _WBITS[coding], [], 0
+    while True:
+        d = zlib.decompressobj(wbits)
+        try:
+            chunk = d.decompress(data, limit + 1 - total)
+        except zlib.error as e:
+            if coding == "deflate" and wbits > 0:
+                wbits = -zlib.MAX_WBITS  # raw deflate: try once more
+                continue
+            raise HttpError(400, f"request body is not valid {coding} data ({e})", close=True) from None
+        total += len(chunk)
+        out.append(chunk)
+        if total > limit or d.unconsumed_tail:
+            raise HttpError(413, f"request body over the {limit}-byte limit once decoded ({coding})", close=True)
+        if not d.eof:
+            raise HttpError(400, f"request body's {coding} data is cut short", close=True)
+        data = d.unused_data
+        if not data:
+            return b"".join(out)
+        if coding == "deflate":
+            raise HttpError(400, f"request body has {len(data)} bytes after its deflate data", close=True)
+
+
+class _Site(web.BaseSite):
+    """A TCP site whose connections come from `factory` (ProxyServer._connection), so the
+    proxy decides about each connection before aiohttp reads a byte of it."""
+
+    def __init__(self, runner: web.BaseRunner, host: str, port: int, factory: Callable[[], asyncio.BaseProtocol]):
+        super().__init__(runner, backlog=1024)
+        self._host, self._port, self._factory = host, port, factory
+
+    @property
+    def name(self) -> str:
+        return f"http://{self._host}:{self._port}"
+
+    async def start(self) -> None:
+        await super().start()
+        self._server = await asyncio.get_running_loop().create_server(
+            self._factory, self._host, self._port, backlog=self._backlog, reuse_address=True)
+
+
+class _Counted(asyncio.Protocol):
+    """aiohttp's protocol for one connection, passed every call, telling the server when the
+    connection is gone (the count of open connections, its header deadline)."""
+
+    __slots__ = ("_inner", "_lost")
+
+    def __init__(self, inner: web.RequestHandler, lost: Callable[[web.RequestHandler], None]):
+        self._inner, self._lost = inner, lost
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        try:
+            self._inner.connection_lost(exc)
+        finally:
+            self._lost(self._inner)
+
+
+_REFUSED = orjson.dumps({"type": "error", "error": {
+    "type": "overloaded_error", "message": "too many open connections to the proxy (max_connections); retry"}})
+
+
+class _Refuse(asyncio.Protocol):
+    """A connection past the limit: a 503 (retryable, both SDKs parse the body) and close;
+    nothing of the request is read, so it costs an fd for a moment only."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                        b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+                        % (len(_REFUSED), _REFUSED))
+        transport.close()

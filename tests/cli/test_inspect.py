@@ -163,8 +163,9 @@ def test_json_has_the_run_summary_and_every_key_it_had(tmp_path, chat_tokenizer)
 
 
 def test_a_resumed_finished_run_skips_a_torn_line_mid_file(tmp_path, chat_tokenizer):
-    """The crash's torn line stays mid-file once the resumed run appends (Metrics ends it with
-    a newline); the execution in flight then was dispatched again as `-r1`."""
+    """A torn line mid-file (what gyre before the whole-line journal left after a crash and a
+    resume: today's Metrics cuts a torn tail off when it reopens) is skipped and counted; the
+    execution in flight then was dispatched again as `-r1`."""
     run = up_run(tmp_path, chat_tokenizer)
     record(run, chat_tokenizer, "g00001-01-r1", 1)
     metrics = Metrics(run / "metrics.jsonl")
@@ -173,6 +174,9 @@ def test_a_resumed_finished_run_skips_a_torn_line_mid_file(tmp_path, chat_tokeni
     metrics.emit("step", step=2, version=2, reward_mean=0.4375, tokens_trained=60, group_ids=[1])
     metrics.emit("summary", steps=2, statuses={"completed": 2}, tokens_trained=150)
     metrics.close()
+    lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    cut = next(i for i, x in enumerate(lines) if '"event":"resume"' in x)
+    (run / "metrics.jsonl").write_text("".join([*lines[:cut], '{"event":"execution","t":9.1,"id":"g0\n', *lines[cut:]]))
     r = runner.invoke(app, ["inspect", str(run)])
     assert r.exit_code == 0, r.output
     lines = r.output.splitlines()
