@@ -191,9 +191,10 @@ class CoordinatorConfig:
         if self.trainer_backend not in TRAINER_BACKENDS:
             raise ValueError(f"trainer_backend must be one of {', '.join(TRAINER_BACKENDS)}, "
                              f"got {self.trainer_backend!r}")
-        if len(self.reward_range) != 2 or not all(isinstance(x, int | float) for x in self.reward_range) \
-                or not self.reward_range[0] < self.reward_range[1]:
-            raise ValueError(f"reward_range must be [low, high] with low < high, got {list(self.reward_range)}")
+        rr = self.reward_range
+        if len(rr) != 2 or not all(isinstance(x, int | float) for x in rr) or not rr[0] <= 0 <= rr[1] or rr[0] == rr[1]:
+            raise ValueError(f"reward_range must be [low, high] with low <= 0 <= high and low < high (a placeholder's "
+                             f"valid zero lies in it), got {list(self.reward_range)}")
         from gyre.coordinator.trackers import validate as validate_trackers
 
         validate_trackers(self.trackers, self.tracker_options)
