@@ -1,0 +1,2 @@
+#!/bin/bash
+echo FOREST > /app/answer.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+echo GARDEN > /app/answer.txt

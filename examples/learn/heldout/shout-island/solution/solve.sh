@@ -1,0 +1,2 @@
+#!/bin/bash
+echo ISLAND > /app/answer.txt

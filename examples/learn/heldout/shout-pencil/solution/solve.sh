@@ -1,0 +1,2 @@
+#!/bin/bash
+echo PENCIL > /app/answer.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+echo PLANET > /app/answer.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+echo ROCKET > /app/answer.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+echo SILVER > /app/answer.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+echo WINDOW > /app/answer.txt

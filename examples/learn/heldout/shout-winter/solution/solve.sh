@@ -1,0 +1,2 @@
+#!/bin/bash
+echo WINTER > /app/answer.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+echo APPLE > /app/answer.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+echo CLOUD > /app/answer.txt

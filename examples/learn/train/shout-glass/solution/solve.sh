@@ -1,0 +1,2 @@
+#!/bin/bash
+echo GLASS > /app/answer.txt

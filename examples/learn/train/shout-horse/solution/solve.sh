@@ -1,0 +1,2 @@
+#!/bin/bash
+echo HORSE > /app/answer.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+echo HOUSE > /app/answer.txt

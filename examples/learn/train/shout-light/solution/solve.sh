@@ -1,0 +1,2 @@
+#!/bin/bash
+echo LIGHT > /app/answer.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+echo NIGHT > /app/answer.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+echo OCEAN > /app/answer.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+echo PLANT > /app/answer.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+echo SMILE > /app/answer.txt

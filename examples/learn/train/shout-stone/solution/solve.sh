@@ -1,0 +1,2 @@
+#!/bin/bash
+echo STONE > /app/answer.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+echo TIGER > /app/answer.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+echo TRAIN > /app/answer.txt
