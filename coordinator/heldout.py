@@ -19,6 +19,13 @@ from gyre.coordinator.buffer import Execution
 from gyre.coordinator.waterlevel import Waterlevel
 
 
+def rounds_in(run_dir) -> int:
+    """The number after the highest evaluation round whose executions a run directory holds."""
+    numbers = [int(p.name.removeprefix("eval").split("-")[0]) for p in (run_dir / "executions").glob("eval*-*-*")
+               if p.name.removeprefix("eval").split("-")[0].isdigit()]
+    return max(numbers, default=-1) + 1
+
+
 def pass_at_k(n: int, c: int, k: int) -> float:
     """The unbiased pass@k of n valid samples with c passes (Chen et al. 2021): the chance
     that k of them drawn without replacement hold a pass. With n < k: pass@n."""
@@ -63,16 +70,18 @@ class HeldOut:
     `queue` as decisions allow and calls `close` for each ended execution; `close` returns
     the round's `eval` event once the round is complete."""
 
-    def __init__(self, tasks: list, *, k: int, threshold: float):
+    def __init__(self, tasks: list, *, k: int, threshold: float, first_round: int = 0):
         self.tasks, self.k, self.threshold = tasks, k, threshold
         self.queue: deque[Execution] = deque()
         self.running: set[str] = set()
-        self.rounds: list[Round] = []
+        self.rounds: dict[int, Round] = {}
+        self.next_round = first_round  # a resumed run continues the numbers: execution folders stay unique
         self.wl = Waterlevel()  # their own counters: each launched one still closes exactly once
 
     def dispatch(self, *, step: int, version: int) -> Round:
-        r = Round(len(self.rounds), step, version)
-        self.rounds.append(r)
+        r = Round(self.next_round, step, version)
+        self.rounds[r.number] = r
+        self.next_round += 1
         for t, task in enumerate(self.tasks):
             for i, tracked in enumerate(self.wl.dispatch(self.k)):
                 run = Execution(f"eval{r.number:03d}-{t:03d}-{i:02d}", -1, i, task, tracked, version)
@@ -81,7 +90,7 @@ class HeldOut:
         return r
 
     def round_of(self, run: Execution) -> Round:
-        return self.rounds[int(run.id[4:7])]
+        return self.rounds[int(run.id.removeprefix("eval").split("-")[0])]
 
     def launched(self, run: Execution) -> None:
         self.wl.launch(run.tracked)

@@ -25,7 +25,7 @@ from gyre.coordinator import health, report, resume
 from gyre.coordinator.buffer import Execution, Group, TrajectoryBuffer
 from gyre.coordinator.config import CoordinatorConfig
 from gyre.coordinator.gcpolicy import GcPolicy
-from gyre.coordinator.heldout import HeldOut
+from gyre.coordinator.heldout import HeldOut, rounds_in
 from gyre.coordinator.launcher import Launcher, launch_spec, open_sandboxes
 from gyre.coordinator.link import WorkerCallTimeout, WorkerDeadError, WorkerError
 from gyre.coordinator.local import LocalCluster
@@ -69,7 +69,8 @@ class Coordinator:
         self.tasks = TaskSource(tasks, seed=config.seed)
         # Held-out evaluation rounds (heldout.py): never trained, on the slots training leaves free.
         self.heldout = HeldOut(load_task_source(config.eval_tasks_path), k=config.eval_k,
-                               threshold=config.eval_pass_threshold) if config.eval_every else None
+                               threshold=config.eval_pass_threshold,
+                               first_round=rounds_in(config.run_dir) if resume else 0) if config.eval_every else None
         self.spec = POLICIES[config.policy]
         self.wl = Waterlevel()
         self.buffer = TrajectoryBuffer(config.min_valid)

@@ -91,3 +91,16 @@ def test_a_run_evaluates_the_base_model_and_every_step_and_never_trains_on_it(ti
     (summary,) = [e for e in events if e["event"] == "summary"]
     training_runs = [e for e in events if e["event"] == "execution" and e.get("eval") is None]
     assert summary["counters"]["f"] == len(training_runs)  # the waterlevel never saw an evaluation
+
+
+def test_a_resumed_run_numbers_its_rounds_after_the_ones_its_directory_holds(tmp_path):
+    from gyre.coordinator.heldout import HeldOut, rounds_in
+    from gyre.coordinator.tasks import Task
+
+    assert rounds_in(tmp_path) == 0
+    for name in ("eval000-000-00", "eval002-001-01", "g00001-00"):
+        (tmp_path / "executions" / name).mkdir(parents=True)
+    assert rounds_in(tmp_path) == 3
+    held = HeldOut([Task(id="h", prompt="p")], k=2, threshold=1.0, first_round=rounds_in(tmp_path))
+    r = held.dispatch(step=4, version=4)
+    assert [x.id for x in r.runs] == ["eval003-000-00", "eval003-000-01"] and held.round_of(r.runs[1]) is r
