@@ -559,10 +559,12 @@ def _fail(e: Exception) -> None:
 
 def _add_commands() -> None:
     from gyre.cli.doctor import doctor
+    from gyre.cli.eval import eval_cmd
     from gyre.cli.export import export
 
     app.command("export")(export)
     app.command("doctor")(doctor)
+    app.command("eval")(eval_cmd)
 
 
 _add_subapps()

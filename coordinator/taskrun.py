@@ -1,11 +1,12 @@
-"""taskrun.py: `gyre tasks run`: each task of a source once, through the launcher, scored.
+"""taskrun.py: `gyre tasks run` and `gyre eval`: each task of a source k times, through the launcher, scored.
 
-The proxy and one local workerd serve the harness's calls (as `gyre serve` does); each task
-runs in its own sandbox under the launcher's full lifecycle (image, harness or, with
-`solution`, the task's own solution/solve.sh, deadline, tests, verifier, removal), a few at
-a time. Results (task, status, score, ref, calls) are returned and written to
-RUN_DIR/tasks.json; each execution's records and logs are under RUN_DIR/executions/. Not
-training: nothing is learned from these runs.
+The proxy and one local workerd serve the harness's calls (as `gyre serve` does); each
+execution runs in its own sandbox under the launcher's full lifecycle (image, harness or,
+with `solution`, the task's own solution/solve.sh, deadline, tests, verifier, removal), a
+few at a time. Results (task, sample, status, score, valid, ref, calls) are returned and
+written to RUN_DIR/tasks.json; each execution's records and logs are under
+RUN_DIR/executions/. Not training: nothing is learned from these runs; not the pass@k
+(evalrun.py, heldout.py).
 """
 
 from __future__ import annotations
@@ -27,15 +28,19 @@ from gyre.proxy.chat import ChatTokenizer
 from gyre.proxy.server import ProxyConfig, ProxyServer
 
 
-def execution_id(index: int, task: Task) -> str:
-    return f"t{index:03d}-" + (re.sub(r"[^a-zA-Z0-9_.-]+", "-", task.id).strip("-.")[:60] or "task")
+def execution_id(index: int, task: Task, sample: int | None = None) -> str:
+    """t003-NAME for a task run once; t003-NAME-s01 for its sample 1 of several."""
+    name = re.sub(r"[^a-zA-Z0-9_.-]+", "-", task.id).strip("-.")[:60] or "task"
+    return f"t{index:03d}-{name}" + ("" if sample is None else f"-s{sample:02d}")
 
 
 async def run_tasks(tasks: list[Task], *, preset: HarnessPreset, model_dir: Path, run_dir: Path,
                     sandbox: str = "podman", sandbox_url: str | None = None, solution: bool = False,
                     concurrency: int = 2, timeout_s: float = 600.0, settings: dict | None = None,
                     infra_failure: str = "aborted_infra", keep_sandbox: str = "never", allow_internet: bool = False,
-                    swe_score: str = "all", eval_attempts: int = 1, on_result=None) -> list[dict]:
+                    swe_score: str = "all", eval_attempts: int = 1, k: int = 1, on_result=None) -> list[dict]:
+    """Every task `k` times (at most `concurrency` executions at once); one result per
+    execution, in task then sample order."""
     spec = LaunchSpec(preset=preset, timeout_s=timeout_s, eval_attempts=eval_attempts, eval_budget_s=60.0,
                       infra_failure=infra_failure, keep_sandbox=keep_sandbox, allow_internet=allow_internet,
                       swe_score=swe_score, solution=solution, limits=Limits(pids=4096))
@@ -54,21 +59,26 @@ async def run_tasks(tasks: list[Task], *, preset: HarnessPreset, model_dir: Path
                 launcher.check_task(task)
             gate = asyncio.Semaphore(max(1, concurrency))
 
-            async def one(index: int, task: Task) -> dict:
+            async def one(index: int, task: Task, sample: int) -> dict:
                 async with gate:
-                    run = Execution(id=execution_id(index, task), group=0, index=index, task=task, tracked=Tracked(),
-                              version_dispatched=0)
+                    run = Execution(id=execution_id(index, task, sample if k > 1 else None), group=0, index=sample,
+                                    task=task, tracked=Tracked(), version_dispatched=0)
                     await launcher.run(run)
-                    result = {"task": task.id, "status": run.status, "score": run.reward, "ref": run.ref,
-                              "execution": run.id, "calls": len(run.recorder.calls) if run.recorder else 0}
+                    result = {"task": task.id, "sample": sample, "status": run.status, "score": run.reward,
+                              "valid": run.valid, "ref": run.ref, "execution": run.id,
+                              "calls": len(run.recorder.calls) if run.recorder else 0}
                     if on_result is not None:
                         on_result(result)
                     return result
 
-            results = await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks)))
+            # Sample-major: with a bound below k x tasks, every task gets its first sample
+            # early (one image build each, in parallel) rather than one task all of them.
+            order = [(i, t, s) for s in range(max(1, k)) for i, t in enumerate(tasks)]
+            done = await asyncio.gather(*(one(i, t, s) for i, t, s in order))
+            results = [r for _, r in sorted(zip(order, done, strict=True), key=lambda x: (x[0][0], x[0][2]))]
         finally:
             if sandboxes is not None:
                 await sandboxes.close()
             await proxy.stop()
     (run_dir / "tasks.json").write_text(json.dumps({"tasks": results}, indent=2))
-    return list(results)
+    return results
