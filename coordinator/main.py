@@ -157,21 +157,23 @@ class Coordinator:
                                start_timeout_s=c.topology_timeout_s if c.workers == "external" else 120.0)
         self._install_signal_handlers()
         cluster.on_rejoin = self._on_rejoin
-        async with cluster:
-            self.cluster = cluster
-            self.link = cluster.link
-            self.nodes = [cluster.node_of_cell(i) for i in range(c.cells)]
-            self.weights = WeightPublisher(c, self.link, self.nodes, cluster, self.dead)
-            await self._startup()
-            ended = False
-            try:
-                while not await self.tick():
-                    await asyncio.sleep(TICK_S)
-                ended = True
-            finally:
-                await self._shutdown(save=ended or isinstance(self.fatal, InfraFailures))
-                report.summary(self)
-        self.metrics.close()
+        try:
+            async with cluster:
+                self.cluster = cluster
+                self.link = cluster.link
+                self.nodes = [cluster.node_of_cell(i) for i in range(c.cells)]
+                self.weights = WeightPublisher(c, self.link, self.nodes, cluster, self.dead)
+                await self._startup()
+                ended = False
+                try:
+                    while not await self.tick():
+                        await asyncio.sleep(TICK_S)
+                    ended = True
+                finally:
+                    await self._shutdown(save=ended or isinstance(self.fatal, InfraFailures))
+                    report.summary(self)
+        finally:
+            self.metrics.close()  # also on a failed run: held events written, trackers closed
         return self.reports
 
     def _install_signal_handlers(self) -> None:
