@@ -1,7 +1,8 @@
 """Workers on separate hosts, as far as the network can tell: each workerd runs in its own
 network namespace, joined to the coordinator by veth pairs on a bridge. They register over
 the bridge, the gradient reducer meets on a TCP store in cell 0's namespace, and a step
-trains on both cells. Skips, saying why, where namespaces cannot be created."""
+trains on both cells. The link crosses a real network, so it is CURVE-keyed (`gyre keys init`),
+as a user's multi-host run must be. Skips, saying why, where namespaces cannot be created."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from gyre.coordinator.config import CoordinatorConfig
+from gyre.coordinator.keys import init_keys
 from gyre.coordinator.main import Coordinator
 
 HERE = Path(__file__).parent
@@ -76,8 +78,11 @@ async def test_workers_in_separate_network_namespaces(tiny_dir, tmp_path, hosts)
                                            "evaluator": {"type": "command", "argv": EVAL + ["ok"]}})
                                for i in range(3)))
     address = f"tcp://{SUBNET}.1:{29000 + secrets.randbelow(900)}"
+    keys = tmp_path / "keys"
+    init_keys(keys, workers=("w0", "w1"))
     cfg = CoordinatorConfig(run_dir=tmp_path / "run", model_dir=tiny_dir, cells=2, steps=1, policy="colocate",
                             groups_per_step=1, group_size=2, min_valid=1, workers="external", address=address,
+                            keys_dir=keys,
                             reducer_init=f"tcp://{hosts[0][2]}:{29900 + secrets.randbelow(90)}",
                             topology_timeout_s=120, harness=(sys.executable, str(HERE / "_harness.py")),
                             tasks_path=tasks, default_max_tokens=8)
@@ -86,7 +91,8 @@ async def test_workers_in_separate_network_namespaces(tiny_dir, tmp_path, hosts)
         env = dict(os.environ, GLOO_SOCKET_IFNAME=ifname)  # gloo's peers talk over the veth
         procs.append(await asyncio.create_subprocess_exec(
             "ip", "netns", "exec", ns, sys.executable, "-m", "gyre.cli", "workerd", "--coordinator", address,
-            "--cell", str(cell), "--node-id", f"ns-{cell}", "--heartbeat", "0.5", env=env,
+            "--cell", str(cell), "--node-id", f"ns-{cell}", "--heartbeat", "0.5",
+            "--keys", str(keys), "--key-name", f"w{cell}", env=env,
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE))
     try:
         coord = Coordinator(cfg)
