@@ -98,6 +98,7 @@ class Coordinator:
         self.on_step = on_step
         self.metrics: Metrics | None = None
         self.should_exit = False  # set by SIGINT/SIGTERM: stop at the next tick, gracefully
+        self.stopping = False  # _shutdown began: what it cancels is the stop's, not an outcome
         self.role_history: list[list[tuple[float, str]]] = [[(0.0, r)] for r in self.roles]  # per cell
         self.role_switches: list[dict] = []
         self.rates = Rates()
@@ -249,6 +250,7 @@ class Coordinator:
     async def _shutdown(self, save: bool) -> None:
         """Stop everything; with `save` (the run ended, or was stopped by a signal or by
         failing sandboxes, its workers fine) the trained steps not yet checkpointed are."""
+        self.stopping = True
         await self.probe.stop()
         await self.gc.stop()
         await self._settle_step()
@@ -330,6 +332,9 @@ class Coordinator:
             raise self.fatal
         if self.should_exit:
             return True
+        # The workers' health first: a task failed by a worker's death (a send to a dead node
+        # fails at once) ends the run as that death, journaled and named, not as the bare error.
+        self._watch_workers()
         for task in (self.step_task, self.side_task, *self.switch_tasks.values(), *self.join_tasks.values(),
                      *self.runs.values()):
             if task is not None and task.done() and not task.cancelled() and task.exception():
@@ -337,7 +342,6 @@ class Coordinator:
         routes = self.table.routes.values()
         self.rates.sample(self.metrics.now(), sum(r.tokens for r in routes), self.tokens_trained,
                           prefill_tokens=sum(r.prefilled for r in routes))
-        self._watch_workers()
         health.start_rejoin(self)
         d = decide(self.schedule_state())
         self._launch(d.launch)
@@ -436,6 +440,10 @@ class Coordinator:
                           valid=run.valid, version_dispatched=run.version_dispatched,
                           t_start=self.metrics.since_start(run.t_start), t_end=self.metrics.since_start(run.t_end),
                           ref=run.ref[:200], eval_attempts=run.eval_attempts, copy_out_error=run.copy_out_error)
+        if self.stopping and run.status == "cancelled":
+            # The stop's, not an outcome: the group neither settles nor is replaced; it stays
+            # pending, and a resume dispatches this execution again.
+            return
         for surplus in self.buffer.on_closed(run):
             surplus.status = "cancelled"
             task = self.runs.get(surplus.id)
