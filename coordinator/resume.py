@@ -164,6 +164,28 @@ async def checkpoint(coord) -> None:
     coord.checkpointed_step = coord.steps_done
     coord.metrics.emit("checkpoint", step=coord.steps_done, version=coord.version, path=str(folder),
                        seconds=round(time.monotonic() - t0, 3))
+    release_done(coord)
+
+
+def release_done(coord) -> int:
+    """Executions that will never be read again out of memory, once a checkpoint has their
+    records on disk: those of trained (consumed) and dropped groups, and of complete held-out
+    rounds. Their trees and call records stayed in the proxy otherwise, for the whole run
+    (bench/soak.py: the coordinator grew with every execution). Returns how many went."""
+    batch = coord.batch if not coord._idle(coord.step_task) else None
+    packing = {g.id for g in batch.taken} if batch is not None else set()  # a step in flight still reads them
+    runs = [r for g in coord.buffer.groups.values()
+            if g.state in ("consumed", "dropped") and g.id not in packing for r in g.runs]
+    if coord.heldout is not None:
+        runs += [r for rd in coord.heldout.rounds.values() if rd.closed == len(rd.runs) for r in rd.runs]
+    n = 0
+    for run in runs:
+        # A resume's restored executions hold a Recorded (read from their files): closed by nature.
+        if run.recorder is not None and run.closed and getattr(run.recorder, "closed", True):
+            coord.proxy.release(run.id)
+            run.recorder = None
+            n += 1
+    return n
 
 
 async def final_checkpoint(coord) -> None:

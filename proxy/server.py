@@ -144,6 +144,16 @@ class ProxyServer:
             ex.close()
         return ex
 
+    def release(self, exec_id: str) -> None:
+        """A revoked execution's tree and call records out of memory (its files stay): the
+        coordinator calls it once the execution is trained, or can never be, and on disk."""
+        ex = self.executions.get(exec_id)
+        if ex is None:  # restored from its files by a resume, never registered here
+            return
+        if not ex.closed:
+            raise ValueError(f"execution {exec_id!r} is still open: revoke it first")
+        del self.executions[exec_id]
+
     def sync(self) -> None:
         """fsync every execution's records so far (closed ones too, once); the coordinator
         calls it at checkpoints. Raises JournalError when the disk refuses."""
