@@ -26,7 +26,7 @@ _RANGES = [
     ("max_context", 2, False), ("infra_failures_in_row", 0, False), ("rollout_temperature", 0, True),
     ("transfer_port", 0, False), ("proxy_port", 0, False), ("route_balance_abs", 1, False),
     ("route_balance_rel", 1, False), ("prefix_cache_mb", 0, False), ("gc_freeze_every_s", 0, False),
-    ("eval_every", 0, False), ("eval_k", 1, False),
+    ("eval_every", 0, False), ("eval_k", 1, False), ("keep_checkpoints", 0, False),
 ]
 
 
@@ -99,6 +99,7 @@ class CoordinatorConfig:
     transfer_host: str | None = None
     transfer_port: int = 29510  # broadcast: the rendezvous port on the core's host (workers on other hosts)
     checkpoint_every: int = 5  # steps between checkpoints (at a publication); 0: never
+    keep_checkpoints: int = 0  # the newest N complete checkpoints stay, older ones are deleted; 0: keep all
     worker_timeout_s: float = 10.0  # a worker silent this long is dead (heartbeats every 0.5 s)
     worker_call_timeout_s: float = 600.0  # a micro-step, optimizer step or other long worker call
     checkpoint_timeout_s: float = 3600.0  # saving or loading a checkpoint (weights + optimizer state, a slow disk)

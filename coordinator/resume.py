@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,28 @@ def write_state(run_dir: Path, step: int, state: dict) -> Path:
     _atomic(folder / "state.json", json.dumps(state, indent=1))
     _atomic(run_dir / CHECKPOINTS / "latest", folder.name + "\n")
     return folder
+
+
+def prune_checkpoints(run_dir: Path, step: int, keep: int) -> list[int]:
+    """Delete the complete checkpoints (those with a state.json) older than the newest `keep` at
+    or below `step`, the one just written; 0 keeps all. A folder without a state.json (a save
+    cut short) or past `step` (a stretch lost to a kill -9, written again as the run reaches
+    it) is not counted and not touched. A deletion that fails is a warning, never the run's
+    end. Returns the steps deleted."""
+    root = run_dir / CHECKPOINTS
+    if keep <= 0 or not root.is_dir():
+        return []
+    steps = sorted(int(p.name[5:]) for p in root.glob("step-*")
+                   if p.name[5:].isdigit() and int(p.name[5:]) <= step and (p / "state.json").exists())
+    deleted = []
+    for old in steps[:-keep]:
+        try:
+            shutil.rmtree(step_dir(run_dir, old))
+        except OSError as e:
+            log.warning("keep_checkpoints: could not delete the checkpoint of step %d (%s)", old, e)
+            continue
+        deleted.append(old)
+    return deleted
 
 
 def _atomic(path: Path, text: str) -> None:
@@ -162,8 +185,9 @@ async def checkpoint(coord) -> None:
         "held": [ev["group"] for ev in coord.held],
         "tasks": task_order_state(coord.tasks), "tokens_trained": coord.tokens_trained})
     coord.checkpointed_step = coord.steps_done
+    pruned = prune_checkpoints(coord.c.run_dir, coord.steps_done, coord.c.keep_checkpoints)
     coord.metrics.emit("checkpoint", step=coord.steps_done, version=coord.version, path=str(folder),
-                       seconds=round(time.monotonic() - t0, 3))
+                       seconds=round(time.monotonic() - t0, 3), **({"deleted": pruned} if pruned else {}))
     release_done(coord)
 
 
