@@ -19,6 +19,9 @@ from typer.testing import CliRunner
 
 from gyre.cli.doctor import doctor
 from gyre.cli.runchecks import run_directory
+from tests.sandbox.conftest import podman_ready
+
+__all__ = ["podman_ready"]  # a fixture, used by name: builds the base image where the tier runs
 
 app = typer.Typer()
 app.command("doctor")(doctor)
@@ -304,17 +307,8 @@ def test_a_run_that_needs_podman_fails_where_there_is_none(finished, tmp_path, m
     assert "apt-get install -y podman runc" in needs["fix"]
 
 
-def _podman_with_base() -> bool:
-    from gyre.coordinator.sandbox.images import BASE_IMAGE
-
-    return (shutil.which("podman") is not None and os.geteuid() == 0 and
-            subprocess.run(["podman", "image", "exists", BASE_IMAGE], timeout=30).returncode == 0)
-
-
 @pytest.mark.sandbox
-def test_a_leftover_container_of_the_run_is_listed_with_the_command_to_remove_it(finished, tmp_path):
-    if not _podman_with_base():
-        pytest.skip("needs root, podman and gyre's base image (built by the sandbox tier)")
+def test_a_leftover_container_of_the_run_is_listed_with_the_command_to_remove_it(finished, podman_ready, tmp_path):
     from gyre.coordinator.sandbox.images import BASE_IMAGE
 
     run = copy_run(finished, tmp_path / "run")
