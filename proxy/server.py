@@ -4,23 +4,19 @@ One handler path for the three provider APIs: authenticate the per-execution key
 into a ChatRequest, let the execution build the exact prompt ids, stream the engine's
 tokens back through the output parser (SSE token by token, keep-alives while waiting),
 and record the call. Bad input is a provider-shaped 4xx that touches no record; a disk
-that refuses a record is a provider-shaped 503 with `retry-after` and leaves none. The
-connection layer bounds what a client can hold: request headers and bodies have deadlines,
-open connections a limit (below the fd limit); a response streams as long as it takes.
-Runs in the caller's event loop (the coordinator's, or `gyre serve`'s). Not the engine
-router: a `Backend` is handed in.
+that refuses a record is a provider-shaped 503 with `retry-after` and leaves none. What a
+client can hold (deadlines for headers and bodies, a connection limit, encoded bodies) is
+connections.py's; a response streams as long as it takes. Runs in the caller's event loop
+(the coordinator's, or `gyre serve`'s). Not the engine router: a `Backend` is handed in.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import os
-import resource
 import time
 import traceback
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,11 +25,11 @@ from typing import Any
 
 import orjson
 from aiohttp import web
-from aiohttp.web_protocol import RequestPayloadError
 
 from gyre.proxy import api_anthropic, api_openai, api_responses
 from gyre.proxy.backend import Backend, BackendUnavailable, EngineRefused, GenParams
 from gyre.proxy.chat import ChatTokenizer
+from gyre.proxy.connections import RUNNER_OPTIONS, Connections, HttpError, Tally, read_body
 from gyre.proxy.parser import OutputParser
 from gyre.proxy.recorder import Prepared, Recorder, new_key
 from gyre.proxy.records import JournalError
@@ -73,31 +69,6 @@ class ProxyConfig:
 
 DISK_RETRY_AFTER_S = 10  # a full disk: harnesses retry after this
 _MAX_DEPTH = 254 - 8  # JSON nesting a request may have (orjson's writing limit less the margin _json checks)
-_REPORT_EVERY_S = 10.0
-
-
-class HttpError(Exception):
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None, *,
-                 close: bool = False, overloaded: bool = False):
-        super().__init__(message)
-        self.status, self.message, self.headers = status, message, headers or {}
-        self.close = close  # end the connection after the answer (the client is slow or broken)
-        self.overloaded = overloaded  # a 503 the harness should retry (Anthropic: overloaded_error)
-
-
-class _Tally:
-    """A recurring event logged once per interval with its count, never once per event."""
-
-    def __init__(self, message: str):
-        self.message, self.count, self._at = message, 0, None
-
-    def note(self, *args: object) -> None:
-        self.count += 1
-        now = time.monotonic()
-        if self._at is None or now - self._at >= _REPORT_EVERY_S:
-            since = "" if self._at is None else f" ({self.count} in the last {now - self._at:.0f} s)"
-            log.warning(self.message + since, *args)
-            self._at, self.count = now, 0
 
 
 class ProxyServer:
@@ -113,14 +84,9 @@ class ProxyServer:
         self.base_url = ""
         self.on_record: Callable[[Recorder, dict], None] | None = None  # called as each call is recorded
         self.status_provider: Callable[[], dict] | None = None  # the coordinator's live state
-        self.max_connections = self.config.max_connections
-        self.open_connections = 0
-        self._header_timers: dict[web.RequestHandler, asyncio.TimerHandle] = {}
-        self._refused = _Tally("connections refused: %d open, the limit (max_connections)")
-        self._slow_headers = _Tally("connections closed without whole request headers after %.0f s "
-                                    "(header_timeout_s)")
-        self._disk = _Tally("model calls answered 503, records cannot be written: %s")
-        self._parser_gaps = _Tally("request parser gap, answered 400: %s at %s")
+        self.connections = Connections(self.config.max_connections, self.config.header_timeout_s)
+        self._disk = Tally("model calls answered 503, records cannot be written: %s")
+        self._parser_gaps = Tally("request parser gap, answered 400: %s at %s")
 
     # --- executions ---------------------------------------------------------------------
 
@@ -181,20 +147,10 @@ class ProxyServer:
         return handler
 
     async def start(self) -> str:
-        # Bodies arrive as sent (auto_decompress off): _json decodes them, bounded, and answers
-        # an encoding it cannot decode in the API's shape (aiohttp's own answer is plain text).
-        # An aiohttp without the option decodes them itself, and _json leaves them be.
-        kwargs = {"auto_decompress": False} if _OWN_DECODING else {}
         self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None,
-                                     keepalive_timeout=self.config.keepalive_timeout_s, **kwargs)
+                                     keepalive_timeout=self.config.keepalive_timeout_s, **RUNNER_OPTIONS)
         await self._runner.setup()
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        if soft != resource.RLIM_INFINITY and self.max_connections > soft - max(256, soft // 4):
-            self.max_connections = max(16, soft - max(256, soft // 4))  # files, sockets, sandboxes need the rest
-            log.info("max_connections %d clamped to %d: the fd limit is %d", self.config.max_connections,
-                     self.max_connections, soft)
-        site = _Site(self._runner, self.config.host, self.config.port, self._connection)
-        await site.start()
+        await self.connections.serve(self._runner, self.config.host, self.config.port)
         host, port = self._runner.addresses[0][:2]
         self.base_url = f"http://{host}:{port}"
         return self.base_url
@@ -206,44 +162,12 @@ class ProxyServer:
             if not ex.closed:
                 ex.close()
 
-    # --- connections --------------------------------------------------------------------
-
-    def _connection(self) -> asyncio.BaseProtocol:
-        """A new connection's protocol: aiohttp's, counted, with a deadline for its first
-        request's headers; past the limit, one that answers 503 and closes (nothing else is
-        read). Later requests on a kept-alive connection are bounded by aiohttp's keep-alive
-        timer. Counted here, not from aiohttp's list: a burst of connections accepted in one
-        loop turn are all created before any of them is registered there."""
-        if self.open_connections >= self.max_connections:
-            self._refused.note(self.open_connections)
-            return _Refuse()
-        self.open_connections += 1
-        proto = self._runner.server()
-        if self.config.header_timeout_s > 0:
-            loop = asyncio.get_running_loop()
-            self._header_timers[proto] = loop.call_later(self.config.header_timeout_s, self._header_timeout, proto)
-        return _Counted(proto, self._connection_lost)
-
-    def _connection_lost(self, proto: web.RequestHandler) -> None:
-        self.open_connections -= 1
-        timer = self._header_timers.pop(proto, None)
-        if timer is not None:
-            timer.cancel()
-
-    def _header_timeout(self, proto: web.RequestHandler) -> None:
-        self._header_timers.pop(proto, None)
-        if proto.transport is not None:  # still open, and no request reached a handler
-            self._slow_headers.note(self.config.header_timeout_s)
-            proto.force_close()
-
     @web.middleware
     async def _headers_arrived(self, request: web.Request, handler):
         """A request reached a handler: its connection's header deadline is met. aiohttp's
         own 4xx (an unknown path, a wrong method) are answered as JSON errors too, in the
         shape of the API the path belongs to."""
-        timer = self._header_timers.pop(request.protocol, None)
-        if timer is not None:
-            timer.cancel()
+        self.connections.request_arrived(request)
         try:
             return await handler(request)
         except web.HTTPException as e:
@@ -300,21 +224,7 @@ class ProxyServer:
         return ex
 
     async def _json(self, request: web.Request) -> Any:
-        limit = self.config.max_body_bytes
-        encoding = request.headers.get("Content-Encoding", "")
-        codings = _codings(encoding) if _OWN_DECODING else []  # checked before the body is read
-        try:
-            async with asyncio.timeout(self.config.body_timeout_s or None):
-                raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise HttpError(413, f"request body over the {limit}-byte limit", close=True) from None
-        except TimeoutError:
-            raise HttpError(408, f"request body not received within {self.config.body_timeout_s:g} s "
-                                 "(body_timeout_s)", close=True) from None
-        except (RequestPayloadError, web.HTTPException) as e:  # e.g. a body cut short
-            raise HttpError(400, f"request body could not be read: {e}", close=True) from None
-        for coding in reversed(codings):
-            raw = _inflate(raw, coding, limit)
+        raw = await read_body(request, self.config.max_body_bytes, self.config.body_timeout_s)
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as e:
@@ -614,112 +524,3 @@ def _status_of(e: Exception) -> tuple[int, str]:
     if isinstance(e, EngineRefused):
         return 400, f"the engine refused the request: {e}"
     return 500, f"internal error: {type(e).__name__}: {e}"
-
-
-# --- request bodies and connections ---------------------------------------------------------
-
-_OWN_DECODING = "auto_decompress" in inspect.signature(web.RequestHandler.__init__).parameters
-_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
-
-
-def _codings(header: str) -> list[str]:
-    """A Content-Encoding header's codings in the order applied (identity dropped); 415 for
-    one this proxy does not decode."""
-    codings = [c.strip().lower() for c in header.split(",")]
-    codings = [c for c in codings if c and c != "identity"]
-    unknown = [c for c in codings if c not in _WBITS]
-    if unknown:
-        raise HttpError(415, f"unsupported Content-Encoding {header!r}: this proxy decodes gzip and deflate "
-                             "request bodies (or none)", close=True)
-    return codings
-
-
-def _inflate(data: bytes, coding: str, limit: int) -> bytes:
-    """One coding undone, never past `limit` bytes (a small body may inflate to gigabytes):
-    400 for data that is not that coding, 413 past the limit. gzip may hold several
-    members; deflate is zlib-wrapped, or raw as some clients send it."""
-    wbits, out, total = _WBITS[coding], [], 0
-    while True:
-        d = zlib.decompressobj(wbits)
-        try:
-            chunk = d.decompress(data, limit + 1 - total)
-        except zlib.error as e:
-            if coding == "deflate" and wbits > 0:
-                wbits = -zlib.MAX_WBITS  # raw deflate: try once more
-                continue
-            raise HttpError(400, f"request body is not valid {coding} data ({e})", close=True) from None
-        total += len(chunk)
-        out.append(chunk)
-        if total > limit or d.unconsumed_tail:
-            raise HttpError(413, f"request body over the {limit}-byte limit once decoded ({coding})", close=True)
-        if not d.eof:
-            raise HttpError(400, f"request body's {coding} data is cut short", close=True)
-        data = d.unused_data
-        if not data:
-            return b"".join(out)
-        if coding == "deflate":
-            raise HttpError(400, f"request body has {len(data)} bytes after its deflate data", close=True)
-
-
-class _Site(web.BaseSite):
-    """A TCP site whose connections come from `factory` (ProxyServer._connection), so the
-    proxy decides about each connection before aiohttp reads a byte of it."""
-
-    def __init__(self, runner: web.BaseRunner, host: str, port: int, factory: Callable[[], asyncio.BaseProtocol]):
-        super().__init__(runner, backlog=1024)
-        self._host, self._port, self._factory = host, port, factory
-
-    @property
-    def name(self) -> str:
-        return f"http://{self._host}:{self._port}"
-
-    async def start(self) -> None:
-        await super().start()
-        self._server = await asyncio.get_running_loop().create_server(
-            self._factory, self._host, self._port, backlog=self._backlog, reuse_address=True)
-
-
-class _Counted(asyncio.Protocol):
-    """aiohttp's protocol for one connection, passed every call, telling the server when the
-    connection is gone (the count of open connections, its header deadline)."""
-
-    __slots__ = ("_inner", "_lost")
-
-    def __init__(self, inner: web.RequestHandler, lost: Callable[[web.RequestHandler], None]):
-        self._inner, self._lost = inner, lost
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._inner.connection_made(transport)
-
-    def data_received(self, data: bytes) -> None:
-        self._inner.data_received(data)
-
-    def eof_received(self) -> bool | None:
-        return self._inner.eof_received()
-
-    def pause_writing(self) -> None:
-        self._inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        self._inner.resume_writing()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        try:
-            self._inner.connection_lost(exc)
-        finally:
-            self._lost(self._inner)
-
-
-_REFUSED = orjson.dumps({"type": "error", "error": {
-    "type": "overloaded_error", "message": "too many open connections to the proxy (max_connections); retry"}})
-
-
-class _Refuse(asyncio.Protocol):
-    """A connection past the limit: a 503 (retryable, both SDKs parse the body) and close;
-    nothing of the request is read, so it costs an fd for a moment only."""
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                        b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
-                        % (len(_REFUSED), _REFUSED))
-        transport.close()
