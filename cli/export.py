@@ -21,7 +21,7 @@ from typing import Annotated
 
 import typer
 
-from gyre.coordinator.resume import CHECKPOINTS, step_dir
+from gyre.coordinator.resume import CHECKPOINTS, checkpoint_steps, step_dir
 from gyre.workerd.export import ExportError
 
 ExportRunDirArg = Annotated[Path, typer.Argument(help="A gyre run directory (gyre up) with a checkpoint.")]
@@ -108,15 +108,6 @@ def export_run(*, run_dir: Path, out: Path, step: int | None = None, dtype: str 
 
 def _step_of(folder: Path) -> int:
     return int(folder.name.removeprefix("step-"))
-
-
-def checkpoint_steps(run_dir: Path) -> list[int]:
-    """The steps of the run's complete checkpoints (trainer.pt and state.json both there)."""
-    root = run_dir / CHECKPOINTS
-    if not root.is_dir():
-        return []
-    return sorted(_step_of(f) for f in root.glob("step-*")
-                  if f.name[5:].isdigit() and (f / "trainer.pt").exists() and (f / "state.json").exists())
 
 
 def run_config(run_dir: Path) -> dict:

@@ -63,17 +63,24 @@ def write_state(run_dir: Path, step: int, state: dict) -> Path:
     return folder
 
 
-def prune_checkpoints(run_dir: Path, step: int, keep: int) -> list[int]:
-    """Delete the complete checkpoints (those with a state.json) older than the newest `keep` at
-    or below `step`, the one just written; 0 keeps all. A folder without a state.json (a save
-    cut short) or past `step` (a stretch lost to a kill -9, written again as the run reaches
-    it) is not counted and not touched. A deletion that fails is a warning, never the run's
-    end. Returns the steps deleted."""
+def checkpoint_steps(run_dir: Path) -> list[int]:
+    """The steps of the run's complete checkpoints (trainer.pt and state.json both there)."""
     root = run_dir / CHECKPOINTS
-    if keep <= 0 or not root.is_dir():
+    if not root.is_dir():
         return []
-    steps = sorted(int(p.name[5:]) for p in root.glob("step-*")
-                   if p.name[5:].isdigit() and int(p.name[5:]) <= step and (p / "state.json").exists())
+    return sorted(int(f.name[5:]) for f in root.glob("step-*")
+                  if f.name[5:].isdigit() and (f / "trainer.pt").exists() and (f / "state.json").exists())
+
+
+def prune_checkpoints(run_dir: Path, step: int, keep: int) -> list[int]:
+    """Delete the complete checkpoints older than the newest `keep` at or below `step`, the
+    one just written; 0 keeps all. A folder cut short (no state.json) or past `step` (a
+    stretch lost to a kill -9, written again as the run reaches it) is not counted and not
+    touched. A deletion that fails is a warning, never the run's end. Returns the steps
+    deleted."""
+    if keep <= 0:
+        return []
+    steps = [s for s in checkpoint_steps(run_dir) if s <= step]
     deleted = []
     for old in steps[:-keep]:
         try:
