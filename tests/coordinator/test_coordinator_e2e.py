@@ -14,6 +14,7 @@ import pytest
 from gyre.coordinator import resume
 from gyre.coordinator.config import CoordinatorConfig
 from gyre.coordinator.main import Coordinator
+from tests.coordinator.scripted import write_tasks
 
 HERE = Path(__file__).parent
 EVAL = [sys.executable, str(HERE / "_evaluator.py")]
@@ -87,10 +88,7 @@ async def test_statuses_rewards_and_validity(tiny_dir, tmp_path):
 async def test_elastic_run_keeps_its_promises(tiny_dir, tmp_path):
     """Elastic on real workers: the core trains first, a satellite may join mid-batch, the
     burst publishes once, and every execution is counted exactly once."""
-    tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text("\n".join(json.dumps({"id": f"t{i}", "prompt": f"mode:normal task {i}",
-                                           "evaluator": {"type": "command", "argv": EVAL + ["ok"]}})
-                               for i in range(4)))
+    tasks = write_tasks(tmp_path / "tasks.jsonl", 4)
     cfg = CoordinatorConfig(run_dir=tmp_path / "run", model_dir=tiny_dir, steps=2, policy="elastic", cells=2,
                             groups_per_step=2, group_size=2, min_valid=1, phi=0, mu=2, exec_slots_per_cell=4,
                             harness=(sys.executable, str(HERE / "_harness.py")), tasks_path=tasks, seed=3)
@@ -113,10 +111,7 @@ async def test_colocate_switches_its_cells_in_parallel(tiny_dir, tmp_path):
     """Colocate moves the whole pool at once: each cell's switch is its own task, so the
     switches of one transition overlap in time (one after another they would not), and
     each keeps its own seconds in metrics.jsonl."""
-    tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text("\n".join(json.dumps({"id": f"t{i}", "prompt": f"mode:normal task {i}",
-                                           "evaluator": {"type": "command", "argv": EVAL + ["ok"]}})
-                               for i in range(3)))
+    tasks = write_tasks(tmp_path / "tasks.jsonl", 3)
     cfg = CoordinatorConfig(run_dir=tmp_path / "run", model_dir=tiny_dir, steps=1, policy="colocate", cells=3,
                             groups_per_step=2, group_size=2, min_valid=1, phi=0, mu=1, exec_slots_per_cell=2,
                             harness=(sys.executable, str(HERE / "_harness.py")), tasks_path=tasks, seed=3)

@@ -4,7 +4,6 @@ are GBs each). Before, every checkpoint stayed and the run directory grew withou
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,9 +11,7 @@ import pytest
 from gyre.coordinator.config import CoordinatorConfig
 from gyre.coordinator.main import Coordinator
 from gyre.coordinator.resume import CHECKPOINTS, prune_checkpoints, step_dir, write_state
-
-HERE = Path(__file__).parent
-EVAL = [sys.executable, str(HERE / "_evaluator.py"), "ok"]
+from tests.coordinator.scripted import HARNESS, write_tasks
 
 
 def _checkpoint(run_dir: Path, step: int, *, complete: bool = True) -> None:
@@ -54,13 +51,10 @@ def test_a_negative_count_is_refused(tmp_path):
 
 @pytest.mark.timeout(300)
 async def test_a_run_keeps_its_newest_checkpoints_and_says_what_it_deleted(tiny_dir, tmp_path):
-    tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text("\n".join(json.dumps({"id": f"t{i}", "prompt": f"mode:normal task {i}",
-                                           "evaluator": {"type": "command", "argv": EVAL}}) for i in range(3)))
+    tasks = write_tasks(tmp_path / "tasks.jsonl", 3)
     cfg = CoordinatorConfig(run_dir=tmp_path / "run", model_dir=tiny_dir, steps=3, cells=2, groups_per_step=1,
                             group_size=2, min_valid=2, checkpoint_every=1, keep_checkpoints=2,
-                            harness=(sys.executable, str(HERE / "_harness.py")), tasks_path=tasks,
-                            default_max_tokens=8)
+                            harness=HARNESS, tasks_path=tasks, default_max_tokens=8)
     await Coordinator(cfg).run()
     assert _steps(cfg.run_dir) == ["step-000002", "step-000003"]
     assert (cfg.run_dir / CHECKPOINTS / "latest").read_text().strip() == "step-000003"

@@ -7,7 +7,6 @@ as a user's multi-host run must be. Skips, saying why, where namespaces cannot b
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import secrets
 import shutil
@@ -20,9 +19,9 @@ import pytest
 from gyre.coordinator.config import CoordinatorConfig
 from gyre.coordinator.keys import init_keys
 from gyre.coordinator.main import Coordinator
+from tests.coordinator.scripted import write_tasks
 
 HERE = Path(__file__).parent
-EVAL = [sys.executable, str(HERE / "_evaluator.py")]
 SUBNET = "10.231.77"
 
 
@@ -73,10 +72,7 @@ def _teardown(bridge: str, names: list[str]) -> None:
 
 @pytest.mark.timeout(300)
 async def test_workers_in_separate_network_namespaces(tiny_dir, tmp_path, hosts):
-    tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text("\n".join(json.dumps({"id": f"t{i}", "prompt": f"mode:normal task {i}",
-                                           "evaluator": {"type": "command", "argv": EVAL + ["ok"]}})
-                               for i in range(3)))
+    tasks = write_tasks(tmp_path / "tasks.jsonl", 3)
     address = f"tcp://{SUBNET}.1:{29000 + secrets.randbelow(900)}"
     keys = tmp_path / "keys"
     init_keys(keys, workers=("w0", "w1"))

@@ -5,29 +5,20 @@ and read back whole. Before, every execution's recorder stayed for the whole run
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
-
 import pytest
 
 from gyre.coordinator.config import CoordinatorConfig
 from gyre.coordinator.main import Coordinator
 from gyre.proxy.records import load_execution
-
-HERE = Path(__file__).parent
-EVAL = [sys.executable, str(HERE / "_evaluator.py"), "ok"]
+from tests.coordinator.scripted import HARNESS, write_tasks
 
 
 @pytest.mark.timeout(300)
 async def test_trained_executions_leave_memory_at_checkpoints_and_stay_on_disk(tiny_dir, tmp_path):
-    tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text("\n".join(json.dumps({"id": f"t{i}", "prompt": f"mode:normal task {i}",
-                                           "evaluator": {"type": "command", "argv": EVAL}}) for i in range(3)))
+    tasks = write_tasks(tmp_path / "tasks.jsonl", 3)
     cfg = CoordinatorConfig(run_dir=tmp_path / "run", model_dir=tiny_dir, steps=3, cells=2, groups_per_step=1,
                             group_size=2, min_valid=2, phi=1, mu=1, checkpoint_every=2,
-                            harness=(sys.executable, str(HERE / "_harness.py")), tasks_path=tasks,
-                            default_max_tokens=8)
+                            harness=HARNESS, tasks_path=tasks, default_max_tokens=8)
     held: dict[int, set[int]] = {}  # at each step's end: the consumed groups whose recorders the proxy holds
 
     def at_step(rep) -> None:

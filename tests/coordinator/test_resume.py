@@ -15,16 +15,13 @@ import pytest
 from typer.testing import CliRunner
 
 from gyre.cli.main import app
+from tests.coordinator.scripted import write_tasks
 
 HERE = Path(__file__).parent
-EVAL = [sys.executable, str(HERE / "_evaluator.py")]
 
 
 def write_config(tmp_path: Path, tiny_dir: Path, *, steps: int = 4, checkpoint_every: int = 1) -> Path:
-    tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text("\n".join(json.dumps({"id": f"t{i}", "prompt": f"mode:normal task {i}",
-                                           "evaluator": {"type": "command", "argv": EVAL + ["ok"]}})
-                               for i in range(5)))
+    tasks = write_tasks(tmp_path / "tasks.jsonl", 5)
     harness = json.dumps([sys.executable, str(HERE / "_harness.py")])
     cfg = tmp_path / "run.toml"
     # async with a dispatch lead: executions are running when the coordinator is killed.

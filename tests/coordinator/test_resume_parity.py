@@ -17,9 +17,9 @@ import pytest
 from typer.testing import CliRunner
 
 from gyre.cli.main import app
+from tests.coordinator.scripted import write_tasks
 
 HERE = Path(__file__).parent
-EVAL = [sys.executable, str(HERE / "_evaluator.py")]
 STEPS = 6
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -27,10 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 def write_config(folder: Path, tiny_dir: Path, *, checkpoint_every: int) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    tasks = folder / "tasks.jsonl"
-    tasks.write_text("\n".join(json.dumps({"id": f"t{i}", "prompt": f"mode:normal task {i}",
-                                           "evaluator": {"type": "command", "argv": EVAL + ["ok"]}})
-                               for i in range(5)))
+    tasks = write_tasks(folder / "tasks.jsonl", 5)
     harness = json.dumps([sys.executable, str(HERE / "_harness.py")])
     cfg = folder / "run.toml"
     # The run: elastic, phi = 0, mu = 1 (staleness 0 at every step, uninterrupted).

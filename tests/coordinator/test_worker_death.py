@@ -18,16 +18,13 @@ from gyre.coordinator.link import WorkerLink
 from gyre.coordinator.local import LocalCluster
 from gyre.coordinator.main import Coordinator
 from gyre.workerd import wire
+from tests.coordinator.scripted import write_tasks
 
 HERE = Path(__file__).parent
-EVAL = [sys.executable, str(HERE / "_evaluator.py")]
 
 
 def config(tiny_dir, tmp_path, **kw) -> CoordinatorConfig:
-    tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text("\n".join(json.dumps({"id": f"t{i}", "prompt": f"mode:normal task {i}",
-                                           "evaluator": {"type": "command", "argv": EVAL + ["ok"]}})
-                               for i in range(4)))
+    tasks = write_tasks(tmp_path / "tasks.jsonl", 4)
     return CoordinatorConfig(run_dir=tmp_path / "run", model_dir=tiny_dir, cells=2, groups_per_step=2,
                              group_size=4, min_valid=1, harness=(sys.executable, str(HERE / "_harness.py")),
                              tasks_path=tasks, worker_timeout_s=2.0, default_max_tokens=48, seed=2, **kw)
