@@ -211,8 +211,7 @@ def release_done(coord) -> int:
         runs += [r for rd in coord.heldout.rounds.values() if rd.closed == len(rd.runs) for r in rd.runs]
     n = 0
     for run in runs:
-        # A resume's restored executions hold a Recorded (read from their files): closed by nature.
-        if run.recorder is not None and run.closed and getattr(run.recorder, "closed", True):
+        if run.recorder is not None and run.closed and run.recorder.closed:
             coord.proxy.release(run.id)
             run.recorder = None
             n += 1

@@ -181,6 +181,11 @@ class Recorded:
     calls: list[dict]
     leaf_roles: dict[int, str]
 
+    @property
+    def closed(self) -> bool:
+        """As Recorder.closed: read from its files, nothing more is recorded."""
+        return True
+
     def admit(self, j_max: int | None = J_MAX, seed: int = 0) -> tuple[list[Trajectory], Rows]:
         """As Recorder.admit: a resumed coordinator trains recorded executions through this."""
         trajectories = admit(self.tree, self.leaf_roles, j_max=j_max, rng=random.Random(seed))
