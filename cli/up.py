@@ -49,6 +49,7 @@ def run_up(config: CoordinatorConfig, live: bool = False, resume: bool = False) 
           flush=True)
     write_timeline(config.run_dir)
     _print_outputs(config.run_dir, coord)
+    _print_lost(coord)
     if coord.stop_signal is not None:
         print(f"stopped at step {coord.steps_done}/{config.steps}; continue with: "
               f"gyre up --resume {shown(config.run_dir)}", flush=True)
@@ -62,6 +63,20 @@ def shown(path: Path) -> str:
         return str(path.relative_to(Path.cwd()))
     except ValueError:
         return str(path)
+
+
+def _print_lost(coord: Coordinator) -> None:
+    """Trained steps that no checkpoint holds (the final one failed: its error is above), in
+    red: a --resume starts after the last checkpoint, so they are trained again."""
+    from rich.console import Console
+
+    saved = coord.checkpointed_step or 0
+    if coord.steps_done <= saved:
+        return
+    lost = f"step {saved + 1}" if coord.steps_done == saved + 1 else f"steps {saved + 1}-{coord.steps_done}"
+    Console(highlight=False, soft_wrap=True).print(
+        f"lost: {lost} trained but not saved (the final checkpoint failed; its error is above); "
+        f"a resume continues from {f'step {saved}' if saved else 'the start'}", style="bold red", markup=False)
 
 
 def _print_outputs(run_dir: Path, coord: Coordinator) -> None:

@@ -190,6 +190,11 @@ class LocalCluster:
                 "--engine-backend", self.backends[0], "--trainer-backend", self.backends[1],
                 *(("--keys", str(self.keys_dir), "--key-name", self.key_name) if self.keys_dir else ()),
                 env=env, stdout=out or asyncio.subprocess.DEVNULL, stderr=out or None,
+                # Its own session: a terminal's Ctrl-C goes to the whole foreground process
+                # group, and a workerd that took it died before the coordinator's stop could
+                # save the last trained step. The coordinator ends them (Shutdown, then kill),
+                # and --parent-pid ends them if it dies.
+                start_new_session=True,
             ))
             if out is not None:
                 out.close()

@@ -14,6 +14,9 @@ its own run of 2 or 3 steps, the fault in step 2 (a checkpoint of step 1 exists)
     coordinator SIGTERM  a stop: exit 143, the trained steps kept (step 2's too, in publication),
                          the executions it cancelled left pending (never dropped nor replaced);
                          --resume continues with the uninterrupted run's schedule
+    terminal Ctrl-C      SIGINT to the whole process group, as a terminal sends it: a stop as
+                         for SIGTERM (exit 130); the workerds, in their own session, never see
+                         it, so the last trained step's checkpoint is saved
     (and cell 0 SIGKILLed in rollout: the run stops as in training)
 
 The phases, read from `/gyre/status` (RUN_DIR/coordinator.json): *rollout* is step 2's
@@ -61,7 +64,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.faults, pytest.mark.timeout(300)]
 # --- the run -------------------------------------------------------------------------------
 
 
-def write_config(folder: Path, tiny_dir: Path, *, worker_timeout_s: float, steps: int) -> Path:
+def write_config(folder: Path, tiny_dir: Path, *, worker_timeout_s: float, steps: int,
+                 checkpoint_every: int = 1) -> Path:
     ev = {"type": "command", "argv": EVAL}
     tasks = folder / "tasks.jsonl"
     # Two tasks: every pass of the (shuffled) set is one step's two groups, so each step has
@@ -72,7 +76,8 @@ def write_config(folder: Path, tiny_dir: Path, *, worker_timeout_s: float, steps
                      + json.dumps({"id": "slow", "prompt": "mode:sleep slow", "evaluator": ev,
                                    "timeout_s": SLOW_S}) + "\n")
     cfg = folder / "run.toml"
-    cfg.write_text(f'steps = {steps}\ngroups_per_step = 2\ngroup_size = 2\nmin_valid = 2\ncheckpoint_every = 1\n'
+    cfg.write_text(f'steps = {steps}\ngroups_per_step = 2\ngroup_size = 2\nmin_valid = 2\n'
+                   f'checkpoint_every = {checkpoint_every}\n'
                    f'harness = {json.dumps(HARNESS)}\ntasks_path = "{tasks}"\nmodel_dir = "{tiny_dir}"\n'
                    f'default_max_tokens = 8\nworker_timeout_s = {worker_timeout_s}\n'
                    f'reward_range = {list(REWARD_RANGE)}\n')
@@ -83,8 +88,10 @@ class Up:
     """A `gyre up` subprocess whose output is read on a thread (waits have deadlines)."""
 
     def __init__(self, argv: list[str]):
+        # Its own process group, as a shell's job: a terminal's Ctrl-C goes to all of it.
         self.proc = subprocess.Popen([sys.executable, "-m", "gyre.cli", "up", *argv, "--no-live"],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
         self.lines: list[str] = []
         self._cond = threading.Condition()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -286,10 +293,11 @@ def assert_nothing_left(run: Path, coordinators: list[int], *, but=frozenset()) 
 
 @dataclass
 class Case:
-    fault: str  # workerd-kill | workerd-stop | coordinator-kill | coordinator-term
+    fault: str  # workerd-kill | workerd-stop | coordinator-kill | coordinator-term | terminal-int
     phase: str  # rollout | training | publication
     target: int | None = None  # the workerd's cell
     worker_timeout_s: float = 3.0
+    checkpoint_every: int = 1  # 5 (the default) for Ctrl-C: step 1 is saved by the stop's final checkpoint or lost
     observed: dict = field(default_factory=dict)
 
     @property
@@ -297,7 +305,12 @@ class Case:
         """The run's steps: 2, or 3 where a stopped worker continued after step 2's fault is to
         rejoin, and where a stop keeps step 2 (a run stopped at its last step is finished)."""
         rejoins = self.fault == "workerd-stop" and self.target != 0
-        return 3 if rejoins or (self.fault == "coordinator-term" and self.phase == "publication") else AT_STEP
+        return 3 if rejoins or (self.stops and self.phase == "publication") else AT_STEP
+
+    @property
+    def stops(self) -> bool:
+        """A graceful stop: SIGTERM to the coordinator, or a terminal's SIGINT to its group."""
+        return self.fault in ("coordinator-term", "terminal-int")
 
     @property
     def core_dies(self) -> bool:
@@ -306,7 +319,7 @@ class Case:
     @property
     def restarts(self) -> bool:
         """The first session ends before the run does: `gyre up --resume` completes it."""
-        return self.fault.startswith("coordinator") or self.core_dies
+        return self.fault.startswith("coordinator") or self.stops or self.core_dies
 
 
 # The cell each workerd fault hits is the one that works in that phase: cell 1 rolls out
@@ -324,6 +337,8 @@ CASES = [
     Case("coordinator-kill", "publication", None, 10.0),
     Case("coordinator-term", "rollout"), Case("coordinator-term", "training"),
     Case("coordinator-term", "publication", None, 10.0),
+    Case("terminal-int", "rollout", checkpoint_every=5), Case("terminal-int", "training", checkpoint_every=5),
+    Case("terminal-int", "publication", None, 10.0, checkpoint_every=5),
 ]
 IDS = [f"{c.fault}-{c.phase}" + (f"-cell{c.target}" if c.target is not None else "") for c in CASES]
 
@@ -372,8 +387,11 @@ def at_phase(case: Case, run: Path, up: Up) -> dict:
 
 def inject(case: Case, run: Path, up: Up) -> None:
     """The fault, at the phase; for a stop, the continue once the coordinator declared it dead."""
-    if case.fault.startswith("coordinator"):
+    if case.fault == "terminal-int":  # what Ctrl-C does: SIGINT to the foreground process group
+        os.killpg(up.proc.pid, signal.SIGINT)
+    elif case.fault.startswith("coordinator"):
         os.kill(up.proc.pid, signal.SIGKILL if case.fault == "coordinator-kill" else signal.SIGTERM)
+    if case.fault.startswith("coordinator") or case.fault == "terminal-int":
         if "stopped" in case.observed:  # ours, not the fault: let it see its parent gone, or serve the stop
             os.kill(case.observed["stopped"], signal.SIGCONT)
         return
@@ -468,7 +486,8 @@ def one_line_error(up: Up, *words: str) -> str:
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_fault_matrix(case: Case, tiny_dir, tmp_path):
     run = tmp_path / "run"
-    cfg = write_config(tmp_path, tiny_dir, worker_timeout_s=case.worker_timeout_s, steps=case.steps)
+    cfg = write_config(tmp_path, tiny_dir, worker_timeout_s=case.worker_timeout_s, steps=case.steps,
+                       checkpoint_every=case.checkpoint_every)
     up = Up([str(cfg), "--run-dir", str(run)])
     coordinators = [up.proc.pid]
     resumed: Up | None = None
@@ -520,7 +539,7 @@ def test_fault_matrix(case: Case, tiny_dir, tmp_path):
         # again under new ids; a kill in rollout or training always leaves some.
         cancelled = sum(1 for e in first if e["event"] == "execution" and e["status"] == "cancelled")
         assert res["executions_redispatched"] >= cancelled, res
-        if case.phase != "publication" and case.fault.startswith("coordinator"):
+        if case.phase != "publication" and (case.fault.startswith("coordinator") or case.stops):
             assert res["executions_redispatched"] > 0, res
     else:
         assert not resumes
@@ -550,12 +569,12 @@ def check_first_session(case: Case, up: Up, code: int, run: Path, first: list[di
     if case.fault == "coordinator-kill":
         assert code == -signal.SIGKILL and not summaries
         assert kept == AT_STEP - 1  # step 2's checkpoint comes after its publication
-    elif case.fault == "coordinator-term":
-        # A stop: exit 128 + 15, the resume command printed, every trained step kept (a
+    elif case.stops:
+        # A stop: exit 128 + 15 (or 2), the resume command printed, every trained step kept (a
         # step in flight given up, its groups back in the pipeline), nothing of the stop
         # mistaken for a failure: the executions it cancelled leave their groups pending,
         # none dropped and none replaced.
-        assert code == 143, up.output[-3000:]
+        assert code == (143 if case.fault == "coordinator-term" else 130), up.output[-3000:]
         assert f"continue with: gyre up --resume {run}" in up.output
         assert not [x for x in up.lines if x and x.startswith("[error]")] and "Traceback" not in up.output
         (summary,) = summaries
