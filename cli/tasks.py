@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -54,6 +55,9 @@ def check(path: TaskPathArg, as_json: JsonOpt = False) -> None:
         if r.get("allow_internet"):
             typer.echo(f"{r['task']}: asks for the internet (allow_internet = true): runs only with "
                        "sandbox_internet = true")
+        if r.get("cpus") and r["cpus"] > (os.cpu_count() or 1):  # a sandbox host may have more: not an error
+            typer.echo(f"{r['task']}: asks for {r['cpus']:g} CPUs; this machine has {os.cpu_count()}: podman "
+                       "refuses such a container here")
 
 
 @tasks_app.command("run")
@@ -71,6 +75,7 @@ def run(path: TaskPathArg, harness: TaskHarnessOpt = "demo", sandbox: SandboxOpt
     from gyre.coordinator.serve import serve_fields, serve_settings
     from gyre.coordinator.taskformats import load_task_source
     from gyre.coordinator.taskrun import run_tasks
+    from gyre.coordinator.tasks import MAX_TIMEOUT_S
 
     if sandbox not in BACKENDS:
         _fail(ValueError(f"--sandbox must be one of {', '.join(BACKENDS)}, got {sandbox!r}"))
@@ -78,6 +83,8 @@ def run(path: TaskPathArg, harness: TaskHarnessOpt = "demo", sandbox: SandboxOpt
         _fail(ValueError(f"--keep-sandbox must be one of {', '.join(KEEP)}, got {keep_sandbox!r}"))
     if concurrency < 1:
         _fail(ValueError("--concurrency must be >= 1"))
+    if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:  # NaN fails it too
+        _fail(ValueError(f"--timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S:g} (a week), got {timeout:g}"))
     tasks = _guard(load_task_source, path=path)
     preset = _preset(harness, config)
     if model is not None:

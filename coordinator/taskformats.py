@@ -3,9 +3,12 @@
 `load_task_source` takes a path and decides: a directory is Harbor's format (the one
 Terminal-Bench 2.0 uses: one task folder, or a folder of them), a JSONL file whose first row
 has `instance_id` is SWE-bench-style, and any other file is gyre's own JSONL
-(`tasks.load_tasks`). Every error names the file (and line) and the field. `describe` turns a
-task into one row of a listing. Not the sandbox (it builds and starts nothing) and not the
-verifier (it runs no test.sh or test_cmd): it only reads files and checks them.
+(`tasks.load_tasks`). Every error names the file (and line) and the field. A task author is
+not trusted: a link out of the task folder (instruction.md, tests/, solution/, environment/) is
+refused before anything is read through it, and every number is held to sane bounds (a week
+for timeouts; CPUS_RANGE, MEMORY_MB_RANGE, ...). `describe` turns a task into one row of a
+listing. Not the sandbox (it builds and starts nothing) and not the verifier (it runs no
+test.sh or test_cmd): it only reads files and checks them.
 """
 
 from __future__ import annotations
@@ -18,7 +21,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gyre.coordinator.tasks import Environment, Task, TaskError, load_jsonl, load_tasks
+from gyre.coordinator.tasks import (
+    MAX_TIMEOUT_S,
+    Environment,
+    Task,
+    TaskError,
+    check_links,
+    inside,
+    load_jsonl,
+    load_tasks,
+)
 
 HARBOR_NEEDS = ("a Harbor task needs instruction.md, task.toml, environment/Dockerfile or [environment].docker_image, "
                 "tests/test.sh")
@@ -39,6 +51,15 @@ DEFAULT_BUILD_TIMEOUT_S = 600.0
 DEFAULT_HARBOR_VERIFIER_TIMEOUT_S = 600.0
 DEFAULT_SWE_TEST_TIMEOUT_S = 1800.0
 FORMATS = ("harbor", "swe")
+# What a Harbor task folder hands to the run: each is checked for links that leave the folder.
+HARBOR_PARTS = ("instruction.md", "task.toml", "tests", "solution", "environment")
+# Sane maxima (tasks.MAX_TIMEOUT_S for timeouts): a task past them is refused at load with the
+# field named, not handed to the engine, which failed every execution as infra (cpus = 1e9).
+# Minima are the engine's own: podman refuses fewer than 0.01 CPUs and less than 6 MiB.
+CPUS_RANGE = (0.01, 512.0)
+MEMORY_MB_RANGE = (6, 4 << 20)  # 6 MiB .. 4 TiB
+STORAGE_MB_RANGE = (1, 16 << 20)  # 1 MiB .. 16 TiB
+GPUS_RANGE = (1, 64)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -62,6 +83,30 @@ def _positive_int(value: Any) -> int:
     return value
 
 
+def _within(check: Callable[[Any], Any], low: float, high: float, unit: str) -> Callable[[Any], Any]:
+    """`check`, then the value held to [low, high]: the message says both bounds."""
+
+    def bounded(value: Any) -> Any:
+        got = check(value)
+        if not low <= got <= high:
+            raise _Bad(f"must be from {low:g} to {high:g}{unit}, got {value!r}")
+        return got
+
+    return bounded
+
+
+def _timeout(value: Any) -> float:
+    """Seconds: positive, finite and at most a week (1e308 overflowed a deadline)."""
+    got = _positive_number(value)
+    if got > MAX_TIMEOUT_S:
+        raise _Bad(f"must be at most {MAX_TIMEOUT_S:g} s (a week), got {value!r}")
+    return got
+
+
+_cpus = _within(_positive_number, *CPUS_RANGE, " CPUs")
+_gpus = _within(_positive_int, *GPUS_RANGE, " GPUs")
+
+
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt])i?b?\s*", re.IGNORECASE)
 _MIB_PER_UNIT = {"k": 1 / 1024, "m": 1, "g": 1024, "t": 1024 * 1024}
 
@@ -73,10 +118,10 @@ def _size_mb(value: Any) -> int:
     match = _SIZE.fullmatch(value) if isinstance(value, str) else None
     if match is None:
         raise _Bad(f"must be a size like '4G' or '512M' (or an integer of MiB), got {value!r}")
-    mib = math.ceil(float(match[1]) * _MIB_PER_UNIT[match[2].lower()])
-    if mib <= 0:
+    mib = float(match[1]) * _MIB_PER_UNIT[match[2].lower()]
+    if not math.isfinite(mib) or mib <= 0:  # 400 digits of "G" is inf, which ceil cannot take
         raise _Bad(f"must be a positive size, got {value!r}")
-    return mib
+    return math.ceil(mib)
 
 
 def _bool(value: Any) -> bool:
@@ -218,6 +263,7 @@ def load_harbor_task(folder: str | Path) -> Task:
     """One Harbor task folder: instruction.md is the prompt, task.toml the settings, environment/
     the image to build, tests/ the verifier (copied in after the agent stops), solution/ optional."""
     folder = Path(folder).resolve()
+    check_links(folder, HARBOR_PARTS)  # before anything is read through one
     prompt = _read_text(_required(folder, "instruction.md")).rstrip()
     if not prompt:
         raise TaskError(f"{folder}: instruction.md is empty")
@@ -227,7 +273,7 @@ def load_harbor_task(folder: str | Path) -> Task:
     environment = _harbor_environment(folder, _Fields(sections["environment"], where, "[environment].{}"))
     tests = _required(folder, "tests/test.sh").parent
     agent = _Fields(sections["agent"], where, "[agent].{}")
-    return Task(id=folder.name, prompt=prompt, timeout_s=agent.get("timeout_sec", _positive_number),
+    return Task(id=folder.name, prompt=prompt, timeout_s=agent.get("timeout_sec", _timeout),
                 environment=environment, tests_dir=str(tests),
                 solution_dir=str(folder / "solution") if (folder / "solution" / "solve.sh").is_file() else None,
                 verifier=_harbor_verifier(_Fields(sections["verifier"], where, "[verifier].{}")),
@@ -270,25 +316,26 @@ def _harbor_environment(folder: Path, env: _Fields) -> Environment:
         _required(folder, "environment/Dockerfile")
     # Both given: the Dockerfile is the task's own recipe, so it wins; the image name stays known.
     return Environment(image=image, build_dir=str(build_dir) if has_dockerfile else None,
-                       build_timeout_s=env.get("build_timeout_sec", _positive_number, DEFAULT_BUILD_TIMEOUT_S),
-                       cpus=env.get("cpus", _positive_number),
-                       memory_mb=_harbor_size(env, "memory_mb", "memory"),
-                       storage_mb=_harbor_size(env, "storage_mb", "storage"),
+                       build_timeout_s=env.get("build_timeout_sec", _timeout, DEFAULT_BUILD_TIMEOUT_S),
+                       cpus=env.get("cpus", _cpus),
+                       memory_mb=_harbor_size(env, "memory_mb", "memory", MEMORY_MB_RANGE),
+                       storage_mb=_harbor_size(env, "storage_mb", "storage", STORAGE_MB_RANGE),
                        allow_internet=env.get("allow_internet", _bool, False))
 
 
-def _harbor_size(env: _Fields, name: str, older: str) -> int | None:
-    """MiB from `name` (an integer) or its older spelling `older` ("4G"); None when neither."""
+def _harbor_size(env: _Fields, name: str, older: str, bounds: tuple[int, int]) -> int | None:
+    """MiB from `name` (an integer) or its older spelling `older` ("4G"), within `bounds`;
+    None when neither."""
     if env.has(name) and env.has(older):
         raise env.error(older, f"given both {name} and {older}; keep {name}")
     if env.has(name):
-        return env.get(name, _positive_int)
-    return env.get(older, _size_mb)
+        return env.get(name, _within(_positive_int, *bounds, " MiB"))
+    return env.get(older, _within(_size_mb, *bounds, " MiB"))
 
 
 def _harbor_verifier(verifier: _Fields) -> dict:
     return {"type": "harbor",
-            "timeout_s": verifier.get("timeout_sec", _positive_number, DEFAULT_HARBOR_VERIFIER_TIMEOUT_S),
+            "timeout_s": verifier.get("timeout_sec", _timeout, DEFAULT_HARBOR_VERIFIER_TIMEOUT_S),
             "env": verifier.get("env", _string_table, {})}
 
 
@@ -299,7 +346,7 @@ def _harbor_meta(folder: Path, toml: dict, sections: dict[str, dict], where: str
     if agent.has("user"):
         meta["agent_user"] = agent.get("user", _nonempty_string)
     if env.has("gpus"):  # no Environment field yet: kept so a sandbox can refuse what it lacks
-        meta["gpus"] = env.get("gpus", _positive_int)
+        meta["gpus"] = env.get("gpus", _gpus)
     solution = _Fields(sections["solution"], where, "[solution].{}")
     if solution.has("env"):
         meta["solution_env"] = solution.get("env", _string_table)
@@ -336,7 +383,7 @@ def parse_swe_row(row: Any, where: str, base: Path) -> Task:
     fields = _Fields(row, where, "{!r}")
     return Task(id=fields.get("instance_id", _nonempty_string, required=True),
                 prompt=fields.get("problem_statement", _nonempty_string, required=True),
-                timeout_s=fields.get("timeout_s", _positive_number),
+                timeout_s=fields.get("timeout_s", _timeout),
                 environment=_swe_environment(fields, base), verifier=_swe_verifier(fields),
                 meta={**{k: v for k, v in row.items() if k not in SWE_FIELDS}, "format": "swe"})
 
@@ -347,14 +394,20 @@ def _swe_environment(fields: _Fields, base: Path) -> Environment:
         raise fields.error("image", why)
     build_dir = dockerfile = None
     if fields.has("dockerfile"):
-        # Relative to the JSONL file, so a task set and its Dockerfiles move together.
+        # Relative to the JSONL file, so a task set and its Dockerfiles move together; never out
+        # of its folder (a dockerfile of "/root/Dockerfile" would send /root as the build context).
         path = (base / fields.get("dockerfile", _nonempty_string)).resolve()
         if not path.is_file():
             raise fields.error("dockerfile", f"{path} is not a file")
+        try:
+            inside(base.resolve(), path, "the task file's folder")
+            check_links(path.parent, ["."], "the build context")  # what the engine is sent
+        except TaskError as e:
+            raise fields.error("dockerfile", str(e)) from None
         build_dir, dockerfile = str(path.parent), path.name
     return Environment(image=fields.get("image", _nonempty_string), build_dir=build_dir, dockerfile=dockerfile,
-                       workdir=fields.get("workdir", _container_path), cpus=fields.get("cpus", _positive_number),
-                       memory_mb=fields.get("memory_mb", _positive_int),
+                       workdir=fields.get("workdir", _container_path), cpus=fields.get("cpus", _cpus),
+                       memory_mb=fields.get("memory_mb", _within(_positive_int, *MEMORY_MB_RANGE, " MiB")),
                        allow_internet=fields.get("allow_internet", _bool, False))
 
 
@@ -363,7 +416,7 @@ def _swe_verifier(fields: _Fields) -> dict:
             "fail_to_pass": fields.get("FAIL_TO_PASS", _nonempty_test_ids, required=True),
             "pass_to_pass": fields.get("PASS_TO_PASS", _test_ids, []),
             "test_patch": fields.get("test_patch", _string),
-            "timeout_s": fields.get("test_timeout_s", _positive_number, DEFAULT_SWE_TEST_TIMEOUT_S)}
+            "timeout_s": fields.get("test_timeout_s", _timeout, DEFAULT_SWE_TEST_TIMEOUT_S)}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,16 +3,18 @@
 A task is a prompt plus the files of a fresh workspace and an evaluator spec; `load_tasks`
 reads them from JSONL with errors that name the line and field, `default_tasks` is the
 embedded set the tiny demo policy can learn, and `TaskSource` hands them out in a seeded
-order. Not the launcher (it starts no harness) and not the evaluator (it scores nothing).
+order. A task file is not trusted: `check_links` refuses a link out of a task's folder and
+timeouts are held to MAX_TIMEOUT_S. Not the launcher (it starts no harness) and not the evaluator (it scores nothing).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -21,6 +23,9 @@ from gyre.workerd.wire import GyreError
 
 TASK_FILE = "task.txt"  # the prompt, where the demo harness looks when given no --task
 FIELDS = ("id", "prompt", "workspace", "template_dir", "evaluator", "target", "timeout_s", "meta")
+# A task file's numbers are bounded at load: past these they are typos or attacks (1e308 s
+# overflowed a deadline; 1e9 CPUs reached the engine and every execution failed as infra).
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week, for every timeout a task sets
 
 
 class TaskError(GyreError):
@@ -115,6 +120,8 @@ def _timeout_field(obj: dict, where: str) -> float | None:
     # bool is an int subclass: `true` is not a timeout.
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise _field_error(where, "timeout_s", f"must be a positive number or null, got {value!r}")
+    if value > MAX_TIMEOUT_S:
+        raise _field_error(where, "timeout_s", f"must be at most {MAX_TIMEOUT_S:g} s (a week), got {value!r}")
     return float(value)
 
 
@@ -122,11 +129,59 @@ def _template_field(obj: dict, where: str, base: Path) -> str | None:
     value = _optional_str(obj, "template_dir", where)
     if value is None:
         return None
-    # Relative to the task file, so a task set and its templates move together.
+    # Relative to the task file, so a task set and its templates move together; never out of
+    # its folder (a template of "/root/.ssh" would copy the host's keys to the agent).
     path = (base / value).resolve()
-    if not path.is_dir():
-        raise _field_error(where, "template_dir", f"{path} is not a directory")
+    try:
+        inside(base.resolve(), path, "the task file's folder")
+        if not path.is_dir():
+            raise TaskError(f"{path} is not a directory")
+        check_links(path, ["."], "the template folder")  # make_workspace follows the template's links
+    except TaskError as e:
+        raise _field_error(where, "template_dir", str(e)) from None
     return str(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Task files stay inside their folder: a link or path out of it would hand a host file to the
+# agent (as its prompt, its workspace) or to the verifier (as /tests).
+
+
+def inside(root: Path, path: Path, what: str) -> None:
+    """TaskError unless the resolved `path` lies in the resolved `root` (`what` names root)."""
+    if not path.is_relative_to(root):
+        raise TaskError(f"{path} is outside {what} {root}")
+
+
+def check_links(root: Path, rels: Iterable[str], what: str = "the task folder") -> None:
+    """TaskError naming the first link at or under `root/rel` (each rel) whose target lies
+    outside `root` (resolved); links that stay inside are fine. `what` names root."""
+    root = root.resolve()
+    for rel in rels:
+        for path in _entries(root / rel):
+            if not path.is_symlink():
+                continue
+            try:
+                target: Path | None = path.resolve(strict=False)
+            except (OSError, RuntimeError):  # a loop: it leads nowhere of its own
+                target = None
+            if target is None or not target.is_relative_to(root):
+                raise TaskError(f"{root}: {path.relative_to(root).as_posix()} is a link to "
+                                f"{target or 'a link loop'}, outside {what}: a task's files must be its own "
+                                "(copy them in)")
+
+
+def _entries(top: Path) -> Iterable[Path]:
+    """`top` and, when it is a folder, everything under it, links not followed; a link at
+    `top` that stays inside is walked where it leads (it is checked first)."""
+    yield top
+    if not top.is_dir():
+        return
+    start = top.resolve() if top.is_symlink() else top
+    for dirpath, dirnames, filenames in os.walk(start):  # followlinks=False: a link to a folder is an entry
+        dirnames.sort()
+        for name in sorted(dirnames + filenames):
+            yield Path(dirpath, name)
 
 
 def parse_task(obj: Any, where: str, base: Path) -> Task:

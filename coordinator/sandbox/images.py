@@ -11,6 +11,10 @@ kept in the cache folder ($GYRE_IMAGE_CACHE, else $GYRE_CACHE, else ~/.cache/gyr
 clone imports it in seconds. Needs root and debootstrap; elsewhere the error says so.
 Builds report through the `gyre.coordinator` logger at INFO (what is built, debootstrap's
 stages, each Dockerfile step, the seconds it took): a first run is not silent for minutes.
+A build past its build_timeout_sec is stopped: its RUN steps run under a cgroup parent named
+for that build alone, so their processes are found on the host and killed, the engine fails
+the build and removes the step's container (forcerm). `check_size` holds an image to a task's
+storage_mb: the sandbox's disk must hold the image it runs.
 """
 
 from __future__ import annotations
@@ -18,10 +22,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import importlib.metadata
+import json
 import logging
 import os
 import re
+import secrets
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -29,7 +37,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from gyre.coordinator.sandbox.base import ImageBuildError
+from gyre.coordinator.sandbox.base import ImageBuildError, SandboxError
 
 log = logging.getLogger("gyre.coordinator")
 
@@ -43,6 +51,8 @@ _base_lock = asyncio.Lock()
 HOST_CA_DIR = Path("/usr/local/share/ca-certificates")  # the host's extra CAs, trusted in the base image too
 HEARTBEAT_S = 10.0  # a debootstrap stage longer than this says where it is this often
 STEP = re.compile(r"^(STEP|Step) \d+/\d+\s*:")  # a build step line: podman's `STEP 2/5:`, docker's `Step 2/5 :`
+STOP_BUILD_S = 30.0  # after its timeout, how long a build's RUN steps are killed for the engine to give up
+KILL_ROUNDS = 50  # sweeps of /proc for a build's processes, each catching what the last one's forks made
 
 
 def cache_dir() -> Path:
@@ -93,7 +103,8 @@ def _tail(lines: list[str], n: int = 8) -> str:
 
 
 async def build(backend, folder: Path, tag: str, *, dockerfile: str | None, timeout_s: float) -> None:
-    """Build `folder` as `tag` unless the engine has it already; ImageBuildError if not."""
+    """Build `folder` as `tag` unless the engine has it already; ImageBuildError if not, also
+    when it takes past `timeout_s` (then the build is stopped: see `_stop_build`)."""
     if await backend.io(backend.image_exists, tag):
         return
     if BASE_IMAGE in from_images(folder, dockerfile):
@@ -101,34 +112,182 @@ async def build(backend, folder: Path, tag: str, *, dockerfile: str | None, time
     log.info("%s: building %s from %s (once per content of the folder; later runs reuse it)", backend.name, tag,
              folder)
     start = time.monotonic()
-
-    def run() -> None:
-        import docker.errors
-
-        lines: list[str] = []
-        try:
-            for chunk in backend.client.api.build(path=str(folder), tag=tag, dockerfile=dockerfile, rm=True,
-                                                  forcerm=True, decode=True, labels={"gyre.content": tag}):
-                if "stream" in chunk:
-                    for line in chunk["stream"].splitlines():
-                        if STEP.match(line):  # one line per step: the build's progress
-                            log.info("%s: %s: %s (%.0f s)", backend.name, tag, line.strip()[:200],
-                                     time.monotonic() - start)
-                    lines.extend(chunk["stream"].splitlines())
-                    del lines[:-50]
-                if "error" in chunk or "errorDetail" in chunk:
-                    detail = chunk.get("error") or chunk["errorDetail"].get("message", "")
-                    raise ImageBuildError(f"building {folder}: {detail.strip()} ({_tail(lines)})")
-        except docker.errors.APIError as e:
-            raise ImageBuildError(f"building {folder}: {e.explanation or e}") from None
-        if not backend.image_exists(tag):
-            raise ImageBuildError(f"building {folder}: the engine reported no image ({_tail(lines)})")
-
+    marker = await backend.io(_cgroup_parent, backend)
+    request = _BuildRequest()
+    job = asyncio.ensure_future(backend.io(_run_build, backend, folder, tag, dockerfile, marker, request, start))
     try:
-        await asyncio.wait_for(backend.io(run), timeout_s)
+        await asyncio.wait_for(asyncio.shield(job), timeout_s)
     except TimeoutError:
         raise ImageBuildError(f"building {folder}: not done after {timeout_s:g}s (build_timeout_sec)") from None
+    finally:
+        if not job.done():  # past its deadline, or this call cancelled: nothing of it may go on
+            await asyncio.shield(_stop_build(backend, job, marker, request, folder))
     log.info("%s: built %s in %.1f s", backend.name, tag, time.monotonic() - start)
+
+
+class _BuildRequest:
+    """The socket of a build's streamed reply: closed from the loop, it ends the reading thread."""
+
+    def __init__(self):
+        self.sock: socket.socket | None = None
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+        if self.sock is not None:
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)  # wakes a recv blocked in the build's thread
+            except OSError:
+                pass  # closed already
+
+
+def _cgroup_parent(backend) -> str | None:
+    """A cgroup parent naming this build alone (its RUN steps' processes carry it in
+    /proc/PID/cgroup), in the engine's cgroup manager's form; None when unknown (the build
+    then runs without one, and a timeout can only stop reading it)."""
+    try:
+        driver = backend.client.info().get("CgroupDriver")
+    except Exception as e:  # noqa: BLE001 - any engine error: build without the marker
+        log.warning("%s: cgroup driver unknown (%s): a build past its timeout cannot be killed", backend.name, e)
+        return None
+    name = f"gyre_build_{secrets.token_hex(8)}"
+    return {"cgroupfs": f"/{name}", "systemd": f"{name}.slice"}.get(driver)
+
+
+def _run_build(backend, folder: Path, tag: str, dockerfile: str | None, marker: str | None,
+               request: _BuildRequest, start: float) -> None:
+    """The build, its stream logged a step at a time; on a thread. With a cgroup parent the
+    request is made by hand (`_post_build`: the SDK's build takes none and hides its reply's
+    socket); with none there is nothing to kill by, and the SDK's own build serves."""
+    import docker.errors
+
+    api = backend.client.api
+    lines: list[str] = []
+    try:
+        if marker is None:
+            for chunk in api.build(path=str(folder), tag=tag, dockerfile=dockerfile, rm=True, forcerm=True,
+                                   decode=True, labels={"gyre.content": tag}):
+                _build_chunk(backend, tag, folder, chunk, lines, start)
+        else:
+            with _post_build(api, folder, tag, dockerfile, marker, request) as response:  # closed however it ends
+                for chunk in api._stream_helper(response, decode=True):
+                    _build_chunk(backend, tag, folder, chunk, lines, start)
+    except docker.errors.APIError as e:
+        raise ImageBuildError(f"building {folder}: {e.explanation or e}") from None
+    except Exception:  # noqa: BLE001 - the stream cut by its timeout: the caller says why
+        if request.closed:
+            raise ImageBuildError(f"building {folder}: stopped") from None
+        raise
+    if not backend.image_exists(tag):
+        raise ImageBuildError(f"building {folder}: the engine reported no image ({_tail(lines)})")
+
+
+def _post_build(api, folder: Path, tag: str, dockerfile: str | None, marker: str, request: _BuildRequest):
+    """POST /build as the SDK's build makes it (.dockerignore, the client's proxy settings and
+    registry auth), with `cgroupparent`; the streamed reply, its socket kept in `request`."""
+    from docker import utils
+    from docker.api.build import process_dockerfile
+
+    ignore = folder / ".dockerignore"
+    exclude = ([x.strip() for x in ignore.read_text().splitlines() if x.strip() and not x.strip().startswith("#")]
+               if ignore.is_file() else None)
+    spec = process_dockerfile(dockerfile, str(folder))
+    params = {"t": tag, "rm": True, "forcerm": True, "dockerfile": spec[0], "cgroupparent": marker,
+              "labels": json.dumps({"gyre.content": tag})}
+    if proxies := api._proxy_configs.get_environment():
+        params["buildargs"] = json.dumps(proxies)
+    headers = {"Content-Type": "application/tar"}
+    api._set_auth_headers(headers)
+    with utils.tar(str(folder), exclude=exclude, dockerfile=spec) as context:
+        response = api._post(api._url("/build"), data=context, params=params, headers=headers, stream=True,
+                             timeout=None)
+    try:
+        raw = api._get_raw_response_socket(response)  # raises the engine's refusal (APIError)
+    except BaseException:
+        response.close()
+        raise
+    request.sock = raw if isinstance(raw, socket.socket) else getattr(raw, "_sock", None)
+    if request.closed:  # stopped while the context was sent
+        request.close()
+    return response
+
+
+def _build_chunk(backend, tag: str, folder: Path, chunk: dict, lines: list[str], start: float) -> None:
+    """One decoded chunk of a build's stream: a step logged, the tail kept, an error raised."""
+    if "stream" in chunk:
+        for line in chunk["stream"].splitlines():
+            if STEP.match(line):  # one line per step: the build's progress
+                log.info("%s: %s: %s (%.0f s)", backend.name, tag, line.strip()[:200], time.monotonic() - start)
+        lines.extend(chunk["stream"].splitlines())
+        del lines[:-50]
+    if "error" in chunk or "errorDetail" in chunk:
+        detail = chunk.get("error") or chunk["errorDetail"].get("message", "")
+        raise ImageBuildError(f"building {folder}: {detail.strip()} ({_tail(lines)})")
+
+
+async def _stop_build(backend, job: asyncio.Future, marker: str | None, request: _BuildRequest, folder: Path) -> None:
+    """Stop a build that ran out its time. Its RUN steps' processes (found by the cgroup
+    parent `marker`) are killed until the engine gives the build up, which removes the step's
+    container (forcerm); a build past STOP_BUILD_S, or with no marker or on another host,
+    only has its reply closed, and the engine may go on with it: logged."""
+    deadline = time.monotonic() + STOP_BUILD_S
+    if marker is not None and getattr(backend, "local", False):
+        while not job.done() and time.monotonic() < deadline:
+            await asyncio.to_thread(_kill_cgroup, marker)
+            await asyncio.wait({job}, timeout=0.5)  # the engine ends the build once its step is killed
+    if not job.done():
+        log.warning("%s: building %s: the engine did not give the build up; it may still be building", backend.name,
+                    folder)
+        request.close()
+    await asyncio.wait({job}, timeout=STOP_BUILD_S)
+    # Its outcome consumed, now or when it comes: the caller's ImageBuildError says what happened.
+    job.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+
+def _kill_cgroup(marker: str) -> int:
+    """SIGKILL every host process whose cgroup path holds `marker`, sweeping until a sweep
+    finds none (a process forking as it dies is caught by the next). Returns how many."""
+    killed = 0
+    for _ in range(KILL_ROUNDS):
+        found = 0
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/cgroup") as f:
+                    if marker not in f.read():
+                        continue
+                with open(f"/proc/{entry}/stat") as f:
+                    if f.read().rpartition(")")[2].split()[0] == "Z":
+                        continue  # dead already, its parent yet to reap it
+                os.kill(int(entry), signal.SIGKILL)
+                found += 1
+            except (OSError, ValueError):
+                continue  # gone already
+        if not found:
+            break
+        killed += found
+    return killed
+
+
+async def check_size(backend, image: str, storage_mb: int | None, *, task: str) -> None:
+    """ImageBuildError when `image` is larger than the task's `storage_mb` (None: no limit).
+
+    storage_mb is the sandbox's disk, as Harbor's cloud sandboxes size it: the disk holds the
+    image and what the agent writes. gyre's own containers measure only the writable layer
+    (storage.py), so a 600 MB image ran under storage_mb = 100; an image that cannot fit the
+    disk it asks for is the recipe's fault, refused before any execution. Call it where the
+    task's image is ready (the launcher's image preparation). SandboxError when the engine
+    cannot say the image's size."""
+    if storage_mb is None:
+        return
+    try:
+        size = await backend.io(lambda: backend.client.images.get(image).attrs.get("Size"))
+    except Exception as e:  # noqa: BLE001 - any engine error: the size is unknown, not small
+        raise SandboxError(f"{backend.name}: size of image {image}: {e}") from None
+    if isinstance(size, int) and size > storage_mb << 20:
+        raise ImageBuildError(f"task {task!r}: image {image} is {size / (1 << 20):.0f} MiB, more than the task's "
+                              f"storage_mb = {storage_mb} MiB (the sandbox's disk must hold its image)")
 
 
 async def ensure_present(backend, image: str, *, timeout_s: float) -> None:
