@@ -6,7 +6,10 @@ to the host's namespace; the socket stays where it was made), and `ProxyRelay` s
 the coordinator's event loop, relaying every connection to the proxy on the host's
 loopback. No extra process and nothing inside the image; the harness is told
 `http://127.0.0.1:PORT`, and from inside nothing else answers: no other host port, no other
-address, no DNS. One relay per execution. Linux only, and it needs CAP_SYS_ADMIN (root).
+address, no DNS. One relay per execution, holding at most MAX_RELAY_CONNECTIONS connections
+in flight, each closed on both sides as soon as the proxy's side ends (issue 36: a sandbox
+holding thousands of connections used to take the coordinator's fds). Linux only, and it
+needs CAP_SYS_ADMIN (root).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import logging
 import os
 import socket
 import threading
+import time
 
 from gyre.coordinator.sandbox.base import SandboxError
 
@@ -24,6 +28,12 @@ log = logging.getLogger("gyre.coordinator")
 
 CLONE_NEWNET = 0x40000000
 SANDBOX_PROXY_PORT = 47600  # the proxy's port inside every sandbox (each has its own namespace)
+# Connections in flight through one sandbox's relay (each is 2 fds here, 1 in the proxy): a
+# harness needs a handful; a sandbox holding thousands must not exhaust the coordinator's fds.
+MAX_RELAY_CONNECTIONS = 256
+_CONNECT_S = 10.0  # to reach the proxy
+_FLUSH_S = 10.0  # for what a closed side still has buffered
+_REPORT_EVERY_S = 10.0
 _libc = None
 
 
@@ -85,57 +95,132 @@ def bind_in_netns(pid: int, host: str = "127.0.0.1", port: int = SANDBOX_PROXY_P
     return out["sock"]
 
 
-async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    """Copies reader to writer until the reader's end; True for a clean end of stream (then the
+    writer is half-closed, so an answer can still come back), False for a broken side."""
     try:
         while chunk := await reader.read(65536):
             writer.write(chunk)
             await writer.drain()
     except (ConnectionError, OSError):
-        pass
-    finally:
-        try:
-            if writer.can_write_eof():
-                writer.write_eof()
-        except (OSError, RuntimeError):
-            pass
+        return False
+    try:
+        if writer.can_write_eof():
+            writer.write_eof()
+    except (OSError, RuntimeError):
+        return False
+    return True
+
+
+async def _close(writer: asyncio.StreamWriter) -> None:
+    """Closes one side, letting what is buffered go out for a while; a peer that never reads
+    it is cut, so a closed pair never keeps its fd."""
+    writer.close()
+    try:
+        await asyncio.wait_for(writer.wait_closed(), _FLUSH_S)
+    except (TimeoutError, ConnectionError, OSError):
+        writer.transport.abort()
+    except asyncio.CancelledError:
+        writer.transport.abort()
+        raise
+
+
+class _Tally:
+    """A recurring event of one relay, logged once per interval with its count, never once
+    per connection (a flood would flood the log too)."""
+
+    def __init__(self, message: str):
+        self.message, self.total, self._count, self._at = message, 0, 0, None
+
+    def note(self, *args: object) -> None:
+        self.total += 1
+        self._count += 1
+        now = time.monotonic()
+        if self._at is None or now - self._at >= _REPORT_EVERY_S:
+            since = "" if self._at is None else f" ({self._count} in the last {now - self._at:.0f} s)"
+            log.warning(self.message + since, *args)
+            self._at, self._count = now, 0
 
 
 class ProxyRelay:
-    """Relays connections accepted inside one sandbox to the proxy at (host, port)."""
+    """Relays connections accepted inside one sandbox to the proxy at (host, port).
 
-    def __init__(self, target_host: str, target_port: int):
+    At most `max_connections` in flight: past it a new connection is reset at once (counted,
+    logged once per interval), so one sandbox cannot spend the coordinator's fds, whatever
+    the proxy's own limits. A pair ends when the proxy's side ends (it answered and closed,
+    timed the connection out, or refused it) or either side breaks; the inside side ending
+    cleanly half-closes the proxy's, whose answer still comes back, and the proxy's deadlines
+    bound the rest."""
+
+    def __init__(self, target_host: str, target_port: int, max_connections: int = MAX_RELAY_CONNECTIONS):
+        if max_connections < 1:
+            raise SandboxError(f"the sandbox relay needs max_connections >= 1, not {max_connections}")
         self.target = (target_host, target_port)
+        self.max_connections = max_connections
         self.server: asyncio.AbstractServer | None = None
         self.port: int | None = None
-        self._conns: set[asyncio.Task] = set()
+        self.pid: int | None = None
+        self.refused = _Tally("sandbox relay (pid %s): connections refused: %d in flight, the limit per sandbox")
+        self.unreachable = _Tally("sandbox relay: cannot reach the proxy at %s:%d: %s")
+        self._conns: dict[asyncio.Task, list[asyncio.StreamWriter]] = {}
 
     async def start(self, pid: int, port: int = SANDBOX_PROXY_PORT) -> int:
         sock = await asyncio.to_thread(bind_in_netns, pid, "127.0.0.1", port)
-        self.port = sock.getsockname()[1]
+        self.pid, self.port = pid, sock.getsockname()[1]
         self.server = await asyncio.start_server(self._handle, sock=sock)
         return self.port
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # Counted before any await: a burst accepted in one loop turn is counted one by one.
+        if len(self._conns) >= self.max_connections:
+            self.refused.note(self.pid, len(self._conns))
+            writer.transport.abort()  # a reset: nothing read, no fd kept, no lingering close
+            return
         task = asyncio.current_task()
-        self._conns.add(task)
+        sides = self._conns[task] = [writer]
         try:
             try:
-                up_reader, up_writer = await asyncio.open_connection(*self.target)
-            except OSError as e:
-                log.warning("sandbox relay: the proxy at %s:%d refused: %s", *self.target, e)
+                up_reader, up_writer = await asyncio.wait_for(asyncio.open_connection(*self.target), _CONNECT_S)
+            except (OSError, TimeoutError) as e:
+                self.unreachable.note(*self.target, str(e) or type(e).__name__)
                 return
+            sides.append(up_writer)
             try:
-                await asyncio.gather(_pump(reader, up_writer), _pump(up_reader, writer))
+                await _relay_pair(reader, writer, up_reader, up_writer)
             finally:
-                up_writer.close()
+                await _close(up_writer)
         finally:
-            writer.close()
-            self._conns.discard(task)
+            try:
+                await _close(writer)
+            finally:
+                self._conns.pop(task, None)
 
     async def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
-            for t in list(self._conns):
+        """Stops listening and cuts every connection in flight."""
+        if self.server is None:
+            return
+        self.server.close()
+        for sides in list(self._conns.values()):
+            for w in sides:
+                w.transport.abort()
+        if self._conns:
+            _, late = await asyncio.wait(list(self._conns), timeout=_FLUSH_S)
+            for t in late:
                 t.cancel()
-            await asyncio.gather(*self._conns, return_exceptions=True)
-            self.server = None
+        self.server = None
+
+
+async def _relay_pair(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      up_reader: asyncio.StreamReader, up_writer: asyncio.StreamWriter) -> None:
+    """Relays both ways until the pair is done: the proxy's side ended (whatever the inside
+    does), or the inside side broke. A clean end from inside waits for the proxy's answer."""
+    outward = asyncio.ensure_future(_pump(reader, up_writer))
+    inward = asyncio.ensure_future(_pump(up_reader, writer))
+    try:
+        await asyncio.wait((outward, inward), return_when=asyncio.FIRST_COMPLETED)
+        if not inward.done() and outward.result():
+            await inward
+    finally:
+        for t in (outward, inward):
+            t.cancel()
+        await asyncio.gather(outward, inward, return_exceptions=True)
