@@ -21,7 +21,7 @@ from typing import Annotated
 
 import typer
 
-from gyre.coordinator.resume import CHECKPOINTS, checkpoint_steps, step_dir
+from gyre.coordinator.resume import CHECKPOINTS, checkpoint_steps, intact, step_dir
 from gyre.workerd.export import ExportError
 
 ExportRunDirArg = Annotated[Path, typer.Argument(help="A gyre run directory (gyre up) with a checkpoint.")]
@@ -143,10 +143,11 @@ def pick_checkpoint(run_dir: Path, step: int | None) -> tuple[Path, dict]:
     elif step not in steps:
         raise ExportError(f"run {run_dir} has no checkpoint of step {step} (available: {available})")
     folder = step_dir(run_dir, step)
-    try:
-        return folder, json.loads((folder / "state.json").read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ExportError(f"{folder / 'state.json'} does not read: {e}") from None
+    state, why = intact(folder, needs=())  # a torn one is named, never a torch traceback
+    if state is None:
+        whole = [s for s in steps if s != step and intact(step_dir(run_dir, s), ())[0] is not None]
+        raise ExportError(f"{why}; choose an intact one with --step (intact: {', '.join(map(str, whole)) or 'none'})")
+    return folder, state
 
 
 def source_model_dir(run_dir: Path, recorded: dict) -> Path:

@@ -275,10 +275,14 @@ def _moved_model(run_dir: Path) -> Path | None:
 def _resumable(run_dir: Path, target: int, extended: bool) -> bool:
     """Whether the run has steps left to do; one that has not says so (before any worker
     starts) and how to extend it. Not an error: the systemd unit starts a finished run again
-    at every boot, and must not be restarted for it."""
-    from gyre.coordinator.rundir import state
+    at every boot, and must not be restarted for it. Finished means saved: steps trained
+    after the last intact checkpoint (rundir.state) are left to do."""
+    from gyre.coordinator.rundir import state, unsaved
 
     s = state(run_dir)
+    if s.unsaved:  # its summary counted them, but no checkpoint has them: not finished
+        typer.echo(f"run directory {run_dir}: {unsaved(s)} trained but never saved (the save failed, or its "
+                   f"checkpoint is torn); resuming from step {s.steps_done}")
     if s.kind == "finished" and target <= s.steps_done:
         more = f" with N > {s.steps_done}" if extended else ""
         typer.echo(f"run directory {run_dir} holds a finished run ({s.steps_done}/{s.steps_target} steps): nothing "

@@ -12,7 +12,13 @@ What survives a `kill -9` of the coordinator:
   its closed executions restored):
   `checkpoints/step-NNNNNN/trainer.pt` (the core's model, optimizer and version) and
   `state.json` (step, versions, publications, consumed groups, the task order), with
-  `checkpoints/latest` naming the newest complete one (written last, atomically).
+  `checkpoints/latest` naming the newest complete one (written last, atomically). Every
+  file is fsynced (and its folder) before the next is written; a save that fails (a full
+  disk: its errno named) removes the step's folder, so no torn checkpoint is left to read.
+
+Resuming takes the newest intact checkpoint at or below `latest`: one whose state.json
+does not parse or whose trainer files are cut short (a copy interrupted, a crash of an
+older gyre) is skipped with a warning naming it (`intact`), never a traceback.
 
 Resuming loads the latest checkpoint into the core, publishes it to every engine, and
 rebuilds the buffer from the journal: groups consumed by a checkpointed step stay consumed
@@ -28,8 +34,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +47,7 @@ from gyre.coordinator.buffer import Execution, Group
 from gyre.coordinator.evaluator import valid_reward
 from gyre.proxy.records import JournalError, RecordsError, load_execution
 from gyre.workerd import wire
+from gyre.workerd.checkpointio import named
 from gyre.workerd.wire import GyreError
 
 log = logging.getLogger("gyre.coordinator")
@@ -48,6 +57,10 @@ CHECKPOINTS = "checkpoints"
 
 class ResumeError(GyreError):
     """A run directory that cannot be resumed; the message says what is missing."""
+
+
+class CheckpointError(GyreError):
+    """A checkpoint that could not be saved; the message names the step and the cause (its errno)."""
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
@@ -93,30 +106,108 @@ def prune_checkpoints(run_dir: Path, step: int, keep: int) -> list[int]:
 
 
 def _atomic(path: Path, text: str) -> None:
+    """`text` into `path` through a fsynced `.tmp`, renamed, the folder fsynced; a failure
+    (a full disk) removes the `.tmp`."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)
+        fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+START = {"step": 0, "version": 0, "publications": 0, "groups_dispatched": 0, "consumed": [], "tasks": None,
+         "tokens_trained": 0}
+STATE_KEYS = ("step", "version", "publications", "groups_dispatched", "consumed", "tasks")
 
 
 def latest(run_dir: Path) -> tuple[Path | None, dict]:
-    """(checkpoint folder, state) of the newest complete checkpoint; (None, the start's state)
-    for a run that stopped before its first: it resumes from the model directory's weights,
-    with every execution it closed restored from the journal."""
-    pointer = run_dir / CHECKPOINTS / "latest"
+    """(checkpoint folder, state) of the newest intact checkpoint (`newest_intact`), each
+    one skipped on the way a warning; (None, the start's state) for a run that stopped
+    before its first: it resumes from the model directory's weights, with every execution
+    it closed restored from the journal."""
     if not (run_dir / "config.json").exists():
         raise ResumeError(f"{run_dir} has no config.json: not a gyre run directory")
+    folder, st, skipped = newest_intact(run_dir)
+    for why in skipped:
+        log.warning("resume: %s; skipped", why)
+    if folder is None and skipped:
+        pointer = run_dir / CHECKPOINTS / "latest"
+        raise ResumeError(f"no intact checkpoint in {run_dir / CHECKPOINTS} ({'; '.join(skipped)}); to start "
+                          f"again from step 0 (the model directory's weights): rm {pointer}")
+    if skipped:
+        log.warning("resume: from the newest intact checkpoint, %s (step %d)", folder.name, st["step"])
+    return folder, st if folder is not None else dict(START)
+
+
+def newest_intact(run_dir: Path) -> tuple[Path | None, dict | None, list[str]]:
+    """(folder, state, what was skipped and why) of the newest intact checkpoint at or
+    below the one `latest` names (past it: a save cut short before the pointer moved);
+    (None, None, []) where no checkpoint was ever declared complete."""
+    root = run_dir / CHECKPOINTS
+    pointer = root / "latest"
     if not pointer.exists():
-        return None, {"step": 0, "version": 0, "publications": 0, "groups_dispatched": 0, "consumed": [],
-                      "tasks": None, "tokens_trained": 0}
-    folder = run_dir / CHECKPOINTS / pointer.read_text().strip()
-    state_path, trainer = folder / "state.json", folder / "trainer.pt"
-    for f in (state_path, trainer):
-        if not f.exists():
-            raise ResumeError(f"checkpoint {folder} is incomplete: {f.name} missing")
-    return folder, json.loads(state_path.read_text())
+        return None, None, []
+    try:
+        name = pointer.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        name = ""
+    skipped: list[str] = []
+    top = int(name[5:]) if re.fullmatch(r"step-\d+", name) else None
+    if top is None:
+        skipped.append(f"{pointer} names {name!r}, not a checkpoint")
+    elif not (root / name).is_dir():
+        skipped.append(f"checkpoint {root / name} is missing")
+    candidates = sorted((int(f.name[5:]) for f in root.glob("step-*") if f.name[5:].isdigit()), reverse=True)
+    for step in candidates:
+        if top is not None and step > top:
+            continue
+        folder = step_dir(run_dir, step)
+        st, why = intact(folder)
+        if st is not None:
+            return folder, st, skipped
+        skipped.append(why)
+    return None, None, skipped
+
+
+def intact(folder: Path, needs: tuple[str, ...] = STATE_KEYS) -> tuple[dict | None, str]:
+    """(state, "") for a checkpoint whose state.json parses (with the fields `needs`) and
+    whose trainer.pt is whole; (None, what is wrong) otherwise. Whole: a zip archive
+    (torch.save's format) whose central directory, at its very end, reads and whose every
+    member lies within the file: a truncation fails this. Cheap: the tensors' bytes are
+    not read. (A Megatron cell's other rank files are checked by the cell as it loads.)"""
+    try:
+        st = json.loads((folder / "state.json").read_text())
+    except FileNotFoundError:
+        return None, f"checkpoint {folder} is incomplete: state.json missing"
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return None, f"checkpoint {folder}: state.json does not read ({type(e).__name__}: {e})"
+    if not isinstance(st, dict) or any(k not in st for k in needs):
+        return None, f"checkpoint {folder}: state.json lacks the fields read from it ({', '.join(needs)})"
+    if not (folder / "trainer.pt").exists():
+        return None, f"checkpoint {folder} is incomplete: trainer.pt missing"
+    why = _torn(folder / "trainer.pt")
+    return (None, f"checkpoint {folder}: trainer.pt is torn ({why})") if why else (st, "")
+
+
+def _torn(path: Path) -> str:
+    """What is wrong with a torch.save file, or "" where its archive is whole."""
+    try:
+        size = path.stat().st_size
+        with zipfile.ZipFile(path) as z:
+            past = [i.filename for i in z.infolist() if i.header_offset + i.compress_size > size]
+    except (OSError, zipfile.BadZipFile, ValueError) as e:
+        return str(e)
+    return f"{past[0]} runs past its end, {size} bytes" if past else ""
 
 
 def read_journal(run_dir: Path) -> tuple[dict[int, dict], dict[str, dict], float]:
@@ -172,17 +263,55 @@ async def checkpoint(coord) -> None:
     end of a run (a batch in flight was cancelled and its groups given back, main.py)."""
     t0 = time.monotonic()
     folder = step_dir(coord.c.run_dir, coord.steps_done)
-    folder.mkdir(parents=True, exist_ok=True)
+    if folder.exists():  # of a stretch lost to a crash (or torn), written again now: never half old, half new
+        _discard(folder)
     link = coord.link
-    await link.request(coord.nodes[0], wire.SaveCheckpoint(req_id=link.new_req_id(), path=str(folder / "trainer.pt")),
-                       timeout=coord.c.checkpoint_timeout_s)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        await link.request(coord.nodes[0], wire.SaveCheckpoint(req_id=link.new_req_id(),
+                                                               path=str(folder / "trainer.pt")),
+                           timeout=coord.c.checkpoint_timeout_s)
+    except Exception as e:  # the worker's error names the errno (workerd/checkpointio.py)
+        _discard(folder)
+        cause = named(Path(e.filename or folder), e) if isinstance(e, OSError) else e
+        raise CheckpointError(f"the checkpoint of step {coord.steps_done} failed, nothing of it kept "
+                              f"({_last_saved(coord)}): {cause}") from None
     try:  # the journal and the records the state will name, on disk (fsync) before the state says so
         coord.metrics.sync()
         coord.proxy.sync()
     except JournalError as e:
+        _discard(folder)
         log.warning("checkpoint of step %d not completed: the journal cannot be synced (%s); the next one retries",
                     coord.steps_done, e)
         return
+    try:
+        _write_state(coord, folder)
+    except OSError as e:
+        _discard(folder)
+        raise CheckpointError(f"the checkpoint of step {coord.steps_done} failed, nothing of it kept "
+                              f"({_last_saved(coord)}): {named(Path(e.filename or folder), e)}") from None
+    coord.checkpointed_step = coord.steps_done
+    pruned = prune_checkpoints(coord.c.run_dir, coord.steps_done, coord.c.keep_checkpoints)
+    coord.metrics.emit("checkpoint", step=coord.steps_done, version=coord.version, path=str(folder),
+                       seconds=round(time.monotonic() - t0, 3), **({"deleted": pruned} if pruned else {}))
+    release_done(coord)
+
+
+def _last_saved(coord) -> str:
+    return f"the last is step {coord.checkpointed_step}" if coord.checkpointed_step else "none saved yet"
+
+
+def _discard(folder: Path) -> None:
+    """A checkpoint folder that is not (or no longer) a whole checkpoint, removed: state.json
+    first, so a reader never takes what is left for complete. A failure is a warning."""
+    try:
+        (folder / "state.json").unlink(missing_ok=True)
+        shutil.rmtree(folder, ignore_errors=True)
+    except OSError as e:
+        log.warning("could not remove the incomplete checkpoint %s (%s)", folder, e)
+
+
+def _write_state(coord, folder: Path) -> None:
     write_state(coord.c.run_dir, coord.steps_done, {
         "step": coord.steps_done, "version": coord.version, "publications": coord.publications,
         "steps_in_burst": coord.steps_in_burst, "groups_dispatched": coord.groups_dispatched,
@@ -191,11 +320,6 @@ async def checkpoint(coord) -> None:
         # Groups of a lost stretch not dispatched again yet (see restore): still held.
         "held": [ev["group"] for ev in coord.held],
         "tasks": task_order_state(coord.tasks), "tokens_trained": coord.tokens_trained})
-    coord.checkpointed_step = coord.steps_done
-    pruned = prune_checkpoints(coord.c.run_dir, coord.steps_done, coord.c.keep_checkpoints)
-    coord.metrics.emit("checkpoint", step=coord.steps_done, version=coord.version, path=str(folder),
-                       seconds=round(time.monotonic() - t0, 3), **({"deleted": pruned} if pruned else {}))
-    release_done(coord)
 
 
 def release_done(coord) -> int:

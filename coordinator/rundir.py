@@ -5,7 +5,8 @@ process exits, however it exits) and writes the holder's pid into it, so a secon
 on a live run directory is refused naming that pid. A new run is refused in a directory
 that already holds one (finished, stopped or crashed: `config.json` is there), with a
 message naming `--resume` or a new directory; `--resume` needs one. Paths are made
-absolute here, before anything is written. Not the checkpoints: resume.py reads those.
+absolute here, before anything is written. Not the checkpoints: resume.py reads those (state()
+asks it whether the last step's is intact).
 """
 
 from __future__ import annotations
@@ -51,9 +52,14 @@ class RunState:
     kind: str
     steps_done: int = 0
     steps_target: int | None = None
+    unsaved: int = 0  # steps trained after the newest intact checkpoint: a resume trains them again
 
 
 def state(run_dir: Path) -> RunState:
+    """What `run_dir` holds, from config.json's target and metrics.jsonl's last events. A
+    run is finished only where the checkpoint of its last step is there and intact: one
+    whose last save failed (a full disk) or is torn "stopped" at the step it can resume
+    from, `unsaved` the steps after it."""
     config = run_dir / "config.json"
     if not config.exists():
         return RunState("none")
@@ -73,9 +79,29 @@ def state(run_dir: Path) -> RunState:
             done, summary = int(ev.get("step", done)), None
     if summary is None:
         return RunState("crashed", done, target)
+    saved = _saved_step(run_dir, done)
+    if saved < done:
+        return RunState("stopped", saved, target, unsaved=done - saved)
     if target is not None and done >= target:
         return RunState("finished", done, target)
     return RunState("stopped", done, target)
+
+
+def unsaved(s: RunState) -> str:
+    """'step 3' or 'steps 3-5': the steps a run trained after its newest intact checkpoint."""
+    first, last = s.steps_done + 1, s.steps_done + s.unsaved
+    return f"step {first}" if first == last else f"steps {first}-{last}"
+
+
+def _saved_step(run_dir: Path, done: int) -> int:
+    """`done` where its checkpoint is intact (or no step was trained), else the step of the
+    newest intact checkpoint a resume would load (0: none)."""
+    from gyre.coordinator.resume import intact, newest_intact, step_dir
+
+    if done <= 0 or intact(step_dir(run_dir, done))[0] is not None:
+        return done
+    folder, st, _ = newest_intact(run_dir)
+    return int(st["step"]) if folder is not None and isinstance(st.get("step"), int) else 0
 
 
 def _tail_events(path: Path, limit: int = 1 << 20) -> list[dict]:
@@ -169,6 +195,8 @@ def _refusal(run_dir: Path, s: RunState) -> str:
         return (f"run directory {run_dir} holds a finished run ({of} steps): extend it with "
                 f"`gyre up --resume {run_dir} --steps N`, or choose a new --run-dir")
     how = "stopped" if s.kind == "stopped" else "crashed (no closing summary)"
+    if s.unsaved:
+        of += f" ({unsaved(s)} trained but never saved)"
     return (f"run directory {run_dir} holds a run that {how} at step {of}: continue it with "
             f"`gyre up --resume {run_dir}`, or choose a new --run-dir")
 

@@ -9,12 +9,14 @@ import json
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from gyre.cli.main import _latest_run, _resolve_config, app
+from gyre.coordinator.resume import STATE_KEYS, step_dir, write_state
 from gyre.coordinator.rundir import RunDirError, claim, state
 
 runner = CliRunner()
@@ -60,6 +62,11 @@ def _run_dir(tmp_path: Path, events: list[dict]) -> Path:
     run.mkdir()
     (run / "config.json").write_text(json.dumps({"steps": 3}))
     (run / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events) + '{"torn')
+    done = [e["steps"] for e in events if e["event"] == "summary"]
+    if done:  # its last step saved, as a run that ended does (rundir.state: finished means saved)
+        write_state(run, done[-1], dict.fromkeys(STATE_KEYS, 0) | {"step": done[-1]})
+        with zipfile.ZipFile(step_dir(run, done[-1]) / "trainer.pt", "w") as z:  # torch.save's format
+            z.writestr("archive/data.pkl", b"")
     return run
 
 

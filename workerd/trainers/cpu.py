@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from gyre.workerd import checkpointio
 from gyre.workerd.loss import chunked_logprobs, tree_logprobs
 from gyre.workerd.model import CausalLM
 from gyre.workerd.trainers.base import (
@@ -88,11 +89,11 @@ class CpuTrainer(Trainer):
         pass
 
     def save_checkpoint(self, path: str) -> None:
+        """Atomic and fsynced (checkpointio.save): a crash mid-save leaves the previous
+        checkpoint, a full disk is named (ENOSPC) and leaves no `.tmp`."""
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        tmp = f"{path}.tmp"
-        torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "version": self.version}, tmp)
-        Path(tmp).replace(path)  # atomic: a crash mid-save leaves the previous checkpoint
+        checkpointio.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                           "version": self.version}, path)
 
     def load_checkpoint(self, path: str) -> None:
         state = torch.load(path, map_location="cpu", weights_only=True)

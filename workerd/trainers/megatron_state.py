@@ -12,6 +12,7 @@ name (megatron_weights.py).
 from __future__ import annotations
 
 import contextlib
+import errno
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -157,18 +158,29 @@ def save_checkpoint(trainer: MegatronTrainer, path: str) -> None:
 
 
 def _save(trainer: MegatronTrainer, path: str) -> None:
+    """Each file atomic and fsynced (checkpointio): a crash mid-save leaves the previous
+    checkpoint, a full disk is named (ENOSPC) and leaves no `.tmp`."""
+    from gyre.workerd import checkpointio
+
     target = ckpt_path(trainer, path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + ".tmp")
     model = {k: v for k, v in trainer.gpt.state_dict().items() if not k.endswith("_extra_state")}
     stepped = any(True for _ in optimizer_states(trainer.optimizer))  # no Adam state before the first step
     if trainer.on_gpu and stepped:  # the distributed optimizer keeps its Adam moments apart from state_dict()
-        trainer.optimizer.save_parameter_state(str(target) + ".optim.tmp")
-        Path(str(target) + ".optim.tmp").replace(str(target) + ".optim")
-    torch.save({"model": model,
-                "optimizer": trainer.optimizer.state_dict() if stepped or not trainer.on_gpu else None,
-                "optimizer_state": stepped, "version": trainer.version, "tp": trainer.tp, "pp": trainer.pp}, tmp)
-    tmp.replace(target)  # atomic: a crash mid-save leaves the previous checkpoint
+        optim = Path(str(target) + ".optim")
+        tmp = optim.with_name(optim.name + ".tmp")
+        try:
+            trainer.optimizer.save_parameter_state(str(tmp))
+        except Exception as e:
+            tmp.unlink(missing_ok=True)
+            if checkpointio.no_space(tmp.parent):  # Megatron's writer drops the errno
+                raise checkpointio.CheckpointWriteError(checkpointio.named(optim, OSError(errno.ENOSPC, ""))) from e
+            raise
+        checkpointio.commit(tmp, optim)
+    checkpointio.save({"model": model,
+                       "optimizer": trainer.optimizer.state_dict() if stepped or not trainer.on_gpu else None,
+                       "optimizer_state": stepped, "version": trainer.version, "tp": trainer.tp, "pp": trainer.pp},
+                      target)
 
 
 def load_checkpoint(trainer: MegatronTrainer, path: str) -> None:
