@@ -103,8 +103,8 @@ def split_fix(message: str) -> tuple[str, str]:
 
 def installation() -> list[Check]:
     out: list[Check] = []
-    for fn in (_python, _gyre, _torch, _core, _extras, _podman, _bubblewrap, _base_image, _docker, _harnesses,
-               _disks, _fds, _loopback):
+    for fn in (_python, _gyre, _torch, _core, _extras, _podman, _bubblewrap, _isolation, _base_image, _docker,
+               _harnesses, _disks, _fds, _loopback):
         out += guarded(fn)
     return out
 
@@ -313,7 +313,15 @@ def _bubblewrap() -> Check:
         what, fix = split_fix(why)
         return Check("bubblewrap", WARN, f"{what} (sandbox = bubblewrap needs it)", fix)
     version = (probe(["bwrap", "--version"]) or "bwrap").strip()
-    return Check("bubblewrap", OK, f"{version}, nsenter, root")
+    return Check("bubblewrap", OK, f"{version}, nsenter, setpriv, root")
+
+
+def _isolation() -> list[Check]:
+    """What each sandbox backend isolates, the process backend's nothing included: a fact of the
+    backend, not a fault of this host (its availability is the podman and bubblewrap lines)."""
+    from gyre.coordinator.sandbox import BACKENDS, isolation
+
+    return [Check(f"sandbox {name}", OK, isolation(name)) for name in BACKENDS]
 
 
 def _base_image() -> Check:

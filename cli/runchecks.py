@@ -97,6 +97,7 @@ def _run_model(cfg) -> Check:
 
 def _run_needs(cfg) -> list[Check]:
     """What `gyre up --resume` would refuse before starting: backends, sandbox, harness binary."""
+    from gyre.coordinator.sandbox import isolation
     from gyre.coordinator.sandbox.base import SandboxError
     from gyre.coordinator.sandbox.preflight import check_sandbox
     from gyre.workerd.backends import check_backends
@@ -118,7 +119,8 @@ def _run_needs(cfg) -> list[Check]:
         out.append(Check("run needs", FAIL, f"harness {preset.name!r}: {preset.command[0]!r} is not on PATH",
                          preset.install or "install it, or set harness in config.json"))
     return out or [Check("run needs", OK, f"engine {cfg.engine_backend}, trainer {cfg.trainer_backend}, "
-                                          f"sandbox {cfg.sandbox}, harness {preset.name}: all here")]
+                                          f"sandbox {cfg.sandbox}, harness {preset.name}: all here; sandbox "
+                                          f"{cfg.sandbox} {isolation(cfg.sandbox)}")]
 
 
 def _lock_pid(d: Path) -> int | None:
@@ -231,17 +233,16 @@ def _complete(folder: Path, cfg) -> bool:
 
 
 def _run_checkpoint(d: Path, cfg) -> Check:
-    from gyre.coordinator.resume import CHECKPOINTS, ResumeError, latest
+    from gyre.coordinator.resume import CHECKPOINTS, newest_intact
 
     pointer = d / CHECKPOINTS / "latest"
     if not pointer.exists():
         return Check("checkpoint", OK, "none yet: a resume starts from step 0 (the model directory's weights), "
                                        "every closed execution restored")
     name = pointer.read_text().strip()
-    try:
-        folder, st = latest(d)
-    except (ResumeError, ValueError) as e:  # ValueError: an unreadable state.json
-        return _bad_checkpoint(d, cfg, name, str(e))
+    folder, st, skipped = newest_intact(d)
+    if skipped:  # a resume would fall back past them (or find none): say so
+        return _bad_checkpoint(d, cfg, name, "; ".join(skipped))
     missing = _rank_files(folder, cfg)
     if missing:
         shape = f"TP={cfg.trainer_options.get('tp', 1)}, PP={cfg.trainer_options.get('pp', 1)}"

@@ -6,6 +6,29 @@ Three evaluators share one async interface: similarity of answer.txt to the task
 invalid outcome with no score: a missing reward is never filled in as 0; a score that is not
 finite or lies outside the run's reward_range (`valid_reward`) is no reward either. Not the
 launcher, and not where rewards become advantages.
+
+A host-side command evaluator runs where the agent's files are: whatever its tools pick up
+from the workspace (pytest's conftest.py, a module `python -m` finds in the working folder, a
+.pth there) runs with it. So it never runs on the workspace itself nor with the coordinator's
+privileges: it runs on a fresh copy (links copied as links, never followed), one per
+workspace, shared by its retries. As root with bubblewrap it runs jailed as bubblewrap.py
+jails a harness: an unprivileged uid of the evaluators' own range with no capability, the
+system, this Python, gyre's coordinator package and its own command's folders read-only, the
+folder of the run directory it would show covered, the copy writable and mounted where the
+workspace was (cwd and GYRE_WORKSPACE unchanged), no network, a private PID namespace that ends
+with it, and only PATH, TERM, the locale, HOME=/tmp and its GYRE_* variables for environment.
+As root without bubblewrap it runs on the copy as that uid through setpriv (no capability; it
+sees the host as any unprivileged user does, and its own files must be readable by one); as a
+user other than root, on the copy as that user.
+What that guarantees: agent-written code run by the evaluator cannot act as root, write the
+host (the saved workspace included), read another execution or the coordinator's environment,
+or outlive the attempt. What it cannot: an evaluator that imports or runs the agent's code puts
+its own result in that code's hands, which may print any score; only an evaluator that keeps
+the agent's files out of its own process (pytest with --rootdir/--confcutdir at its own tests
+and `-p no:cacheprovider`, `python -I`, reading files as data) or a verifier in a fresh
+container (verifier.py) scores honestly against a hostile agent. Its network is gone too: an
+evaluator that calls a service (an LLM judge) belongs in a python evaluator, which runs in the
+coordinator's own process and so must read the workspace as data, never import or run it.
 """
 
 from __future__ import annotations
@@ -18,13 +41,20 @@ import json
 import logging
 import math
 import os
+import shutil
 import signal
+import tempfile
 import time
+import weakref
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from gyre.coordinator.sandbox import bubblewrap as jail
+from gyre.coordinator.sandbox.base import COPY_LIMIT_BYTES
+from gyre.coordinator.sandbox.files import copy_capped
 from gyre.coordinator.sandbox.process import end_pipes, exit_of
 from gyre.coordinator.tasks import Task
 from gyre.workerd.wire import GyreError
@@ -186,28 +216,118 @@ async def _read_into(stream: asyncio.StreamReader, buf: bytearray, keep: int) ->
         del buf[:-keep]
 
 
+def _evaluator_uid(workspace: str) -> int:
+    """The uid a jailed evaluator runs as: in a range of its own, above every sandbox's, so
+    it never shares one with the agent whose work it scores."""
+    return jail.UID_BASE + jail.UID_SPAN + zlib.crc32(workspace.encode()) % jail.UID_SPAN
+
+
+def _remove_copies(copies: dict[str, str]) -> None:
+    for folder in copies.values():
+        shutil.rmtree(folder, ignore_errors=True)
+    copies.clear()
+
+
+def _command_roots(argv: list[str], workspace: str) -> list[str]:
+    """What a jail shows read-only of the command's own files (its program as found on PATH,
+    and every absolute path among its arguments), each as named and resolved: a file's folder
+    where any user may read it (a script's helper modules come along), else the file alone (a
+    0700 folder would bar the jail's uid; the folders bwrap makes above a mount are 0755). The
+    system's are there anyway; one inside the workspace comes from the copy."""
+    found = [shutil.which(argv[0]) or argv[0], *(a for a in argv[1:] if os.path.isabs(a))]
+    roots = set()
+    for path in found:
+        for p in (os.path.abspath(path), os.path.realpath(path)):
+            if os.path.isdir(p):
+                roots.add(p)
+            elif os.path.exists(p):
+                folder = os.path.dirname(p)
+                roots.add(folder if os.stat(folder).st_mode & 0o005 == 0o005 else p)
+    return sorted(r for r in roots if r != "/" and not jail.within(r, jail.SYSTEM_RO)
+                  and not jail.within(r, [workspace]))
+
+
 class CommandEvaluator:
-    """Runs `argv` in the workspace; its last non-empty stdout line is the JSON result.
+    """Runs `argv` on a fresh copy of the workspace; its last non-empty stdout line is the
+    JSON result. Jailed as the module docstring says: the agent's files never run with the
+    coordinator's privileges, and the workspace itself is never written.
 
     Environment: GYRE_WORKSPACE, GYRE_TASK_ID, GYRE_TASK_PROMPT and, when the task has one,
-    GYRE_TARGET. A non-zero exit, a timeout or unreadable output is a failed attempt. The
-    attempt ends when the command exits: output its children still send is read for
-    OUTPUT_GRACE_S, then its process group is killed (nothing of it outlives the attempt),
-    and only the tails of its output are kept.
+    GYRE_TARGET (plus PATH, TERM, the locale and HOME). A non-zero exit, a timeout or
+    unreadable output is a failed attempt. The attempt ends when the command exits: output its
+    children still send is read for OUTPUT_GRACE_S, then its process group is killed (nothing
+    of it outlives the attempt), and only the tails of its output are kept. `release` (or the
+    evaluator's end) removes a workspace's copy.
     """
 
     def __init__(self, argv: list[str], timeout_s: float):
         self.argv = list(argv)
         self.timeout_s = timeout_s
+        self._copies: dict[str, str] = {}  # workspace -> the temporary folder holding its copy
+        self._finalizer = weakref.finalize(self, _remove_copies, self._copies)
+
+    def release(self, workspace: Path) -> None:
+        """Remove the copy made for `workspace` (evaluate_with_retries calls it once done)."""
+        folder = self._copies.pop(str(Path(workspace).absolute()), None)
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def _copy_of(self, workspace: Path, uid: int | None) -> str:
+        """The workspace's copy (made on the first attempt, shared by the retries), handed to
+        `uid` when the evaluator drops to one."""
+        key = str(workspace.absolute())
+        if key in self._copies:
+            return os.path.join(self._copies[key], "workspace")
+        folder = tempfile.mkdtemp(prefix="gyre-eval-")
+        self._copies[key] = folder
+        copy = os.path.join(folder, "workspace")
+        if workspace.is_dir():
+            report = copy_capped(workspace, Path(copy), COPY_LIMIT_BYTES)
+            if report.truncated:  # a score of part of the work would be a wrong score
+                raise EvaluatorError(f"workspace larger than the evaluator's copy cap: {report.problem()}")
+        else:
+            os.mkdir(copy)
+        if uid is not None:
+            os.chmod(folder, 0o711)  # the uid passes through to its copy, and lists nothing else
+            jail.hand_over(copy, uid)
+        return copy
+
+    def _command(self, workspace: Path, env: dict[str, str]) -> tuple[list[str], str, dict[str, str]]:
+        """(command line, host cwd, environment) for one attempt, by what this host allows."""
+        program = self.argv[0]
+        if "/" in program and not os.path.isabs(program):  # relative to the folder it runs in, as exec finds it
+            program = os.path.join(os.path.abspath(workspace), program)
+        if shutil.which(program) is None:
+            raise EvaluatorFailed(f"cannot start {self.argv[0]!r}: not found or not executable")
+        tools = {t: shutil.which(t) for t in ("bwrap", "setpriv")}
+        if os.geteuid() != 0:  # already unprivileged: the copy keeps the workspace as it was
+            copy = self._copy_of(workspace, None)
+            return self.argv, copy, jail.allowed_env({**env, "GYRE_WORKSPACE": copy})
+        if tools["setpriv"] is None:
+            raise EvaluatorError("a host evaluator will not run agent-written files as root without setpriv; "
+                                 "install it (apt-get install -y util-linux bubblewrap)")
+        inside = os.path.realpath(workspace)
+        uid = _evaluator_uid(inside)
+        copy = self._copy_of(workspace, uid)
+        if tools["bwrap"] is None:  # the host as an unprivileged user sees it, the copy its only own place
+            return [*jail.jail(tools["setpriv"], uid), *self.argv], copy, jail.allowed_env(
+                {**env, "GYRE_WORKSPACE": copy})
+        readable = jail.harness_roots() + _command_roots(self.argv, inside)
+        # A folder shown that holds the workspace would show its run: the part toward it is covered.
+        hidden = sorted({os.path.join(r, os.path.relpath(inside, r).split("/")[0]) for r in readable
+                         if jail.within(inside, [r]) and inside != r})
+        argv = jail.confined_argv(self.argv, bwrap=tools["bwrap"], setpriv=tools["setpriv"], uid=uid, cwd=inside,
+                                  readable={r: r for r in readable}, hidden=hidden, writable={copy: inside})
+        return argv, copy, jail.allowed_env(env)
 
     async def evaluate(self, task: Task, workspace: Path) -> Outcome:
-        env = {**os.environ, "GYRE_WORKSPACE": str(workspace), "GYRE_TASK_ID": task.id,
-               "GYRE_TASK_PROMPT": task.prompt}
+        env = {"GYRE_WORKSPACE": str(workspace), "GYRE_TASK_ID": task.id, "GYRE_TASK_PROMPT": task.prompt}
         if task.target is not None:
             env["GYRE_TARGET"] = task.target
+        argv, cwd, env = await asyncio.to_thread(self._command, Path(workspace), env)
         try:
             proc = await asyncio.create_subprocess_exec(
-                *self.argv, cwd=workspace, env=env, stdin=asyncio.subprocess.DEVNULL,
+                *argv, cwd=cwd, env=env, stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True)
         except OSError as e:
             raise EvaluatorFailed(f"cannot start {self.argv[0]!r}: {e}") from None
@@ -225,7 +345,8 @@ class CommandEvaluator:
             raise EvaluatorFailed(f"timed out after {self.timeout_s:g}s") from None
         finally:
             # Always (a result, a timeout, a cancellation): nothing of the command outlives
-            # the attempt; its pipes are closed and it is reaped, boundedly.
+            # the attempt (jailed: bwrap's PID namespace goes with it); its pipes are closed
+            # and it is reaped, boundedly.
             _kill_group(proc)
             await asyncio.shield(end_pipes(proc, REAP_TIMEOUT_S, *readers))
             exited.cancel()
@@ -339,6 +460,16 @@ async def evaluate_with_retries(evaluator: Evaluator, task: Task, workspace: Pat
     score outside `reward_range` ends it at once (the same state would score the same) as
     invalid, the error naming the score and the range: it is never trained on.
     """
+    try:
+        return await _attempts(evaluator, task, workspace, deadline, max_attempts, backoff_s, clock, reward_range)
+    finally:
+        release = getattr(evaluator, "release", None)  # CommandEvaluator's copy of the workspace
+        if release is not None:
+            await asyncio.to_thread(release, workspace)
+
+
+async def _attempts(evaluator: Evaluator, task: Task, workspace: Path, deadline: float, max_attempts: int,
+                    backoff_s: float, clock: Callable[[], float], reward_range: tuple[float, float]) -> Outcome:
     attempts, error = 0, "no attempt"
     while True:
         attempts += 1

@@ -7,7 +7,9 @@ what is left of the group when the command ends is SIGKILLed. Every process it s
 carries GYRE_SANDBOX_OWNER / GYRE_SANDBOX_RUN_DIR (and the maker's process and the
 execution) in its environment, which is how `cancel` finds what left the group (a `setsid`
 daemon) and `reap` the harnesses a killed coordinator left behind. A process that drops its
-environment (`env -i`) escapes both: this backend isolates nothing.
+environment (`env -i`) escapes both: this backend isolates nothing (ISOLATION), keys included:
+every harness runs as the coordinator's user, so each can read the others' environments
+(/proc/PID/environ), their API keys among them, and act as them against the proxy.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ READ_GRACE_S = 5.0  # output still coming once the command has ended is read thi
 KILL_ROUNDS = 100  # `cancel` sweeps for marked processes until one finds none, at most this often
 ENV_OWNER, ENV_RUN_DIR, ENV_PROCESS = "GYRE_SANDBOX_OWNER", "GYRE_SANDBOX_RUN_DIR", "GYRE_SANDBOX_PROCESS"
 ENV_EXECUTION = "GYRE_SANDBOX_EXECUTION"
+ISOLATION = ("isolates nothing: harnesses run as the coordinator's user with its files, its environment and "
+             "network, and each can read the others' API keys (/proc/PID/environ) and act as them")
 _ENV_MARKERS = {ENV_OWNER.encode(), ENV_RUN_DIR.encode(), ENV_PROCESS.encode(), ENV_EXECUTION.encode()}
 
 
@@ -283,6 +287,7 @@ class ProcessSandbox(Sandbox):
 class ProcessBackend(SandboxBackend):
     name = "process"
     enforces = frozenset()
+    isolation = ISOLATION
 
     async def create(self, spec: SandboxSpec) -> Sandbox:
         if not spec.workdir:

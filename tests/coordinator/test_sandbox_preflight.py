@@ -95,12 +95,14 @@ def test_a_missing_backend_command_is_named_with_its_fix(bare_path):
 def test_bubblewrap_needs_root_and_nsenter(monkeypatch):
     import gyre.coordinator.sandbox.bubblewrap as bw
 
-    have = {"bwrap": "/usr/bin/bwrap", "nsenter": "/usr/bin/nsenter"}
+    have = {"bwrap": "/usr/bin/bwrap", "nsenter": "/usr/bin/nsenter", "setpriv": "/usr/bin/setpriv"}
     monkeypatch.setattr(bw.shutil, "which", lambda name: have.get(name))
     monkeypatch.setattr(bw.os, "geteuid", lambda: 0)
     check_sandbox("bubblewrap")
     monkeypatch.setattr(bw.os, "geteuid", lambda: 1000)
     assert "needs root" in _refused("bubblewrap")
+    del have["setpriv"]  # it drops root inside the sandbox
+    assert "`setpriv` command is not on PATH" in _refused("bubblewrap")
     del have["nsenter"]
     assert "`nsenter` command is not on PATH" in _refused("bubblewrap")
 

@@ -308,25 +308,42 @@ def _ends(pid: int, within_s: float = 5.0) -> bool:
         os.close(fd)
 
 
+def _gone(token: str) -> bool:
+    """Whether every host process whose command line holds `token` has exited (or does soon).
+    By token, not by the pid the evaluator saw: a jailed one sees its own PID namespace's."""
+    import os
+
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and token.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
+                pids.append(int(entry))
+        except OSError:
+            continue
+    return all(_ends(pid) for pid in pids)
+
+
 async def test_a_child_holding_stdout_does_not_hold_the_result(tmp_path):
     # The evaluator prints its result and exits; a child it started keeps its stdout open.
+    token = f"child-{time.monotonic_ns()}"
     code = ("import json, subprocess, sys\n"
-            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
+            f"child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)', {token!r}])\n"
             "print(json.dumps({'score': 0.5, 'ref': str(child.pid)}), flush=True)\n")
     start = time.monotonic()
     out = await CommandEvaluator(py(code), timeout_s=8).evaluate(TASK, tmp_path)
     assert out.score == 0.5 and out.valid and time.monotonic() - start < 8
-    assert _ends(int(out.ref))  # and the child went with the attempt
+    assert _gone(token)  # and the child went with the attempt
 
 
 async def test_nothing_of_an_evaluator_outlives_its_attempt(tmp_path):
+    token = f"child-{time.monotonic_ns()}"
     code = ("import json, subprocess, sys\n"
-            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'],\n"
+            f"child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)', {token!r}],\n"
             "                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
             "print(json.dumps({'score': 1, 'ref': str(child.pid)}))\n")
     out = await CommandEvaluator(py(code), timeout_s=30).evaluate(TASK, tmp_path)
     assert out.score == 1.0
-    assert _ends(int(out.ref))
+    assert _gone(token)
 
 
 def test_an_evaluators_output_is_kept_to_its_tail(tmp_path):
@@ -440,7 +457,8 @@ async def test_retries_fail_twice_then_succeed(tmp_path):
     out = await evaluate_with_retries(CommandEvaluator(COUNTING, 30), TASK, tmp_path,
                                       deadline=time.monotonic() + 60, backoff_s=0.01)
     assert out == Outcome(score=0.5, valid=True, ref="attempt 3", attempts=3)
-    assert (tmp_path / "attempts").read_text() == "3"  # same workspace every attempt
+    # Every attempt on the same copy (attempt 3 counted the other two); the workspace itself is never written.
+    assert not (tmp_path / "attempts").exists()
 
 
 async def test_retries_exhausted_is_invalid_never_zero(tmp_path):

@@ -119,3 +119,4 @@ def test_two_clean_serve_runs_warn_of_no_orphan(bwrap_ready, tmp_path):
         assert r.returncode == 0, r.stderr[-2000:]
         assert json.loads(r.stdout.splitlines()[-1])["status"] == "completed"
         assert "orphan" not in r.stderr, r.stderr[-2000:]
+        assert "sandbox bubblewrap isolates each harness: an unprivileged uid" in r.stderr  # the start line
