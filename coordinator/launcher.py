@@ -9,9 +9,13 @@ deadline the harness is stopped inside (SIGTERM to its group, SIGKILL after the 
 the sandbox kept, so a timed-out execution is still scored on its preserved work. Before
 anything is scored every process of the sandbox is killed (a daemon the agent left could
 rewrite what is scored), and the workspace is copied out to RUN_DIR/executions/ID/workspace
-(links never followed, under a cap; what went wrong is recorded, never the status); only
-then are the task's tests copied in and its verifier run inside, else an evaluator scores
-the copy. A reward outside reward_range is no reward (evaluator_error). The harness's
+(links never followed, under a cap; what went wrong is recorded, never the status). A
+task's verifier then runs in a fresh sandbox from the task's image holding that copy and the
+tests (verifier.py): nothing the agent changed outside its workdir (its tools, hooks,
+preload list, `sleep`) takes part, and its own container is removed first (kept under
+keep_sandbox, it is never started again); else an evaluator scores the copy. A container
+execution makes one exec (the harness); files move by archive calls, which leave no monitor.
+A reward outside reward_range is no reward (evaluator_error). The harness's
 storage is held to the task's storage_mb (measured as it runs) and harness.log is capped.
 The sandbox is always removed (unless kept). Ends in exactly one status:
 
@@ -76,7 +80,7 @@ from gyre.coordinator.sandbox.pool import Sandboxes, open_sandboxes  # noqa: F40
 from gyre.coordinator.sandbox.preflight import task_refusal
 from gyre.coordinator.sandbox.process import ProcessBackend
 from gyre.coordinator.tasks import Task, make_workspace
-from gyre.coordinator.verifier import SOLUTION_DIR, build_verifier, prepare_sandbox
+from gyre.coordinator.verifier import SOLUTION_DIR, build_verifier
 from gyre.proxy.server import ProxyServer
 
 log = logging.getLogger("gyre.coordinator")
@@ -141,6 +145,7 @@ class Launcher:
         self.remote_relay = remote_relay
         self._live: dict[str, Sandbox] = {}
         self._copied: set[str] = set()  # executions whose workspace has been copied out (once, before any test)
+        self._owners: dict[str, dict] = {}  # execution -> its copy's owners (CopyReport.owners), for the verifier
         self._presets: dict[str, HarnessPreset] = {}
         self._images: dict[tuple[str, str], asyncio.Future] = {}  # (task id, host) -> its image (or the error)
         self._image_errors: dict[str, BaseException] = {}  # task id -> the build's error (the task's own fault)
@@ -471,14 +476,17 @@ class Launcher:
         #    read the tests or copy them into its workspace (SandboxError if that cannot be made sure).
         await sandbox.cancel()
         deadline = time.monotonic() + self.spec.eval_budget_s
-        # 2) Its workspace out before any test goes in: the saved copy is the agent's work alone.
-        workspace = await self._copy_out(run, sandbox, folder, needed=not task.verifier)
+        # 2) Its workspace out before any test goes in: the saved copy is the agent's work alone,
+        #    and all of it a verifier sees.
+        workspace = await self._copy_out(run, sandbox, folder, needed=True)
         try:
             if task.verifier:
-                # 3) The verifier's own /tests and /logs/verifier, made now: nothing the agent left there counts.
+                # 3) Scored in fresh sandboxes from the image: the agent's container goes now (a
+                #    kept one stays stopped), nothing of it beyond the copy takes part.
+                if self.spec.keep_sandbox == "never":
+                    await self._remove(run, sandbox)
                 evaluator = build_verifier(task, sandbox, swe_mode=self.spec.swe_score,
-                                           log_path=folder / "verifier.log")
-                await prepare_sandbox(sandbox, Path(task.tests_dir) if task.tests_dir is not None else None)
+                                           log_path=folder / "verifier.log", owners=self._owners.pop(run.id, None))
             else:
                 evaluator = build_evaluator(task.evaluator or self.default_evaluator)
         except (EvaluatorError, EvaluatorFailed) as e:
@@ -490,14 +498,15 @@ class Launcher:
         """The container's workdir to RUN_DIR/executions/ID/workspace, once per execution (links
         kept only where they stay inside, never followed; at most the larger of 512 MiB and
         storage_mb). What went wrong is recorded as its copy_out_error; it raises (SandboxError)
-        only when the copy is `needed` (a host evaluator scores it) and none could be made."""
+        only when the copy is `needed` (it is what is scored) and none could be made."""
         workspace = folder / "workspace"
         if not self.backend.needs_image or run.id in self._copied:
             return workspace  # a host folder already (process, bubblewrap), or copied
         self._copied.add(run.id)
         limit = max(COPY_LIMIT_BYTES, (sandbox.spec.limits.storage_mb or 0) << 20)
         try:
-            problem = (await sandbox.download(sandbox.workdir, workspace, limit_bytes=limit)).problem()
+            report = await sandbox.download(sandbox.workdir, workspace, limit_bytes=limit)
+            problem, self._owners[run.id] = report.problem(), report.owners
         except FileNotFoundError:
             workspace.mkdir(parents=True, exist_ok=True)  # the agent removed its workdir
             problem = None
@@ -532,6 +541,7 @@ class Launcher:
             log.warning("execution %s: workspace not copied out: %s", run.id, e)
         finally:
             self._copied.discard(run.id)
+            self._owners.pop(run.id, None)
         keep = self.spec.keep_sandbox == "always" or (self.spec.keep_sandbox == "on_failure" and failed)
         if keep:
             info = {"backend": self.backend.name, "id": getattr(sandbox, "id", None), "status": run.status}

@@ -1,16 +1,23 @@
-"""verifier.py: scoring inside the sandbox, on the state the agent left: Harbor and SWE-style.
+"""verifier.py: scoring in a fresh sandbox from the task's image: Harbor and SWE-style.
 
-Runs after the agent has stopped, in the same sandbox. Harbor: the task's tests/ folder is
-copied to /tests only now (the agent never saw it), `bash /tests/test.sh` runs under the
-verifier's deadline, and the reward is read from /logs/verifier/reward.txt (a number) or
-reward.json (`{"reward": x}`, or one numeric value); any finite number is a score, binary or
-not. SWE-style: the row's test_patch is applied, its test_cmd runs, and the FAIL_TO_PASS and
-PASS_TO_PASS ids are looked up in the output (pytest -rA / -v lines, unittest's "... ok");
-reward 1 when all pass, else 0, or the FAIL_TO_PASS fraction (`swe_score = "fraction"`).
-A verifier that cannot produce a reward fails the attempt (EvaluatorFailed, retried, then
-evaluator_error): never a 0. What the launcher guarantees before a verifier runs: nothing of
-the agent's still runs, /tests and /logs/verifier are fresh (`prepare_sandbox`), and the
-workspace has been copied out. Logs and test output are capped. Not the host-side
+SWE-bench's rule: the tests never run where the agent ran. Once the agent's processes are
+gone and its working directory is copied out, each attempt starts a new container from the
+task's image with that copy put into its working directory (merged over the image's own
+files there; a file the agent deleted comes back from the image) and, for Harbor, the
+task's tests/ at /tests; its own command is the verifier's. So the shell, `timeout`,
+`python3`, the preload list and Python's site hooks it runs with are the image's, whatever
+the agent replaced in its own container (which is removed or, kept, never started again).
+Harbor: `bash /tests/test.sh` runs in the working directory under the verifier's deadline
+and the reward is read from /logs/verifier/reward.txt (a number) or reward.json
+(`{"reward": x}`, or one numeric value); any finite number is a score. SWE-style: the row's
+test_patch is applied with the image's git, its test_cmd runs under `bash -c` (no login
+shell: no /etc/profile), and the FAIL_TO_PASS and PASS_TO_PASS ids are looked up in the
+output (pytest -rA / -v lines, unittest's "... ok"); reward 1 when all pass, else 0, or the
+FAIL_TO_PASS fraction (`swe_score = "fraction"`). A verifier that cannot produce a reward
+fails the attempt (EvaluatorFailed, retried, then evaluator_error): never a 0. An image whose
+working directory is / cannot be verified this way (the agent's copy would be the whole
+system): evaluator_error. Not yet: a task field to verify in the agent's own container (for
+tasks that check system state). Logs and test output are capped. Not the host-side
 evaluators (evaluator.py).
 """
 
@@ -20,22 +27,27 @@ import json
 import math
 import re
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 from gyre.coordinator.evaluator import EvaluatorError, EvaluatorFailed, Outcome
-from gyre.coordinator.sandbox.base import CappedLog, Sandbox
+from gyre.coordinator.sandbox.base import CappedLog, Put, Sandbox
 from gyre.coordinator.tasks import Task
 
 TESTS_DIR, SOLUTION_DIR, VERIFIER_LOGS = "/tests", "/solution", "/logs/verifier"
 SCORE_MODES = ("all", "fraction")
 LOG_LIMIT_BYTES = 16 << 20  # of verifier.log, and of a SWE test run's output
-# Before the tests go in (the agent's processes are gone by then): whatever the agent left at
-# /tests (a planted conftest.py, a link elsewhere) or at /logs (a link) is removed, and the
-# verifier's output folder is made anew.
-_FRESH = (f'if [ -L /logs ] || {{ [ -e /logs ] && [ ! -d /logs ]; }}; then rm -f /logs; fi; '
-          f'rm -rf {TESTS_DIR} {VERIFIER_LOGS} && mkdir -p {VERIFIER_LOGS}')
-# In the workdir when it still exists, else / (an agent may have removed it).
-_IN_WORKDIR = 'cd "$1" 2>/dev/null || cd /; shift; exec "$@"'
+# The Harbor verifier's command in its fresh sandbox: its output folder made anew, then the
+# tests in the working directory (or / should it be missing).
+_HARBOR = (f'rm -rf {VERIFIER_LOGS} && mkdir -p {VERIFIER_LOGS} && {{ cd "$1" 2>/dev/null || cd /; }} && shift '
+           '&& exec "$@"')
+PATCH_INSIDE = "/tmp/gyre-test.patch"
+MARK = "gyre-verifier:"  # the SWE command's first line says how the patch went: nothing of the agent's runs before it
+_SWE = (f'cd "$1" 2>/dev/null || cd /; if [ -s {PATCH_INSIDE} ]; then '
+        f'if ! command -v git >/dev/null 2>&1; then echo "{MARK} no git"; exit 0; fi; '
+        f'if ! git -c core.fsmonitor=false apply -v {PATCH_INSIDE} >/tmp/gyre-apply.log 2>&1; then '
+        f'echo "{MARK} test_patch did not apply"; cat /tmp/gyre-apply.log; exit 0; fi; fi; '
+        f'echo "{MARK} ready"; exec bash -c "$2"')
 
 
 def _tail(data: bytes, limit: int = 300) -> str:
@@ -73,44 +85,35 @@ def reward_from_json(text: str) -> float:
     raise EvaluatorFailed(f"reward.json must hold a number or an object, got {type(data).__name__}")
 
 
-async def in_workdir(sandbox: Sandbox, argv: list[str], **kw):
-    return await sandbox.exec(["sh", "-c", _IN_WORKDIR, "sh", sandbox.workdir, *argv], cwd="/", **kw)
-
-
-async def prepare_sandbox(sandbox: Sandbox, tests_dir: Path | None) -> None:
-    """A Harbor task's /tests and /logs/verifier as the verifier's own, then its tests copied
-    to /tests (a SWE row brings its tests as a patch: nothing to do). Called by the launcher
-    once the agent's processes are gone and its workspace is out."""
-    if tests_dir is None:
-        return
-    r = await sandbox.exec(["sh", "-c", _FRESH], cwd="/", timeout_s=60)
-    if r.code != 0:
-        raise EvaluatorFailed(f"could not clear {TESTS_DIR} and {VERIFIER_LOGS} (exit {r.code}): {_tail(r.output)}")
-    await sandbox.upload(Path(tests_dir), TESTS_DIR)
-
-
 class HarborVerifier:
-    """tests/test.sh in the sandbox; the reward from /logs/verifier."""
+    """tests/test.sh in a fresh sandbox holding the agent's copied-out workdir; the reward
+    from its /logs/verifier."""
 
-    def __init__(self, sandbox: Sandbox, spec: dict, log_path: Path | None = None):
+    def __init__(self, sandbox: Sandbox, spec: dict, log_path: Path | None = None,
+                 owners: Mapping[str, tuple[int, int]] | None = None):
         self.sandbox = sandbox
         self.timeout_s = float(spec.get("timeout_s") or 600.0)
         self.env = dict(spec.get("env") or {})
         self.log_path = log_path
+        self.owners = dict(owners or {})
 
     async def evaluate(self, task: Task, workspace: Path) -> Outcome:
         sb = self.sandbox
-        await sb.exec(["sh", "-c", f"rm -rf {VERIFIER_LOGS} && mkdir -p {VERIFIER_LOGS}"], cwd="/", timeout_s=60)
+        puts = [Put(Path(workspace), sb.workdir, self.owners)]
+        if task.tests_dir is not None:
+            puts.append(Put(Path(task.tests_dir), TESTS_DIR))
+        rewards = (f"{VERIFIER_LOGS}/reward.txt", f"{VERIFIER_LOGS}/reward.json")
         with open(self.log_path, "ab") if self.log_path else tempfile.TemporaryFile() as logf:
-            r = await in_workdir(sb, ["bash", f"{TESTS_DIR}/test.sh"], env=self.env, timeout_s=self.timeout_s,
-                                 log=CappedLog(logf, LOG_LIMIT_BYTES, "verifier.log"))
+            r, got = await sb.run_fresh(["sh", "-c", _HARBOR, "sh", sb.workdir, "bash", f"{TESTS_DIR}/test.sh"],
+                                        puts=puts, env=self.env, timeout_s=self.timeout_s,
+                                        log=CappedLog(logf, LOG_LIMIT_BYTES, "verifier.log"), read=rewards)
         if r.timed_out:
             raise EvaluatorFailed(f"tests/test.sh timed out after {self.timeout_s:g}s")
-        text = await sb.read_file(f"{VERIFIER_LOGS}/reward.txt")
+        text = got[rewards[0]]
         if text is not None and text.strip():
             score = _number(text.decode("utf-8", errors="replace"), "reward.txt")
             return Outcome(score=score, valid=True, ref=f"reward.txt {score:g} (test.sh exit {r.code})")
-        text = await sb.read_file(f"{VERIFIER_LOGS}/reward.json")
+        text = got[rewards[1]]
         if text is not None:
             score = reward_from_json(text.decode("utf-8", errors="replace"))
             return Outcome(score=score, valid=True, ref=f"reward.json {score:g} (test.sh exit {r.code})")
@@ -175,40 +178,41 @@ class _HeadAndTail:
 
 
 class SweVerifier:
-    def __init__(self, sandbox: Sandbox, spec: dict, mode: str = "all", log_path: Path | None = None):
+    """The row's test_patch and test_cmd in a fresh sandbox holding the agent's copied-out
+    workdir; the score from the test ids in the output."""
+
+    def __init__(self, sandbox: Sandbox, spec: dict, mode: str = "all", log_path: Path | None = None,
+                 owners: Mapping[str, tuple[int, int]] | None = None):
         if mode not in SCORE_MODES:
             raise EvaluatorError(f"swe_score must be one of {', '.join(SCORE_MODES)}, got {mode!r}")
         self.sandbox = sandbox
         self.spec = spec
         self.mode = mode
         self.log_path = log_path
-        self._patched: bool | None = None
-
-    async def _apply_patch(self) -> bool:
-        patch = self.spec.get("test_patch")
-        if not patch:
-            return True
-        with tempfile.TemporaryDirectory() as tmp:
-            Path(tmp, "p").write_text(patch)
-            await self.sandbox.upload(Path(tmp, "p"), "/tmp/gyre-test.patch")
-        r = await in_workdir(self.sandbox, ["git", "apply", "-v", "/tmp/gyre-test.patch"], timeout_s=120)
-        if r.code == 127:
-            raise EvaluatorFailed("git is not installed in the image (needed for test_patch)")
-        return r.code == 0
+        self.owners = dict(owners or {})
 
     async def evaluate(self, task: Task, workspace: Path) -> Outcome:
-        if self._patched is None:
-            self._patched = await self._apply_patch()
-        if not self._patched:  # the agent's changes conflict with the tests: its work fails them
-            return Outcome(score=0.0, valid=True, ref="test_patch did not apply")
         timeout = float(self.spec.get("timeout_s") or 1800.0)
         kept = _HeadAndTail(LOG_LIMIT_BYTES)
-        r = await in_workdir(self.sandbox, ["bash", "-lc", self.spec["test_cmd"]], timeout_s=timeout, log=kept)
+        with tempfile.TemporaryDirectory(prefix="gyre-swe-") as tmp:
+            patch = Path(tmp, "test.patch")
+            patch.write_text(self.spec.get("test_patch") or "")
+            puts = [Put(Path(workspace), self.sandbox.workdir, self.owners), Put(patch, PATCH_INSIDE)]
+            r, _ = await self.sandbox.run_fresh(["sh", "-c", _SWE, "sh", self.sandbox.workdir, self.spec["test_cmd"]],
+                                                puts=puts, timeout_s=timeout, log=kept)
         output = kept.value()
         if self.log_path is not None:
             with open(self.log_path, "ab") as f:
                 f.write(output)
-        results = test_results(output.decode("utf-8", errors="replace"))
+        text = output.decode("utf-8", errors="replace")
+        first = text.split("\n", 1)[0].strip()
+        if first == f"{MARK} test_patch did not apply":  # the agent's changes conflict with the tests
+            return Outcome(score=0.0, valid=True, ref="test_patch did not apply")
+        if first == f"{MARK} no git":
+            raise EvaluatorFailed("git is not installed in the image (needed for test_patch)")
+        if first != f"{MARK} ready":
+            raise EvaluatorFailed(f"test_cmd did not start (exit {r.code}): {_tail(output)}")
+        results = test_results(text)
         if not results:
             raise EvaluatorFailed(f"test_cmd (exit {r.code}{', timed out' if r.timed_out else ''}) reported no "
                                   f"test results: {_tail(output)}")
@@ -217,10 +221,16 @@ class SweVerifier:
         return Outcome(score=score, valid=True, ref=ref + (" (timed out)" if r.timed_out else ""))
 
 
-def build_verifier(task: Task, sandbox: Sandbox, *, swe_mode: str = "all", log_path: Path | None = None):
+def build_verifier(task: Task, sandbox: Sandbox, *, swe_mode: str = "all", log_path: Path | None = None,
+                   owners: Mapping[str, tuple[int, int]] | None = None):
+    """The task's verifier, to run in fresh sandboxes made from `sandbox`'s image; `owners`
+    the copied-out workdir's (CopyReport.owners)."""
     kind = task.verifier.get("type")
+    if kind not in ("harbor", "swe"):
+        raise EvaluatorError(f"task {task.id!r}: verifier type must be harbor or swe, got {kind!r}")
+    if sandbox.workdir.rstrip("/") == "":
+        raise EvaluatorError(f"task {task.id!r}: the image's working directory is /, so the agent's work cannot be "
+                             "told from the system; set WORKDIR in its Dockerfile")
     if kind == "harbor":
-        return HarborVerifier(sandbox, task.verifier, log_path)
-    if kind == "swe":
-        return SweVerifier(sandbox, task.verifier, swe_mode, log_path)
-    raise EvaluatorError(f"task {task.id!r}: verifier type must be harbor or swe, got {kind!r}")
+        return HarborVerifier(sandbox, task.verifier, log_path, owners)
+    return SweVerifier(sandbox, task.verifier, swe_mode, log_path, owners)

@@ -5,8 +5,10 @@ limits, read-only mounts, the labels naming the run and execution). A sandbox ha
 the systems gyre is compared with converge on: `exec` (with its deadline enforced inside the
 sandbox), `upload`, `download` (never following a link, under a size cap), `stop` (remove it),
 `cancel` (kill everything that runs in it, what escaped its exec's process group too, keep its
-files), plus `netns_pid` for the proxy-only network (netns.py binds the proxy's listener in
-that process's network namespace) and `storage_used` (what the agent wrote, for storage_mb).
+files; nothing runs in it again), plus `netns_pid` for the proxy-only network (netns.py binds
+the proxy's listener in that process's network namespace), `storage_used` (what the agent
+wrote, for storage_mb) and `run_fresh` (one command in a new sandbox from the same image,
+holding only the files put in: where the verifier runs, away from all the agent changed).
 `reap` removes the sandboxes of runs that are no longer alive. One file per backend:
 process.py, docker_api.py (podman, docker), bubblewrap.py; files.py copies out, storage.py
 measures. `CappedLog` bounds a log file.
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import abc
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -121,6 +123,9 @@ class CopyReport:
     skipped: list[str] = field(default_factory=list)  # the first SKIPPED_KEPT of them, each with why
     left_out: int = 0  # how many entries were left out
     truncated: bool = False
+    # Path inside the copied folder -> (uid, gid), for the entries not owned by root: an upload
+    # of the copy (the verifier's fresh sandbox) gives them back their owners.
+    owners: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def skip(self, why: str) -> None:
         self.left_out += 1
@@ -136,6 +141,17 @@ class CopyReport:
             parts.append(f"{self.left_out} entries left out ({'; '.join(self.skipped[:3])}"
                          f"{', ...' if self.left_out > 3 else ''})")
         return "; ".join(parts) or None
+
+
+@dataclass(frozen=True, slots=True)
+class Put:
+    """A host file or folder to put at `dest` inside a fresh sandbox (`Sandbox.run_fresh`);
+    `owners` (path inside the folder -> uid, gid; the rest root's) where given, else the
+    host files' own owners."""
+
+    src: Path
+    dest: str
+    owners: Mapping[str, tuple[int, int]] | None = None
 
 
 class CappedLog:
@@ -208,9 +224,21 @@ class Sandbox(abc.ABC):
     @abc.abstractmethod
     async def cancel(self) -> None:
         """Kill every process in the sandbox, also what left its exec's process group (a
-        daemon, a `setsid`); its files stay, and a later `exec` still runs there. The
-        launcher calls it before anything is scored: nothing of the agent's may run then.
+        daemon, a `setsid`); its files stay (for `download`). The launcher calls it before
+        anything is scored: nothing of the agent's may run then. A container sandbox never
+        runs anything again after it (a restart would run the agent's files: its `sleep`);
         SandboxError when it cannot be sure."""
+
+    async def run_fresh(self, argv: list[str], *, puts: Sequence[Put] = (), env: Mapping[str, str] | None = None,
+                        timeout_s: float | None = None, grace_s: float = 5.0, log: BinaryIO | None = None,
+                        read: Sequence[str] = ()) -> tuple[ExecResult, dict[str, bytes | None]]:
+        """Run `argv` once in a new sandbox made from this one's image, limits and network,
+        holding the image's files and `puts` alone: nothing this sandbox ran or wrote outside
+        what is put there reaches it (the verifier's rule: the agent's tools, preload list
+        and Python hooks stay behind). The deadline and output as `exec`'s. Returns the
+        result and the bytes of each `read` path once it ended (None where missing); the
+        new sandbox is removed. SandboxError where the backend cannot."""
+        raise SandboxError(f"{type(self).__name__} cannot start a fresh sandbox from an image")
 
     async def storage_used(self) -> int | None:
         """Bytes written in the sandbox so far (a container's writable layer, a host

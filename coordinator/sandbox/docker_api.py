@@ -8,8 +8,13 @@ workspace; `exec` runs a command in it under `timeout -k GRACE T` (the deadline 
 inside: killing the host-side client would leave the process running) and records the
 wrapper's pid, so a cancelled call kills its process group inside. `cancel` SIGKILLs the
 container's init, which takes every process of its PID namespace with it (a daemon the agent
-left, whatever group it is in); the files stay and the next `exec` starts it again. Files
-move as tar streams (put_archive / get_archive); a download is extracted entry by entry,
+left, whatever group it is in); the files stay for copying out, and the container never runs
+again (a restart would run `sleep` from the agent's files). `run_fresh` is the verifier's: a
+new container from the same image whose own command is the verifier's (under `timeout` from
+the image), its files put in before it starts, its output followed through the logs
+endpoint. Execs are few on purpose: podman keeps each exec's `conmon` alive about 5 minutes
+after it ends, so an execution makes one (the harness's); files move as tar streams
+(put_archive / get_archive, which start no process), a download extracted entry by entry,
 never through a link and under a cap. Images are built from a task's environment folder
 under a content-hashed tag, once per content (images.py). The SDK blocks: every call runs
 in a worker thread.
@@ -20,16 +25,18 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
+import dataclasses
 import functools
-import io
 import json
 import logging
 import secrets
 import tarfile
+import tempfile
 import threading
 import time
 import traceback
-from pathlib import Path
+from collections.abc import Mapping, Sequence
+from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
 from gyre.coordinator.sandbox import images
@@ -53,6 +60,8 @@ PID_DIR = "/tmp/.gyre-exec"  # inside: one file per running exec, holding its wr
 KILL_WAIT_S = 10.0  # a cancelled exec's group gets this long after SIGTERM before SIGKILL
 HOST_SLACK_S = 60.0  # the host-side wait past an exec's deadline + grace before it gives up on the engine
 OPEN_PING_S = 10.0  # an engine that does not answer a ping this fast at open is refused
+PUT_ATTEMPTS = 3  # an archive put the engine failed (a 5xx) is made again: it replaces what it wrote
+SLEEP = ["sleep", "infinity"]  # an agent's container's own command: the harness runs by exec
 
 
 def _api_error() -> tuple[type[BaseException], ...]:
@@ -99,15 +108,29 @@ def _own_thread(fn, *args) -> asyncio.Future:
     return fut
 
 
-def _tar_of(src: Path, arcname: str) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
+def _tar_into(f: BinaryIO, src: Path, arcname: str, owners: Mapping[str, tuple[int, int]] | None,
+              under: Sequence[str] = ()) -> None:
+    """`src` as a tar into `f`: a folder's contents, or the file as `arcname`, below the
+    folders `under` (made with entries of their own). With `owners` (path -> uid, gid) each
+    entry gets its owner from it, root where it names none; else the host file's."""
+    prefix = "".join(f"{part}/" for part in under)
+
+    def own(info: tarfile.TarInfo) -> tarfile.TarInfo:
+        if owners is not None:
+            info.uid, info.gid = owners.get(info.name[len(prefix):], (0, 0))
+            info.uname = info.gname = ""
+        return info
+
+    with tarfile.open(fileobj=f, mode="w") as tar:
+        for i in range(len(under)):
+            folder = tarfile.TarInfo("/".join(under[:i + 1]))
+            folder.type, folder.mode = tarfile.DIRTYPE, 0o755
+            tar.addfile(folder)
         if src.is_dir():
             for child in sorted(src.iterdir()):
-                tar.add(child, arcname=child.name)
+                tar.add(child, arcname=prefix + child.name, filter=own)
         else:
-            tar.add(src, arcname=arcname)
-    return buf.getvalue()
+            tar.add(src, arcname=prefix + arcname, filter=own)
 
 
 class ContainerSandbox(Sandbox):
@@ -119,8 +142,7 @@ class ContainerSandbox(Sandbox):
         self._pid = pid
         self._execs: set[str] = set()  # tokens of execs whose wrapper may still run
         self._removed = False
-        self._running = True  # False once `cancel` has killed it; the next exec starts it again
-        self._starting = asyncio.Lock()
+        self._cancelled = False  # once `cancel` has killed it, nothing runs in it again
 
     @property
     def id(self) -> str:
@@ -133,7 +155,8 @@ class ContainerSandbox(Sandbox):
         return self._pid
 
     async def exec(self, argv, *, env=None, cwd=None, timeout_s=None, grace_s=5.0, log=None, user=None):
-        await self._ensure_running()
+        if self._cancelled or self._removed:
+            raise SandboxError(f"sandbox {self.container.short_id} was stopped: nothing runs in it again")
         token = secrets.token_hex(6)
         # `timeout` leads its own process group and forwards a signal it gets to all of it; 0: no deadline.
         limit = "0" if timeout_s is None else f"{max(timeout_s, 0.001):.3f}"
@@ -197,18 +220,56 @@ class ContainerSandbox(Sandbox):
             _released(e)
             log.warning("sandbox %s: could not kill exec %s inside: %s", self.container.short_id, token, e)
 
-    async def upload(self, src: Path, dest: str) -> None:
+    async def upload(self, src: Path, dest: str, owners: Mapping[str, tuple[int, int]] | None = None) -> None:
+        """An archive put, no exec (each would leave a monitor): podman makes the missing
+        folders above `dest`; docker refuses, and then only the missing ones are sent along
+        (an entry for a folder that exists would reset its mode and owner)."""
+        import docker.errors
+
         src = Path(src)
-        parent, name = (dest, "") if src.is_dir() else (str(Path(dest).parent), Path(dest).name)
-        data = await self.backend.io(_tar_of, src, name)
-        await self.exec(["mkdir", "-p", parent], timeout_s=60)
+        parent, name = (dest, "") if src.is_dir() else (str(PurePosixPath(dest).parent), PurePosixPath(dest).name)
+
+        def put(at: str, under: Sequence[str] = ()) -> bool:
+            with tempfile.TemporaryFile(prefix="gyre-put-") as f:  # on disk: a workspace may be large
+                _tar_into(f, src, name, owners, under)
+                f.seek(0)
+                return self.container.put_archive(at, f)
+
+        def upload() -> bool:
+            for attempt in range(PUT_ATTEMPTS):
+                try:
+                    return put(parent)
+                except docker.errors.NotFound:
+                    at, missing = self._nearest(parent)
+                    return put(at, missing)
+                except docker.errors.APIError as e:  # podman's copier, seen losing its pipe under load
+                    if not e.is_server_error() or attempt == PUT_ATTEMPTS - 1:
+                        raise
+                    log.info("sandbox %s: upload to %s failed (%s); again", self.container.short_id, dest, e)
+            return False
+
         try:
-            ok = await self.backend.io(self.container.put_archive, parent, data)
+            ok = await self.backend.io(upload)
         except _api_error() as e:
             _released(e)
             raise SandboxError(f"upload to {dest} in {self.container.short_id}: {e}") from None
         if not ok:
             raise SandboxError(f"upload to {dest} in {self.container.short_id} refused")
+
+    def _nearest(self, path: str) -> tuple[str, list[str]]:
+        """The nearest folder at or above `path` that exists inside, and the names below it
+        down to `path` (asked of the archive endpoint: HEAD, no exec)."""
+        api = self.backend.client.api
+        here, missing = PurePosixPath(path), []
+        while str(here) != "/":
+            res = api.head(api._url("/containers/{0}/archive", self.container.id), params={"path": str(here)},
+                           timeout=60)
+            res.close()
+            if res.status_code == 200:
+                break
+            missing.insert(0, here.name)
+            here = here.parent
+        return str(here), missing
 
     async def download(self, src: str, dest: Path, *, limit_bytes: int = COPY_LIMIT_BYTES) -> CopyReport:
         import docker.errors
@@ -259,26 +320,62 @@ class ContainerSandbox(Sandbox):
         except _api_error() as e:
             _released(e)
             raise SandboxError(f"could not stop what runs in {self.container.short_id}: {e}") from None
-        self._running, self._pid = False, None
+        self._cancelled, self._pid = True, None
         self._execs.clear()
 
-    async def _ensure_running(self) -> None:
-        """Start the container again after `cancel` (its files as they were, a fresh init)."""
-        async with self._starting:
-            if self._running:
-                return
+    async def run_fresh(self, argv, *, puts=(), env=None, timeout_s=None, grace_s=5.0, log=None, read=()):
+        limit = "0" if timeout_s is None else f"{max(timeout_s, 0.001):.3f}"
+        spec = dataclasses.replace(self.spec, mounts={})  # the harness's mounts stay with the harness
+        fresh = await self.backend.container(spec, ["timeout", "-k", f"{grace_s:g}", limit, *argv], env=env,
+                                             start=False, role="verify")
+        try:
+            for put in puts:
+                await fresh.upload(put.src, put.dest, put.owners)
+            result = await fresh._run_once(timeout_s, grace_s, log)
+            got = {path: await fresh.read_file(path) for path in read}
+        finally:
+            await asyncio.shield(fresh.stop())
+        return result, got
 
-            def start() -> int | None:
-                self.container.start()
-                self.container.reload()
-                return self.container.attrs.get("State", {}).get("Pid") or None
+    async def _run_once(self, timeout_s: float | None, grace_s: float, log: BinaryIO | None) -> ExecResult:
+        """Start the container, its own command to its end, its output followed: the exec
+        verb's contract, without an exec."""
+        start = time.monotonic()
+        host_wait = None if timeout_s is None else timeout_s + grace_s + HOST_SLACK_S
+        job = _own_thread(self._start_and_follow, log)
+        try:
+            code, output = await asyncio.wait_for(asyncio.shield(job), host_wait)
+        except TimeoutError:
+            await self.cancel()
+            code, output = None, b"gyre: the engine did not end the command after its deadline\n"
+        except asyncio.CancelledError:
+            await asyncio.shield(self.cancel())
+            raise
+        elapsed = time.monotonic() - start
+        timed_out = timeout_s is not None and code in (124, 137) and elapsed >= timeout_s * 0.99
+        return ExecResult(code, timed_out or code is None, output)
 
+    def _start_and_follow(self, log: BinaryIO | None) -> tuple[int | None, bytes]:
+        api = self.backend.client.api
+        try:
+            api.start(self.container.id)
+            tail = bytearray()
+            stream = api.logs(self.container.id, stdout=True, stderr=True, stream=True, follow=True)
             try:
-                self._pid = await self.backend.io(start)
-            except _api_error() as e:
-                _released(e)
-                raise SandboxError(f"could not start {self.container.short_id} again: {e}") from None
-            self._running = True
+                for chunk in stream:
+                    if log is not None:
+                        log.write(chunk)
+                        log.flush()
+                    else:
+                        tail += chunk
+                        del tail[:-OUTPUT_TAIL]
+            finally:
+                stream.close()
+            code = api.wait(self.container.id).get("StatusCode")
+        except _api_error() as e:
+            _released(e)
+            raise SandboxError(f"run in {self.container.short_id}: {e}") from None
+        return code, bytes(tail)
 
     async def storage_used(self) -> int | None:
         def size() -> int | None:
@@ -388,12 +485,18 @@ class DockerAPIBackend(SandboxBackend):
         return tag
 
     async def create(self, spec: SandboxSpec) -> Sandbox:
+        return await self.container(spec, SLEEP)
+
+    async def container(self, spec: SandboxSpec, command: list[str], *, env: Mapping[str, str] | None = None,
+                        start: bool = True, role: str = "") -> ContainerSandbox:
+        """A container from `spec` running `command` (started, or only created: files can be
+        put in before it runs)."""
         if spec.image is None:
             raise SandboxError(f"{self.name}: a container sandbox needs an image")
         kwargs: dict[str, Any] = dict(
-            detach=True, init=True, labels=dict(spec.labels), network_mode=None if spec.internet else "none",
+            init=True, labels=dict(spec.labels), network_mode=None if spec.internet else "none",
             volumes={host: {"bind": inside, "mode": "ro"} for host, inside in spec.mounts.items()},
-            name=f"gyre-{spec.execution}-{secrets.token_hex(3)}")
+            environment=dict(env or {}), name=f"gyre-{spec.execution}-{role}{secrets.token_hex(3)}")
         lim = spec.limits
         if lim.memory_mb is not None:
             kwargs["mem_limit"] = kwargs["memswap_limit"] = f"{lim.memory_mb}m"
@@ -404,13 +507,15 @@ class DockerAPIBackend(SandboxBackend):
         if spec.workdir:
             kwargs["working_dir"] = spec.workdir
 
-        def start():
-            container = self.client.containers.run(spec.image, ["sleep", "infinity"], **kwargs)
+        def make():
+            container = self.client.containers.create(spec.image, command, **kwargs)
+            if start:
+                container.start()
             container.reload()
             return container
 
         try:
-            container = await self.io(start)
+            container = await self.io(make)
         except _api_error() as e:
             _released(e)
             raise SandboxError(f"{self.name}: cannot start a container from {spec.image}: {e}") from None

@@ -4,7 +4,8 @@ A container's files come as a tar stream (get_archive) and are extracted here en
 entry as they stream: an entry the "data" filter refuses (a link to an absolute path or out
 of the copy, a device, a name that escapes) is left out and named, a link that stays inside
 is made as a link, nothing is ever written through one that leads out, and the copy stops at
-its cap, closing the stream. A host folder (the process backend) is copied the same way.
+its cap, closing the stream; owners other than root are noted in the report, for a copy put
+back (the verifier's sandbox). A host folder (the process backend) is copied the same way.
 Each returns a CopyReport; what to do with it is the launcher's. Not the engine calls.
 """
 
@@ -65,6 +66,7 @@ def untar_capped(chunks, dest: Path, is_dir: bool, limit: int = COPY_LIMIT_BYTES
                         report.skip(f"{member.name}: outside the copied entry")
                         continue
                     member.name = "/".join(parts)
+                    _note_owner(member, parts[1:] if top else parts, report)
                     if not _extract(tar, member, tmp, report, limit):
                         break
         except tarfile.TarError as e:
@@ -82,6 +84,14 @@ def untar_capped(chunks, dest: Path, is_dir: bool, limit: int = COPY_LIMIT_BYTES
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return report
+
+
+def _note_owner(member: tarfile.TarInfo, inside: tuple[str, ...], report: CopyReport) -> None:
+    """An entry's owner where it is not root's, by its path inside the copy: the files here
+    belong to whoever copied them, and the copy put back (the verifier's sandbox) needs the
+    owners the agent's files had (an image that runs as a user)."""
+    if inside and (member.uid or member.gid):
+        report.owners["/".join(inside)] = (member.uid, member.gid)
 
 
 def _extract(tar: tarfile.TarFile, member: tarfile.TarInfo, root: Path, report: CopyReport, limit: int) -> bool:

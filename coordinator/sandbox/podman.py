@@ -3,8 +3,10 @@
 Nothing under /etc changes: the service runs with CONTAINERS_CONF naming a file gyre writes
 (SANDBOX-NOTES.md: rootful podman here needs explicit default ulimits, since root lacks
 CAP_SYS_RESOURCE, and runc, since crun refuses the hybrid cgroup layout; runc is named only
-where it is installed). The service listens on a unix socket in a private folder and lives
-as long as the backend; the containers it starts do not depend on it (conmon keeps them).
+where it is installed). Two more settings keep a host's leftovers small: a container's log
+file is capped, and an exec's `conmon` is let go 30 s after the exec, not podman's 300 s.
+The service listens on a unix socket in a private folder and lives as long as the backend;
+the containers it starts do not depend on it (conmon keeps them).
 """
 
 from __future__ import annotations
@@ -23,12 +25,20 @@ from gyre.coordinator.sandbox.images import cache_dir
 
 log = logging.getLogger("gyre.coordinator")
 START_TIMEOUT_S = 30.0
+LOG_SIZE_MAX = 64 << 20  # bytes of a container's own output kept on disk
+EXEC_EXIT_DELAY_S = 30  # seconds an exec's monitor (conmon) stays after the exec ended (podman's default: 300)
 
 
 def containers_conf() -> str:
-    lines = ["[containers]", 'default_ulimits = ["nofile=20000:20000", "nproc=32768:32768"]']
+    # log_size_max: a verifier's output goes through its container's log file (docker_api.py's
+    # run_fresh), which must not fill the disk for a test that prints forever.
+    lines = ["[containers]", 'default_ulimits = ["nofile=20000:20000", "nproc=32768:32768"]',
+             f"log_size_max = {LOG_SIZE_MAX}"]
+    # exit_command_delay: how long each exec's conmon outlives the exec (podman's default, 300 s,
+    # mimics Docker's keeping of exit codes for clients; gyre reads the code as the exec ends).
+    lines += ["", "[engine]", f"exit_command_delay = {EXEC_EXIT_DELAY_S}"]
     if shutil.which("runc"):
-        lines += ["", "[engine]", 'runtime = "runc"']
+        lines += ['runtime = "runc"']
     return "\n".join(lines) + "\n"
 
 
