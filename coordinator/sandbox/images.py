@@ -13,8 +13,9 @@ Builds report through the `gyre.coordinator` logger at INFO (what is built, debo
 stages, each Dockerfile step, the seconds it took): a first run is not silent for minutes.
 A build past its build_timeout_sec is stopped: its RUN steps run under a cgroup parent named
 for that build alone, so their processes are found on the host and killed, the engine fails
-the build and removes the step's container (forcerm). `check_size` holds an image to a task's
-storage_mb: the sandbox's disk must hold the image it runs.
+the build and removes the step's container (forcerm). A task's storage_mb bounds
+what its agent writes (storage.py), not its image: gyre's own example tasks run a 193 MB image
+under storage_mb = 64.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from gyre.coordinator.sandbox.base import ImageBuildError, SandboxError
+from gyre.coordinator.sandbox.base import ImageBuildError
 
 log = logging.getLogger("gyre.coordinator")
 
@@ -268,26 +269,6 @@ def _kill_cgroup(marker: str) -> int:
             break
         killed += found
     return killed
-
-
-async def check_size(backend, image: str, storage_mb: int | None, *, task: str) -> None:
-    """ImageBuildError when `image` is larger than the task's `storage_mb` (None: no limit).
-
-    storage_mb is the sandbox's disk, as Harbor's cloud sandboxes size it: the disk holds the
-    image and what the agent writes. gyre's own containers measure only the writable layer
-    (storage.py), so a 600 MB image ran under storage_mb = 100; an image that cannot fit the
-    disk it asks for is the recipe's fault, refused before any execution. Call it where the
-    task's image is ready (the launcher's image preparation). SandboxError when the engine
-    cannot say the image's size."""
-    if storage_mb is None:
-        return
-    try:
-        size = await backend.io(lambda: backend.client.images.get(image).attrs.get("Size"))
-    except Exception as e:  # noqa: BLE001 - any engine error: the size is unknown, not small
-        raise SandboxError(f"{backend.name}: size of image {image}: {e}") from None
-    if isinstance(size, int) and size > storage_mb << 20:
-        raise ImageBuildError(f"task {task!r}: image {image} is {size / (1 << 20):.0f} MiB, more than the task's "
-                              f"storage_mb = {storage_mb} MiB (the sandbox's disk must hold its image)")
 
 
 async def ensure_present(backend, image: str, *, timeout_s: float) -> None:
