@@ -11,8 +11,16 @@ stale key). It asserts: no 5xx but a 503 by design; every 4xx a JSON error in th
 shape; every 200 whole (a stream ends with its API's closing event); nothing logged at
 ERROR (no unhandled exception, in aiohttp or the event loop); and afterwards the server is
 up and a valid call of each API works. It prints counts per API and status.
+`--big` runs the big-body case instead (`big_bodies`): bodies of several MiB to each API
+under the default 32 MiB limit, beside a neighbour execution making small calls, with the
+coordinator's loop probe running: each must be refused in the API's overflow shape, or
+served, and the loop's longest block is reported. `--flood` runs the flooding-execution
+case (`flood`): a neighbour's median call latency alone and beside an execution keeping 32
+calls in flight, on the tiny model's CPU engine, at the per-execution budgets given.
 Not a test (tests/faults/test_fuzz_proxy.py runs it small). Run:
     python bench/fuzz_proxy.py [--inputs N] [--seed S] [--concurrency C] [--json PATH]
+    python bench/fuzz_proxy.py --big [--sizes-mib 4,30] [--json PATH]
+    python bench/fuzz_proxy.py --flood 0,8 [--json PATH]
 """
 
 from __future__ import annotations
@@ -23,10 +31,13 @@ import gzip
 import json
 import logging
 import random
+import statistics
 import sys
 import tempfile
 import time
 import traceback
+import urllib.error
+import urllib.request
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
@@ -36,6 +47,7 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: tests' scaffolding
+from gyre.coordinator.loopprobe import LoopProbe  # noqa: E402
 from gyre.proxy.server import ProxyConfig, ProxyServer  # noqa: E402
 from tests.scripted import ScriptedEngine, tool_call  # noqa: E402 - test scaffolding, not part of the package
 from tests.support import ThreadEngineBackend  # noqa: E402
@@ -462,6 +474,179 @@ async def fuzz(tokenizer, inputs: int, seed: int = 0, concurrency: int = 8, run_
     return report
 
 
+# --- big bodies -------------------------------------------------------------------------------
+
+
+def big_body(api: str, n_bytes: int) -> bytes:
+    """A valid request of `api` whose one user message makes the body about `n_bytes` long."""
+    text = "All work and no play makes Jack a dull boy. " * (n_bytes // 44 + 1)
+    body = dict(SEEDS[api][0])
+    if api == "responses":
+        body["input"] = text
+    else:
+        body["messages"] = [{"role": "user", "content": text}]
+    return json.dumps(body).encode()
+
+
+async def big_bodies(tokenizer, sizes_bytes: tuple[int, ...], run_dir: Path | None = None,
+                     config: ProxyConfig | None = None) -> list[dict]:
+    """Each size to each API (a fresh execution each), one at a time, while a neighbour
+    execution makes small chat calls back to back: per body its status, whether the answer
+    is in the API's error shape, seconds to the answer, the neighbour's calls served
+    meanwhile and the event loop's longest block (LoopProbe, ms) over the body's time."""
+    tmp = tempfile.TemporaryDirectory(prefix="gyre-fuzz-big-") if run_dir is None else None
+    engine = ScriptedEngine(tokenizer)
+    backend = ThreadEngineBackend(engine, sampling_cls=lambda **kw: kw)
+    server = ProxyServer(tokenizer, backend, config or ProxyConfig(default_max_tokens=8),
+                         run_dir=Path(tmp.name if tmp else run_dir) / "run")
+    url = await server.start()
+    probe = LoopProbe(0.005)
+    probe.start()
+    rows = []
+    try:
+        timeout = aiohttp.ClientTimeout(total=1800)
+        async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+            neighbour = server.register("neighbour").key
+            for size in sizes_bytes:
+                for api in APIS:
+                    key = server.register(f"big-{api}-{size}").key
+                    headers = {"Content-Type": "application/json",
+                               **({"x-api-key": key} if api in ANTHROPIC else {"Authorization": f"Bearer {key}"})}
+                    body = await asyncio.to_thread(big_body, api, size)  # (30 MiB of JSON: not on the loop...
+                    await asyncio.sleep(0.05)  # ... and its GIL time out of the window: stalls overlapping it count)
+                    rows.append(await _one_big(session, url, api, body, headers, neighbour, probe))
+    finally:
+        await probe.stop()
+        await server.stop()
+        backend.close()
+        if tmp is not None:
+            tmp.cleanup()
+    return rows
+
+
+def _send(url: str, body: bytes, headers: dict) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, data=body, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=1800) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+async def _one_big(session, url: str, api: str, body: bytes, headers: dict, neighbour: str,
+                   probe: LoopProbe) -> dict:
+    done = asyncio.Event()
+    served = 0
+
+    async def small_calls() -> None:
+        nonlocal served
+        small = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+        while not done.is_set():
+            async with session.post(url + PATHS["chat"], json=small,
+                                    headers={"Authorization": f"Bearer {neighbour}"}) as r:
+                await r.read()
+                served += r.status == 200
+
+    neighbour_task = asyncio.create_task(small_calls())
+    t0, since = time.monotonic(), probe.now()
+    # Sent from a thread with a blocking client: the loop measured is the server's, as a
+    # harness in its sandbox sends, not this client's copying of 30 MiB.
+    status, raw = await asyncio.to_thread(_send, url + PATHS[api], body, headers)
+    seconds = time.monotonic() - t0
+    lag = probe.lag_ms(since, probe.now())
+    done.set()
+    await neighbour_task
+    try:
+        answer = json.loads(raw)
+    except ValueError:
+        answer = None
+    shaped = status == 200 or _error_shaped(api, answer, "")
+    return {"api": api, "bytes": len(body), "status": status, "shaped": shaped, "seconds": round(seconds, 3),
+            "neighbour_calls": served, "loop_max_ms": lag["max"] if lag else None,
+            "message": (answer or {}).get("error", {}).get("message", "")[:120] if status != 200 else ""}
+
+
+# --- a flooding execution ---------------------------------------------------------------------
+
+
+async def flood(model_dir: Path, *, budgets: tuple[int, ...], flood_calls: int = 32, rounds: int = 3,
+                per_round: int = 10, max_tokens: int = 32, run_dir: Path | None = None) -> dict:
+    """A neighbour execution's call latency alone, then beside a flooder keeping
+    `flood_calls` calls in flight (retrying its 429s after retry-after, as harnesses do), at
+    each per-execution budget of calls in flight (0: unlimited, the proxy before budgets),
+    on the tiny model's CPU engine behind a real ProxyServer. The phases alternate round
+    by round, so a busy machine weighs on each alike; medians over all rounds."""
+    from gyre.proxy.chat import ChatTokenizer
+    from gyre.workerd.engines.base import SamplingParams
+    from gyre.workerd.engines.cpu import CpuEngine
+    from gyre.workerd.model import load_model
+
+    tmp = tempfile.TemporaryDirectory(prefix="gyre-flood-") if run_dir is None else None
+    backend = ThreadEngineBackend(CpuEngine(load_model(model_dir), seed=0), sampling_cls=SamplingParams)
+    server = ProxyServer(ChatTokenizer(model_dir), backend,
+                         ProxyConfig(default_max_tokens=max_tokens, max_tokens_cap=max_tokens),
+                         run_dir=Path(tmp.name if tmp else run_dir) / "run")
+    url = await server.start()
+    took: dict[str, list[float]] = {"alone": [], **{f"budget {b}": [] for b in budgets}}
+    answers: dict[str, Counter] = {f"budget {b}": Counter() for b in budgets}
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                         timeout=aiohttp.ClientTimeout(total=600)) as session:
+            neighbour, flooder = server.register("neighbour").key, server.register("flooder").key
+            for _ in range(rounds):
+                took["alone"] += await _latencies(session, url, neighbour, per_round)
+                for b in budgets:
+                    server.budgets.max_in_flight = b  # (no call in flight between phases)
+                    stop = asyncio.Event()
+                    floods = [asyncio.create_task(_flood_loop(session, url, flooder, stop, answers[f"budget {b}"]))
+                              for _ in range(flood_calls)]
+                    took[f"budget {b}"] += await _latencies(session, url, neighbour, per_round)
+                    stop.set()
+                    await asyncio.gather(*floods)
+    finally:
+        await server.stop()
+        backend.close()
+        if tmp is not None:
+            tmp.cleanup()
+    medians = {k: round(statistics.median(v), 3) for k, v in took.items()}
+    return {"flood_calls": flood_calls, "max_tokens": max_tokens, "neighbour_calls": len(took["alone"]),
+            "median_s": medians, "ratio": {k: round(v / medians["alone"], 2) for k, v in medians.items()},
+            "flood_answers": {k: dict(c) for k, c in answers.items()}}
+
+
+def _chat(key: str, text: str) -> tuple[dict, dict]:
+    return ({"model": "m", "messages": [{"role": "user", "content": text}]}, {"Authorization": f"Bearer {key}"})
+
+
+async def _latencies(session, url: str, key: str, n: int) -> list[float]:
+    took = []
+    for i in range(n):
+        body, headers = _chat(key, f"question {i}: what is {i} + {i}?")
+        t0 = time.monotonic()
+        async with session.post(url + PATHS["chat"], json=body, headers=headers) as r:
+            await r.read()
+            if r.status != 200:
+                raise RuntimeError(f"the neighbour's call was answered {r.status}")
+        took.append(time.monotonic() - t0)
+    return took
+
+
+async def _flood_loop(session, url: str, key: str, stop: asyncio.Event, counts: Counter) -> None:
+    i = 0
+    while not stop.is_set():
+        i += 1
+        body, headers = _chat(key, f"flood {i}")
+        async with session.post(url + PATHS["chat"], json=body, headers=headers) as r:
+            await r.read()
+            counts[r.status] += 1
+            wait = float(r.headers.get("retry-after", 0)) if r.status == 429 else 0
+        if wait:
+            try:
+                await asyncio.wait_for(stop.wait(), wait)
+            except TimeoutError:
+                pass
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--inputs", type=int, default=1000, help="inputs per API (at least)")
@@ -469,11 +654,34 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--json", type=Path, help="write the report here as JSON")
     ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--big", action="store_true", help="the big-body case instead of the fuzzing")
+    ap.add_argument("--sizes-mib", default="4,30", help="--big: body sizes, MiB, comma-separated")
+    ap.add_argument("--flood", default=None, help="the flooding-execution case instead, at these per-execution "
+                                                  "budgets of calls in flight (comma-separated; 0: unlimited)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     from gyre.proxy.chat import ChatTokenizer
     from gyre.workerd.modeldir import init_tiny
+
+    if args.flood is not None:
+        with tempfile.TemporaryDirectory(prefix="gyre-fuzz-tiny-") as d:
+            tiny = init_tiny(Path(d) / "tiny", seed=0)
+            rows = [asyncio.run(flood(tiny, budgets=tuple(int(b) for b in args.flood.split(","))))]
+        for row in rows:
+            print(json.dumps(row))
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1))
+        return
+    if args.big:
+        sizes = tuple(int(float(x) * (1 << 20)) for x in args.sizes_mib.split(","))
+        with tempfile.TemporaryDirectory(prefix="gyre-fuzz-tiny-") as d:
+            rows = asyncio.run(big_bodies(ChatTokenizer(init_tiny(Path(d) / "tiny", seed=0)), sizes))
+        for row in rows:
+            print(json.dumps(row))
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1))
+        sys.exit(0 if all(r["shaped"] for r in rows) else 1)
 
     with tempfile.TemporaryDirectory(prefix="gyre-fuzz-tiny-") as d:
         tok = ChatTokenizer(init_tiny(Path(d) / "tiny", seed=0))

@@ -27,6 +27,8 @@ _RANGES = [
     ("transfer_port", 0, False), ("proxy_port", 0, False), ("route_balance_abs", 1, False),
     ("route_balance_rel", 1, False), ("prefix_cache_mb", 0, False), ("gc_freeze_every_s", 0, False),
     ("eval_every", 0, False), ("eval_k", 1, False), ("keep_checkpoints", 0, False),
+    ("max_calls_in_flight_per_execution", 0, False), ("max_tokens_per_minute_per_execution", 0, False),
+    ("budget_wait_s", 0, False),
 ]
 
 
@@ -120,6 +122,19 @@ class CoordinatorConfig:
     # behaviour log-probs and the trainer's are of this one distribution.
     rollout_temperature: float = 1.0
     rollout_top_p: float = 1.0
+    # Each execution's share of the proxy, so one cannot starve the rest (proxy/budget.py): at
+    # most this many model calls in flight at once (0: unlimited; beside an execution keeping
+    # 32 in flight, a neighbour's median call took 2.6x its time alone at 2, 2.9x at 4, 4.2x
+    # at 8, 9.9x unlimited: bench/fuzz_proxy.py --flood, the tiny model's CPU engine, whose
+    # steps slow with the batch; 4 leaves room for a harness's parallel sub-agents) ...
+    max_calls_in_flight_per_execution: int = 4
+    # ... and this many tokens a minute, prefilled (new to its history) and generated (0:
+    # unlimited; a bucket one minute deep, so a burst of that many is let through) ...
+    max_tokens_per_minute_per_execution: int = 0
+    # ... a call over either waits its turn at most this long, then is answered 429 in the
+    # provider's shape with retry-after (harnesses retry it; the execution's Recorder counts
+    # it as gyre's own refusal, never the agent's failure).
+    budget_wait_s: float = 60.0
     allow_rollout_top_p: bool = False  # train on top-p-truncated samples, which the trainer cannot reproduce
     # A reward is valid only finite and within [low, high]; outside it the evaluation is an
     # evaluator_error, never trained (a 1e308 would overflow the group's advantages).

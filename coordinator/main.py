@@ -209,7 +209,10 @@ class Coordinator:
                 self.table.close(node)
         proxy_cfg = ProxyConfig(host=c.proxy_host, port=c.proxy_port, default_max_tokens=c.default_max_tokens,
                                 max_tokens_cap=c.max_tokens_cap, max_context=c.max_context,
-                                temperature=c.rollout_temperature, top_p=c.rollout_top_p)
+                                temperature=c.rollout_temperature, top_p=c.rollout_top_p,
+                                max_calls_in_flight_per_execution=c.max_calls_in_flight_per_execution,
+                                max_tokens_per_minute_per_execution=c.max_tokens_per_minute_per_execution,
+                                budget_wait_s=c.budget_wait_s)
         self.proxy = ProxyServer(ChatTokenizer(c.model_dir), LinkBackend(self.link, self.table), proxy_cfg,
                                  run_dir=c.run_dir)
         await start_proxy(self.proxy)

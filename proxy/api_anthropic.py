@@ -67,6 +67,12 @@ def overloaded_body(message: str) -> dict:
     return {"type": "error", "error": {"type": "overloaded_error", "message": message}}
 
 
+def rate_limit_body(message: str, kind: str) -> dict:
+    """A 429 as Anthropic words one (rate_limit_error, whichever limit `kind` names); Claude
+    Code and the SDK retry it after `retry-after`."""
+    return error_body(429, message)
+
+
 def overflow_body(prompt_tokens: int, max_context: int) -> dict:
     """Anthropic's wording, which Claude Code parses to decide to compact."""
     return error_body(400, f"prompt is too long: {prompt_tokens} tokens > {max_context - 1} maximum")

@@ -54,6 +54,14 @@ def overloaded_body(message: str) -> dict:
     return error_body(503, message)
 
 
+def rate_limit_body(message: str, kind: str) -> dict:
+    """A 429 as OpenAI words one (both OpenAI shapes): `type` names the limit ("requests" or
+    "tokens"), `code` is rate_limit_exceeded; the SDKs and Codex retry it after `retry-after`."""
+    body = error_body(429, message, code="rate_limit_exceeded")
+    body["error"]["type"] = kind
+    return body
+
+
 def overflow_body(prompt_tokens: int, max_context: int) -> dict:
     """OpenAI's own wording and code for a prompt past the context (both OpenAI shapes)."""
     body = error_body(400, f"This model's maximum context length is {max_context} tokens. However, your messages "

@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-# error_body, overloaded_body: the Responses API answers errors in the same shape as Chat Completions.
+# error_body, overloaded_body, rate_limit_body: the Responses API answers errors in the same shape as Chat Completions.
 from gyre.proxy.api_openai import (
     arguments_text,
     error_body,
@@ -27,6 +27,7 @@ from gyre.proxy.api_openai import (
     optional_number,
     overflow_body,
     overloaded_body,
+    rate_limit_body,
     text_of,
 )
 from gyre.proxy.types import (
@@ -46,7 +47,7 @@ from gyre.proxy.types import (
 )
 
 __all__ = ["NAME", "Stream", "error_body", "new_response_id", "new_tool_call_id", "overflow_body", "overloaded_body",
-           "parse_request", "render_result"]
+           "parse_request", "rate_limit_body", "render_result"]
 
 NAME = "responses"
 

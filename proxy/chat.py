@@ -30,6 +30,7 @@ import logging
 import re
 import secrets
 import sys
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import datetime
@@ -43,7 +44,7 @@ import jinja2.sandbox
 import numpy as np
 
 from gyre.proxy.tree import id_dtype
-from gyre.proxy.types import Message, RequestError, ToolCall, ToolSpec
+from gyre.proxy.types import ContextOverflow, Message, RequestError, ToolCall, ToolSpec
 
 log = logging.getLogger("gyre.proxy")
 
@@ -161,8 +162,37 @@ class ChatTokenizer:
 
     def encode_plain(self, text: str, *, at_start: bool = False) -> list[int]:
         """Token ids of `text` as plain text: special-token strings in it are just characters
-        (`at_start`: the text begins the prompt, for pre-tokenizers that treat that specially)."""
-        return (self._plain_first if at_start else self._plain).encode(text, add_special_tokens=False).ids
+        (`at_start`: the text begins the prompt, for pre-tokenizers that treat that specially).
+        A long text goes through `encode_batch`, the one call of `tokenizers` that lets go of
+        the GIL while it works: `encode` holds it throughout (4 MiB: 11 s), so even on the
+        proxy's prompt thread it would stop the event loop as long."""
+        tok = self._plain_first if at_start else self._plain
+        if len(text) < _GIL_FREE_CHARS:
+            return tok.encode(text, add_special_tokens=False).ids
+        return tok.encode_batch([text], add_special_tokens=False)[0].ids
+
+    @property
+    def max_json_bytes_per_token(self) -> int:
+        """The most bytes one token's text can take in a JSON request body, escaped as badly
+        as JSON allows (a control character as `\\u0000`, any other non-ASCII character as
+        `\\uXXXX`, an astral one as two, a partial byte as a whole character): a body longer
+        than this times the context's tokens (and the slack the server adds) cannot fit the
+        context, whatever it says."""
+        return self._token_bounds[0]
+
+    @property
+    def max_chars_per_token(self) -> int:
+        """More characters than one token's text can stand for (added tokens included): a
+        text of n characters is at least n / this many tokens, known before tokenizing it.
+        Twice the longest token, and a character more (a decoder that drops a word marker's
+        space, a normaliser that joins characters, as NFC does, stay under it)."""
+        return self._token_bounds[1]
+
+    @cached_property
+    def _token_bounds(self) -> tuple[int, int]:
+        """(max_json_bytes_per_token, max_chars_per_token), once over the whole vocabulary."""
+        texts = self.tokenizer.decode_batch([[i] for i in range(self.vocab_size)], skip_special_tokens=False)
+        return max(1, max((_json_cost(t) for t in texts), default=1)), 2 * (max(map(len, texts), default=1) + 1)
 
     def encode_segment(self, text: str, *, at_start: bool = False) -> np.ndarray:
         """Token ids of one prompt segment (rendered text with its content marked), cached
@@ -202,10 +232,15 @@ class ChatTokenizer:
         cache.put(text, out, sys.getsizeof(text) + out.nbytes)
         return out
 
-    def prompt_ids(self, messages: list[Message], tools: list[ToolSpec]) -> list[int]:
-        """The prompt of a conversation with no recorded outputs (count_tokens, tests)."""
-        return [t for i, seg in enumerate(self.segments(messages, tools, {}))
-                for t in self.encode_segment(seg.text, at_start=i == 0).tolist()]
+    def prompt_ids(self, messages: list[Message], tools: list[ToolSpec], max_context: int | None = None) -> list[int]:
+        """The prompt of a conversation with no recorded outputs (count_tokens, tests);
+        ContextOverflow, before tokenizing, when it has `max_context` tokens at least."""
+        segments = self.segments(messages, tools, {})
+        if max_context is not None:
+            at_least = sum(token_chars(seg.text) for seg in segments) // self.max_chars_per_token
+            if at_least >= max_context:
+                raise ContextOverflow(at_least, max_context)
+        return [t for i, seg in enumerate(segments) for t in self.encode_segment(seg.text, at_start=i == 0).tolist()]
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -328,6 +363,31 @@ class ChatTokenizer:
         from gyre.proxy.segmenter import probe_locality
 
         return probe_locality(self)
+
+
+def token_chars(text: str) -> int:
+    """Characters of a segment's text that become tokens (its content markers do not)."""
+    return len(text) - len(C_OPEN) * text.count(C_OPEN) - len(C_CLOSE) * text.count(C_CLOSE)
+
+
+_GIL_FREE_CHARS = 4096  # texts this long and longer are encoded with the GIL released (encode_plain)
+_JSON_SHORT_ESCAPES = frozenset('"\\/\b\f\n\r\t')
+
+
+def _json_cost(text: str) -> int:
+    """Bytes `text` can take at most as a JSON string's contents (see max_json_bytes_per_token)."""
+    n = 0
+    for c in text:
+        o = ord(c)
+        if c in _JSON_SHORT_ESCAPES:
+            n += 2
+        elif 0x20 <= o < 0x7F:
+            n += 1
+        elif o == 0xFFFD:  # a token of partial UTF-8 bytes (up to 3 of them, 3 escaped bytes each)
+            n += 12
+        else:
+            n += 6 if o < 0x10000 else 12
+    return n
 
 
 def _own_size(piece: Text | Ref, whole: str) -> int:
@@ -471,7 +531,8 @@ def _token_text(value: Any) -> str | None:
 class _Memo:
     """A least-recently-used memo bounded by entries and by bytes (each entry's size as the
     caller counts it: the key's string as Python stores it, 1 to 4 bytes a character by its
-    widest character, and the value's)."""
+    widest character, and the value's). Safe across threads: the proxy's prompt threads
+    share one tokenizer."""
 
     _MISSING = object()
 
@@ -479,25 +540,28 @@ class _Memo:
         self.entries, self.budget = entries, nbytes
         self._d: OrderedDict[str, tuple[Any, int]] = OrderedDict()
         self.bytes = 0
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._d)
 
     def get(self, key: str, default: Any = None) -> Any:
-        hit = self._d.get(key, self._MISSING)
-        if hit is self._MISSING:
-            return default
-        self._d.move_to_end(key)
-        return hit[0]
+        with self._lock:
+            hit = self._d.get(key, self._MISSING)
+            if hit is self._MISSING:
+                return default
+            self._d.move_to_end(key)
+            return hit[0]
 
     def put(self, key: str, value: Any, size: int) -> None:
-        old = self._d.pop(key, None)
-        if old is not None:
-            self.bytes -= old[1]
-        if size > self.budget:
-            return  # larger than the whole memo: not kept
-        self._d[key] = (value, size)
-        self.bytes += size
-        while len(self._d) > self.entries or self.bytes > self.budget:
-            _, (_, n) = self._d.popitem(last=False)
-            self.bytes -= n
+        with self._lock:
+            old = self._d.pop(key, None)
+            if old is not None:
+                self.bytes -= old[1]
+            if size > self.budget:
+                return  # larger than the whole memo: not kept
+            self._d[key] = (value, size)
+            self.bytes += size
+            while len(self._d) > self.entries or self.bytes > self.budget:
+                _, (_, n) = self._d.popitem(last=False)
+                self.bytes -= n

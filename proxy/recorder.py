@@ -24,7 +24,7 @@ import numpy as np
 import orjson
 
 from gyre.proxy.admission import J_MAX, Rows, Trajectory, admit, materialise
-from gyre.proxy.chat import ChatTokenizer, Ref, display_key
+from gyre.proxy.chat import ChatTokenizer, Ref, display_key, token_chars
 from gyre.proxy.records import Journal, JournalError, sync_dir
 from gyre.proxy.roles import CallInfo, RoleRule, delegation_prompt
 from gyre.proxy.segmenter import Segmenter
@@ -45,6 +45,16 @@ class Prepared:
     delegated_by: str | None = None  # the call whose Agent/Task tool call opened this sub-agent
 
 
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A call's prompt as `Recorder.plan` found it: the matched path and the steps to add."""
+
+    req: ChatRequest
+    parent: int
+    path: list[int]
+    steps: list[tuple]
+
+
 @dataclass
 class Recorder:
     id: str
@@ -55,6 +65,19 @@ class Recorder:
     tree: Tree = field(default_factory=Tree)
     calls: list[dict] = field(default_factory=list)
     closed: bool = False
+    # Model calls of this execution that gyre itself refused, whatever the agent did: a 503
+    # (the disk guard or a record the disk refused, no engine available, the proxy
+    # overloaded), a 429 (the execution over its calls-in-flight or tokens-per-minute budget,
+    # proxy/budget.py; count_tokens calls too), a 500 (a proxy fault), as a plain answer or
+    # as an error event mid-stream. Not a refusal: a context overflow the agent caused, a
+    # 4xx for its own bad input, the engine refusing its request (400), a client that went
+    # away. Not counted, for no execution can be named: a 401, a 503 to a connection past
+    # max_connections. The launcher reads it: a harness that saw such a refusal and then
+    # failed is `aborted_infra`, never a valid zero (the agent never had its chance).
+    refusals: int = 0
+    # Whether the most recent answer this execution's model calls got was such a refusal
+    # (a later served call or agent-caused error sets it back to False).
+    refused_last: bool = False
 
     def __post_init__(self) -> None:
         if not self.tree.nodes:  # ids as narrow as the vocabulary allows
@@ -81,9 +104,17 @@ class Recorder:
     def prepare(self, req: ChatRequest, headers: dict[str, str], max_context: int | None = None) -> Prepared:
         """The call's exact prompt. Nothing is added to the tree until the prompt is known to
         fit `max_context` (a refused request touches no record)."""
+        return self.apply(self.plan(req, max_context), headers)
+
+    def plan(self, req: ChatRequest, max_context: int | None = None) -> Plan:
+        """The first half of `prepare`, the slow one (rendering, tokenizing new text): what the
+        prompt is, nothing added. It only reads the tree and the lookups, so the server runs it
+        on its prompt thread while the event loop records other calls' outputs (which add
+        output nodes and lookups, never a text node a plan could race); two plans of one
+        execution must not overlap its `apply` (the server holds a per-execution lock)."""
         refs = self._resolve_outputs(req)
         # 1) Follow existing nodes as far as they match; plan the rest without adding it.
-        parent, path, plan = self._match(req, refs)
+        parent, path, plan = self._match(req, refs, max_context)
         # A reply found only by its text, and recorded in another context, may be a message
         # this context already holds as text: the harness sent it (an injected "No response
         # requested.") before the model wrote the same text. Spliced in as a copy, it would
@@ -91,7 +122,7 @@ class Recorder:
         # the tree further, and then text wins (a genuinely new context keeps the copy).
         while (i := next((s[4] for s in plan if s[0] == "copy" and s[2] == "text"), None)) is not None:
             as_text = {j: r for j, r in refs.items() if j != i}
-            alt = self._match(req, as_text)
+            alt = self._match(req, as_text, max_context)
             if self._matched_tokens(alt[0]) <= self._matched_tokens(parent):
                 break
             refs, (parent, path, plan) = as_text, alt
@@ -100,6 +131,12 @@ class Recorder:
         length = self._matched_tokens(parent) + sum(len(p[2]) if p[0] == "text" else len(p[1].tokens) for p in plan)
         if max_context is not None and length >= max_context:
             raise ContextOverflow(length, max_context)
+        return Plan(req, parent, path, plan)
+
+    def apply(self, planned: Plan, headers: dict[str, str]) -> Prepared:
+        """The second half of `prepare`, quick: the planned nodes added and written, the call
+        classified. On the event loop (it writes the files and the lookups)."""
+        req, parent, path, plan = planned.req, planned.parent, list(planned.path), planned.steps
         # 2) Add the planned nodes.
         call_id = f"{self.id}-c{self._n_calls + 1:05d}"
         new_tokens, n_before, lines, text_at = 0, len(self.tree.nodes), [], {}
@@ -128,12 +165,23 @@ class Recorder:
         role = self._classify(req, headers, root, delegated_by)
         return Prepared(call_id, path, self.tree.token_array(path), new_tokens, role, time.time(), delegated_by)
 
-    def _match(self, req: ChatRequest, refs: dict[int, tuple[str, str]]) -> tuple[int, list[int], list[tuple]]:
+    def note_answer(self, refused: bool) -> None:
+        """One model call of this execution was answered: `refused` when the answer was gyre's
+        own refusal (see `refusals`)."""
+        if refused:
+            self.refusals += 1
+        self.refused_last = refused
+
+    def _match(self, req: ChatRequest, refs: dict[int, tuple[str, str]],
+               max_context: int | None = None) -> tuple[int, list[int], list[tuple]]:
         """The request's segments (`refs`: messages spliced in as recorded outputs) followed
         from the root: the last matched node, the matched path, and the plan for the rest
-        (text steps with their tokens, copy steps with the message index), nothing added."""
+        (text steps with their tokens, copy steps with the message index), nothing added.
+        ContextOverflow, before tokenizing it, at a new text that cannot fit `max_context`
+        whatever its tokens (a text of n characters is n / max_chars_per_token at least)."""
         segments = self._segmenter.segments(req.messages, req.tools, {i: str(i) for i in refs}, self._args)
-        parent, path, plan, strip = -1, [], [], None
+        per = getattr(self.tokenizer, "max_chars_per_token", None) if max_context is not None else None
+        parent, path, plan, strip, at_least = -1, [], [], None, 0
         for seg in segments:
             if isinstance(seg, Ref):
                 kind, key = refs[int(seg.key)]
@@ -153,6 +201,9 @@ class Recorder:
                     continue
                 nid = None if plan else self.tree.child_text(parent, text)
                 if nid is None:
+                    at_least += token_chars(text) // per if per else 0
+                    if per and self._matched_tokens(parent) + at_least >= max_context:
+                        raise ContextOverflow(self._matched_tokens(parent) + at_least, max_context)
                     start = parent < 0 and not plan  # the prompt's first text
                     plan.append(("text", text, self.tokenizer.encode_segment(text, at_start=start)))
                     continue
@@ -367,7 +418,8 @@ class Recorder:
         self.parse_memo.recent.clear()
         try:
             self._write("meta", {"event": "closed", "t": time.time(), "leaf_roles": self.leaf_roles,
-                                 "tree": self.tree.stats()})
+                                 "tree": self.tree.stats(), "refusals": self.refusals,
+                                 "refused_last": self.refused_last})
         except JournalError as e:  # a summary only (the tree and calls are on file): not worth failing an end for
             log.warning("execution %s: its closing summary was not written: %s", self.id, e)
         for j in self._journals.values():

@@ -1,10 +1,15 @@
 """server.py: the HTTP proxy (aiohttp) that every harness talks to.
 
-One handler path for the three provider APIs: authenticate the per-execution key, parse
-into a ChatRequest, let the execution build the exact prompt ids, stream the engine's
-tokens back through the output parser (SSE token by token, keep-alives while waiting),
-and record the call. Bad input is a provider-shaped 4xx that touches no record; a disk
-that refuses a record is a provider-shaped 503 with `retry-after` and leaves none. What a
+One handler path for the three provider APIs: authenticate the per-execution key, wait
+for the execution's budget (calls in flight, tokens per minute: budget.py; a 429 past it),
+parse into a ChatRequest, let the execution build the exact prompt ids, stream the
+engine's tokens back through the output parser (SSE token by token, keep-alives while
+waiting), and record the call. Parsing, rendering and tokenizing run on prompt threads,
+never on the event loop, and a body longer than any prompt that fits the context is
+refused before them (the provider's overflow answer). Bad input is a provider-shaped 4xx
+that touches no record; a disk that refuses a record is a provider-shaped 503 with
+`retry-after` and leaves none; each answer that was gyre's own refusal is counted on the
+execution's Recorder (`refusals`, `refused_last`). What a
 client can hold (deadlines for headers and bodies, a connection limit, encoded bodies) is
 connections.py's; a response streams as long as it takes. Runs in the caller's event loop
 (the coordinator's, or `gyre serve`'s). Not the engine router: a `Backend` is handed in.
@@ -18,6 +23,7 @@ import os
 import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -28,6 +34,7 @@ from aiohttp import web
 
 from gyre.proxy import api_anthropic, api_openai, api_responses
 from gyre.proxy.backend import Backend, BackendUnavailable, EngineRefused, GenParams
+from gyre.proxy.budget import Budgets, OverBudget
 from gyre.proxy.chat import ChatTokenizer
 from gyre.proxy.connections import RUNNER_OPTIONS, Connections, HttpError, Tally, read_body
 from gyre.proxy.parser import OutputParser
@@ -65,10 +72,25 @@ class ProxyConfig:
     # Below this many free bytes where records are written, model calls are answered 503
     # (retry-after) before any byte instead of failing a record mid-call; 0: never.
     min_free_disk_bytes: int = 16 * 1024 * 1024
+    # Each execution's share of the proxy (proxy/budget.py): at most this many model calls in
+    # flight (0: unlimited) and this many tokens a minute, prefilled and generated (0:
+    # unlimited); a call over either waits its turn at most budget_wait_s, then is answered
+    # 429 in the provider's shape with retry-after (harnesses retry it). Defaults: as
+    # CoordinatorConfig's, which says why 4.
+    max_calls_in_flight_per_execution: int = 4
+    max_tokens_per_minute_per_execution: int = 0
+    budget_wait_s: float = 60.0
 
 
 DISK_RETRY_AFTER_S = 10  # a full disk: harnesses retry after this
-_MAX_DEPTH = 254 - 8  # JSON nesting a request may have (orjson's writing limit less the margin _json checks)
+# A body is refused unread by the tokenizer when longer than FIT_FACTOR x max_context x the
+# most JSON bytes one token can take, plus FIT_SLACK_BYTES: it cannot fit the context. The
+# factor and the slack cover what the bound does not see (JSON's own syntax and spacing,
+# fields no template renders, normalisers that join characters).
+FIT_FACTOR = 2
+FIT_SLACK_BYTES = 1 << 20
+PROMPT_THREADS = 4  # threads that parse, render and tokenize requests
+_MAX_DEPTH = 254 - 8  # JSON nesting a request may have (orjson's writing limit less the margin _loads checks)
 
 
 class ProxyServer:
@@ -87,6 +109,19 @@ class ProxyServer:
         self.connections = Connections(self.config.max_connections, self.config.header_timeout_s)
         self._disk = Tally("model calls answered 503, records cannot be written: %s")
         self._parser_gaps = Tally("request parser gap, answered 400: %s at %s")
+        self._over_budget = Tally("model calls answered 429, over their execution's budget: %s (execution %s)")
+        c = self.config
+        self.budgets = Budgets(c.max_calls_in_flight_per_execution, c.max_tokens_per_minute_per_execution,
+                               c.budget_wait_s)
+        # Parsing, rendering and tokenizing run on these threads, never on the event loop (one
+        # 30 MiB prompt there stalled every execution for minutes), and on several, so a long
+        # prompt delays no other execution's. Each execution's parse memo, segmenter and tree
+        # have one user at a time (its lock); the tokenizer's memos lock themselves.
+        self._prompts = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="gyre-prompts")
+        self._prompt_locks: dict[str, asyncio.Lock] = {}  # execution -> its parse, plan and apply, one at a time
+        per_token = getattr(tokenizer, "max_json_bytes_per_token", None)
+        # The longest body that might fit max_context (0: no such bound); max_body_bytes stays the outer one.
+        self.fit_bytes = FIT_FACTOR * c.max_context * per_token + FIT_SLACK_BYTES if per_token else 0
 
     # --- executions ---------------------------------------------------------------------
 
@@ -106,6 +141,8 @@ class ProxyServer:
         ex = self.executions[exec_id]
         self._by_key.pop(ex.key, None)
         self.backend.forget(exec_id)
+        self.budgets.forget(exec_id)
+        self._prompt_locks.pop(exec_id, None)
         if not ex.closed:
             ex.close()
         return ex
@@ -158,6 +195,7 @@ class ProxyServer:
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+        self._prompts.shutdown(wait=False, cancel_futures=True)
         for ex in self.executions.values():
             if not ex.closed:
                 ex.close()
@@ -199,13 +237,33 @@ class ProxyServer:
              "type": "model", "display_name": self.config.served_model, "created_at": "1970-01-01T00:00:00Z"}]})
 
     async def _count_tokens(self, request: web.Request) -> web.Response:
+        """Counted on the prompt threads, within the execution's budget (tokenizing is work)."""
         try:
-            self._auth(request, api_anthropic)
-            body = await self._json(request)
-            req = self._parse(lambda: api_anthropic.parse_count_tokens(body, dict(request.headers)))
-            return web.json_response({"input_tokens": len(self.tokenizer.prompt_ids(req.messages, req.tools))})
+            execution = self._auth(request, api_anthropic)
+            await self.budgets.admit(execution.id)
         except HttpError as e:
             return _http_error(api_anthropic, e)
+        except OverBudget as e:
+            return self._over_budget_answer(api_anthropic, execution, e)
+        try:
+            return await self._count(request)
+        finally:
+            self.budgets.release(execution.id)
+
+    async def _count(self, request: web.Request) -> web.Response:
+        try:
+            raw = await self._read(request)
+            headers = dict(request.headers)
+
+            def count() -> int:
+                req = self._parse(lambda: api_anthropic.parse_count_tokens(self._loads(raw), headers))
+                return len(self.tokenizer.prompt_ids(req.messages, req.tools, max_context=self.config.max_context))
+
+            return web.json_response({"input_tokens": await self._off_loop(count)})
+        except HttpError as e:
+            return _http_error(api_anthropic, e)
+        except ContextOverflow as e:
+            return _json_error(400, api_anthropic.overflow_body(e.prompt_tokens, e.max_context))
         except RequestError as e:
             return _error(api_anthropic, e.status, str(e))
         except ValueError as e:
@@ -223,8 +281,24 @@ class ProxyServer:
             raise HttpError(401, "invalid API key: this proxy accepts only per-execution keys")
         return ex
 
-    async def _json(self, request: web.Request) -> Any:
+    async def _off_loop(self, fn: Callable[[], Any]) -> Any:
+        """`fn()` on the prompt thread: the event loop serves everyone else meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self._prompts, fn)
+
+    async def _read(self, request: web.Request) -> bytes:
+        """The body, refused (a context overflow, in the provider's words) before anything
+        parses or tokenizes it when it is longer than any prompt that fits the context."""
         raw = await read_body(request, self.config.max_body_bytes, self.config.body_timeout_s)
+        if self.fit_bytes and len(raw) > self.fit_bytes:
+            raise ContextOverflow(self._tokens_at_least(len(raw)), self.config.max_context)
+        return raw
+
+    def _tokens_at_least(self, n_bytes: int) -> int:
+        """Prompt tokens a body of `n_bytes` has at least (by the fit bound; past the context)."""
+        per = (self.fit_bytes - FIT_SLACK_BYTES) // self.config.max_context
+        return max(self.config.max_context, (n_bytes - FIT_SLACK_BYTES) // per)
+
+    def _loads(self, raw: bytes) -> Any:
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as e:
@@ -267,30 +341,72 @@ class ProxyServer:
                             {"retry-after": str(DISK_RETRY_AFTER_S)}, overloaded=True)
 
     async def _handle(self, request: web.Request, api: ModuleType) -> web.StreamResponse:
+        """Authenticate, wait for the execution's budget (429 past it), serve the call."""
         try:
             execution = self._auth(request, api)
-            body = await self._json(request)
-            req = self._parse(lambda: api.parse_request(body, dict(request.headers), memo=execution.parse_memo))
-            instead = await self._intercept(request, api, req)
-            if instead is not None:
-                return instead
-            self._check_disk(execution)
-            if self.config.record_requests:
-                execution.record_request(body, dict(request.headers), str(request.rel_url))
-            prep = execution.prepare(req, dict(request.headers), max_context=self.config.max_context)
+            await self.budgets.admit(execution.id)
         except HttpError as e:
             return _http_error(api, e)
+        except OverBudget as e:
+            return self._over_budget_answer(api, execution, e)
+        try:
+            return await self._admitted(request, api, execution)
+        finally:
+            self.budgets.release(execution.id)
+
+    def _over_budget_answer(self, api: ModuleType, execution: Recorder, e: OverBudget) -> web.Response:
+        """A 429 in the API's shape, with when to retry; gyre's own refusal, counted."""
+        self._over_budget.note(e.message, execution.id)
+        execution.note_answer(refused=True)
+        wait = str(e.retry_after_s)
+        return _json_error(429, api.rate_limit_body(e.message, e.kind),
+                           {"retry-after": wait, "retry-after-ms": f"{wait}000", "x-should-retry": "true"})
+
+    async def _admitted(self, request: web.Request, api: ModuleType, execution: Recorder) -> web.StreamResponse:
+        headers = dict(request.headers)
+        try:
+            raw = await self._read(request)
+            async with self._lock_of(execution):  # its parse memo, segmenter and tree: one call at a time
+                body, req = await self._off_loop(lambda: self._request(api, raw, headers, execution))
+                instead = await self._intercept(request, api, req)
+                if instead is not None:
+                    execution.note_answer(refused=_refusal(instead.status))
+                    return instead
+                self._check_disk(execution)
+                if self.config.record_requests:
+                    execution.record_request(body, headers, str(request.rel_url))
+                planned = await self._off_loop(lambda: execution.plan(req, max_context=self.config.max_context))
+                prep = execution.apply(planned, headers)
+        except HttpError as e:
+            execution.note_answer(refused=_refusal(e.status))
+            return _http_error(api, e)
         except JournalError as e:  # the prompt's nodes could not be written: taken back, nothing recorded
+            execution.note_answer(refused=True)
             return self._disk_full(api, e)
         except ContextOverflow as e:  # in the provider's own words: harnesses compact on them
+            execution.note_answer(refused=False)
             return _json_error(400, api.overflow_body(e.prompt_tokens, e.max_context))
         except RequestError as e:
+            execution.note_answer(refused=False)
             return _error(api, e.status, str(e))
         except ValueError as e:
+            execution.note_answer(refused=False)
             return _error(api, 400, str(e))
+        self.budgets.charge(execution.id, prep.new_tokens)
         budget = self.config.max_context - len(prep.prompt_ids)
         call = _Call(self, request, api, req, execution, prep, self._max_tokens(req, budget))
         return await call.run()
+
+    def _lock_of(self, execution: Recorder) -> asyncio.Lock:
+        lock = self._prompt_locks.get(execution.id)
+        if lock is None:
+            lock = self._prompt_locks[execution.id] = asyncio.Lock()
+        return lock
+
+    def _request(self, api: ModuleType, raw: bytes, headers: dict[str, str], execution: Recorder):
+        """The body and the request it parses to (on the prompt thread)."""
+        body = self._loads(raw)
+        return body, self._parse(lambda: api.parse_request(body, headers, memo=execution.parse_memo))
 
     async def _intercept(self, request: web.Request, api: ModuleType, req: ChatRequest) -> web.StreamResponse | None:
         """The reply that stands in for this model call, or None (here: always None). A seam
@@ -351,15 +467,19 @@ class _Call:
         except JournalError as e:
             # The output's record could not be written (a full disk): taken back whole, and
             # the harness, which has seen nothing of it, retries later.
+            self.ex.note_answer(refused=True)
             return self.s._disk_full(self.api, e)
         except (BackendUnavailable, EngineRefused) as e:
             # No engine at all (503, retryable) or the engine refused the request (400): the
             # call is kept as an error record.
             self._record("error")
-            return _error(self.api, *_status_of(e))
+            status, message = _status_of(e)
+            self.ex.note_answer(refused=_refusal(status))
+            return _error(self.api, status, message)
         except Exception as e:  # noqa: BLE001 - recorded and answered, never a silent drop
             log.exception("call %s failed", self.prep.call_id)
             self._record("error")
+            self.ex.note_answer(refused=True)
             return _error(self.api, 500, f"internal error: {type(e).__name__}: {e}")
         finally:
             if not pump.done():
@@ -427,6 +547,7 @@ class _Call:
                 break
         result = self._result()
         self._record("ok", result)
+        self.ex.note_answer(refused=False)
         return web.json_response(self.api.render_result(result, self.req), dumps=_dumps)
 
     async def _stream(self, queue: asyncio.Queue) -> web.StreamResponse:
@@ -460,10 +581,12 @@ class _Call:
                 log.exception("call %s failed mid-stream", self.prep.call_id)
             self._record("error")
             status, message = _status_of(e)
+            self.ex.note_answer(refused=_refusal(status))
             for event in stream.error(status, message):
                 await resp.write(event)
             await resp.write_eof()
             return resp
+        self.ex.note_answer(refused=False)
         for event in stream.finish(result):
             await resp.write(event)
         await resp.write_eof()
@@ -474,6 +597,7 @@ class _Call:
             return
         self.recorded = True
         n = self.kept  # the recorded output is what the client was given
+        self.s.budgets.charge(self.ex.id, len(self.ids))  # what the engine generated, kept or not
         # The record's finish reason is what ended the call: an error or a disconnect, tool
         # calls, else the engine's stop or length.
         finish = status if status != "ok" else "tool_calls" if self.parser.tool_calls else self.finish
@@ -513,6 +637,12 @@ def _http_error(api: ModuleType, e: HttpError) -> web.Response:
 
 def _json_error(status: int, body: dict, headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(body), content_type="application/json", headers=headers)
+
+
+def _refusal(status: int) -> bool:
+    """Whether an answer with this status is gyre's own refusal (Recorder.refusals): a 429
+    or a 5xx; every other 4xx is the agent's request."""
+    return status == 429 or status >= 500
 
 
 def _status_of(e: Exception) -> tuple[int, str]:
