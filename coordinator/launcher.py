@@ -24,10 +24,17 @@ The sandbox is always removed (unless kept). Ends in exactly one status:
     exit != 0             >= 1             ok / failed    harness_error / evaluator_error
     exit != 0, no call    0                -              placeholder (valid zero)
     could not start       0                -              aborted_infra (invalid)
+    refused by gyre, then any              -              aborted_infra, or placeholder
+      failed (below)                                      under infra_failure = "placeholder"
     deadline              any              ok / failed    timed_out / evaluator_error
     over storage_mb       (as exit 137: killed, like a memory hog)
     sandbox failed        any              -              aborted_infra, or placeholder
                                                           under infra_failure = "placeholder"
+
+gyre's own refusals are never the agent's score: a harness whose last model call gyre refused
+(503: the disk guard, no engine; 429: its execution's budget), or that exited non-zero after
+any such refusal, ended because of gyre, and the zero it would score is one gyre made (the
+fake zeros that corrupt RL). A context overflow or a bad request is the agent's, and scored.
 
 Not the scheduler: the coordinator decides when to launch (and builds images first, `prepare`).
 """
@@ -293,6 +300,13 @@ class Launcher:
         if code is None:  # the harness could not even start: infrastructure, not a zero
             run.status, run.reward, run.valid, run.ref = "aborted_infra", None, False, "harness could not start"
             return False
+        refused = self._refused(run, code, timed_out)
+        if refused is not None:
+            log.warning("execution %s: %s", run.id, refused)
+            placeholder = self.spec.infra_failure == "placeholder"
+            run.status, run.reward, run.valid, run.ref = ("placeholder", 0.0, True, refused) if placeholder \
+                else ("aborted_infra", None, False, refused)
+            return False
         if code != 0 and not called and not timed_out and not self.spec.solution:
             run.status, run.reward, run.valid, run.ref = "placeholder", 0.0, True, f"harness exit {code}"
             return False
@@ -304,6 +318,18 @@ class Launcher:
             return False
         run.status = "timed_out" if timed_out else "completed" if code == 0 else "harness_error"
         return True
+
+    def _refused(self, run: Execution, code: int, timed_out: bool) -> str | None:
+        """Why the harness's end was gyre's doing (the module's table), or None: its last model
+        call was refused by gyre, or it exited non-zero after a refusal."""
+        rec = run.recorder
+        if not rec.refusals or self.spec.solution:
+            return None
+        if rec.refused_last:
+            return f"the harness's last model call was refused by gyre ({rec.refusals} refused: 503/429)"
+        if code != 0 and not timed_out:
+            return f"the harness exited {code} after gyre refused {rec.refusals} of its model calls (503/429)"
+        return None
 
     def _infra(self, run: Execution, why: str) -> None:
         log.warning("execution %s: sandbox failure: %s", run.id, why)
