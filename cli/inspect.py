@@ -81,6 +81,7 @@ class RunLog:
     state: str | None = None
     steps_done: int | None = None
     steps_target: int | None = None
+    steps_unsaved: int = 0  # of steps_done, those after the newest intact checkpoint (a resume redoes them)
     outcomes: dict[str, dict] = field(default_factory=dict)  # execution id -> its `execution` event
     groups: dict[str, int] = field(default_factory=dict)  # execution id -> group (`dispatch` events)
     steps: dict[int, dict] = field(default_factory=dict)  # step -> its `step` event
@@ -95,7 +96,7 @@ def read_run_log(run_dir: Path) -> RunLog:
     else:
         s = state(run_dir)  # the authority `gyre up --resume` reads; "crashed": no closing summary
         running = s.kind == "crashed" and live_coordinator(run_dir)
-        log = RunLog("up", "running" if running else s.kind, s.steps_done, s.steps_target)
+        log = RunLog("up", "running" if running else s.kind, s.steps_done + s.unsaved, s.steps_target, s.unsaved)
     path = run_dir / "metrics.jsonl"
     for line in path.read_bytes().splitlines() if path.exists() else []:
         try:
@@ -152,7 +153,7 @@ def run_summary(run_dir: Path, log: RunLog, outcomes: dict[str, dict], calls: li
     if trained is None and log.steps:
         trained = sum(s.get("tokens_trained") or 0 for s in log.steps.values())
     return {"run_dir": str(run_dir), "command": log.command, "state": log.state,
-            "steps_done": log.steps_done, "steps_target": log.steps_target,
+            "steps_done": log.steps_done, "steps_target": log.steps_target, "steps_unsaved": log.steps_unsaved,
             "executions": len(outcomes), "execution_status": _count(o["execution_status"] for o in outcomes.values()),
             "rewarded": len(rewards), "reward_mean": sum(rewards) / len(rewards) if rewards else None,
             "last_step": None if last is None else {k: last.get(k) for k in ("step", "reward_mean", "tokens_trained")},
@@ -171,6 +172,10 @@ def render_run(run: dict) -> list[str]:
     else:
         target = "?" if run["steps_target"] is None else run["steps_target"]
         head = f"[bold]{escape(run['run_dir'])}[/]: {run['state']}, step {run['steps_done']}/{target}"
+        if run.get("steps_unsaved"):
+            saved = run["steps_done"] - run["steps_unsaved"]
+            head += (f" ([red]{run['steps_unsaved']} not saved[/]: no intact checkpoint holds them; "
+                     f"a resume starts from step {saved})")
     by_status = ", ".join(f"{escape(str(k))} {v}" for k, v in sorted(run["execution_status"].items(),
                                                                       key=lambda kv: (-kv[1], str(kv[0]))))
     never = f" ({len(run['unrecorded'])} never started)" if run["unrecorded"] else ""

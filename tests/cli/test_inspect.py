@@ -142,6 +142,7 @@ def test_json_has_the_run_summary_and_every_key_it_had(tmp_path, chat_tokenizer)
     out = json.loads(r.output)
     assert out["run"] == {
         "run_dir": str(run), "command": "up", "state": "crashed", "steps_done": 1, "steps_target": 3,
+        "steps_unsaved": 0,
         "executions": 6, "execution_status": {"completed": 3, "timed_out": 1, "harness_error": 1, "interrupted": 1},
         "rewarded": 4, "reward_mean": (0.5 + 0.25 + 0.0 + 0.125) / 4,
         "last_step": {"step": 1, "reward_mean": 0.25, "tokens_trained": 90}, "tokens_trained": 90,
@@ -180,7 +181,9 @@ def test_a_resumed_finished_run_skips_a_torn_line_mid_file(tmp_path, chat_tokeni
     r = runner.invoke(app, ["inspect", str(run)])
     assert r.exit_code == 0, r.output
     lines = r.output.splitlines()
-    assert lines[0] == f"{run}: stopped, step 2/3"
+    # No checkpoint in this run directory: both steps were trained, neither was saved.
+    assert lines[0] == f"{run}: stopped, step 2/3 (2 not saved: no intact checkpoint holds them; a resume " \
+                       "starts from step 0)"
     assert lines[1] == "7 executions: completed 4, harness_error 1, redone 1, timed_out 1"
     assert lines[2].endswith("; step 2: 0.438; 150 tokens trained")  # the summary's count
     assert lines[4] == "1 torn line(s) in metrics.jsonl skipped"
