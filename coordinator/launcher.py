@@ -326,9 +326,10 @@ class Launcher:
         if not rec.refusals or self.spec.solution:
             return None
         if rec.refused_last:
-            return f"the harness's last model call was refused by gyre ({rec.refusals} refused: 503/429)"
+            return f"gyre refused the harness's last model call ({rec.refusals} refused; the last: {rec.last_refusal})"
         if code != 0 and not timed_out:
-            return f"the harness exited {code} after gyre refused {rec.refusals} of its model calls (503/429)"
+            return (f"the harness exited {code} after gyre refused {rec.refusals} of its model calls "
+                    f"(the last: {rec.last_refusal})")
         return None
 
     def _infra(self, run: Execution, why: str) -> None:

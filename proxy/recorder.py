@@ -78,6 +78,7 @@ class Recorder:
     # Whether the most recent answer this execution's model calls got was such a refusal
     # (a later served call or agent-caused error sets it back to False).
     refused_last: bool = False
+    last_refusal: str = ""  # the latest such refusal, its status and message (what the launcher names)
 
     def __post_init__(self) -> None:
         if not self.tree.nodes:  # ids as narrow as the vocabulary allows
@@ -165,11 +166,12 @@ class Recorder:
         role = self._classify(req, headers, root, delegated_by)
         return Prepared(call_id, path, self.tree.token_array(path), new_tokens, role, time.time(), delegated_by)
 
-    def note_answer(self, refused: bool) -> None:
+    def note_answer(self, refused: bool, why: str = "") -> None:
         """One model call of this execution was answered: `refused` when the answer was gyre's
-        own refusal (see `refusals`)."""
+        own refusal (see `refusals`), `why` its status and message."""
         if refused:
             self.refusals += 1
+            self.last_refusal = why[:300]
         self.refused_last = refused
 
     def _match(self, req: ChatRequest, refs: dict[int, tuple[str, str]],
@@ -419,7 +421,7 @@ class Recorder:
         try:
             self._write("meta", {"event": "closed", "t": time.time(), "leaf_roles": self.leaf_roles,
                                  "tree": self.tree.stats(), "refusals": self.refusals,
-                                 "refused_last": self.refused_last})
+                                 "refused_last": self.refused_last, "last_refusal": self.last_refusal})
         except JournalError as e:  # a summary only (the tree and calls are on file): not worth failing an end for
             log.warning("execution %s: its closing summary was not written: %s", self.id, e)
         for j in self._journals.values():

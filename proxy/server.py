@@ -357,7 +357,7 @@ class ProxyServer:
     def _over_budget_answer(self, api: ModuleType, execution: Recorder, e: OverBudget) -> web.Response:
         """A 429 in the API's shape, with when to retry; gyre's own refusal, counted."""
         self._over_budget.note(e.message, execution.id)
-        execution.note_answer(refused=True)
+        execution.note_answer(refused=True, why=f"429 {e.message}")
         wait = str(e.retry_after_s)
         return _json_error(429, api.rate_limit_body(e.message, e.kind),
                            {"retry-after": wait, "retry-after-ms": f"{wait}000", "x-should-retry": "true"})
@@ -370,7 +370,7 @@ class ProxyServer:
                 body, req = await self._off_loop(lambda: self._request(api, raw, headers, execution))
                 instead = await self._intercept(request, api, req)
                 if instead is not None:
-                    execution.note_answer(refused=_refusal(instead.status))
+                    execution.note_answer(refused=_refusal(instead.status), why=f"{instead.status}")
                     return instead
                 self._check_disk(execution)
                 if self.config.record_requests:
@@ -378,10 +378,10 @@ class ProxyServer:
                 planned = await self._off_loop(lambda: execution.plan(req, max_context=self.config.max_context))
                 prep = execution.apply(planned, headers)
         except HttpError as e:
-            execution.note_answer(refused=_refusal(e.status))
+            execution.note_answer(refused=_refusal(e.status), why=f"{e.status} {e}")
             return _http_error(api, e)
         except JournalError as e:  # the prompt's nodes could not be written: taken back, nothing recorded
-            execution.note_answer(refused=True)
+            execution.note_answer(refused=True, why=f"503 the disk is full: {e}")
             return self._disk_full(api, e)
         except ContextOverflow as e:  # in the provider's own words: harnesses compact on them
             execution.note_answer(refused=False)
@@ -467,19 +467,19 @@ class _Call:
         except JournalError as e:
             # The output's record could not be written (a full disk): taken back whole, and
             # the harness, which has seen nothing of it, retries later.
-            self.ex.note_answer(refused=True)
+            self.ex.note_answer(refused=True, why=f"503 the disk is full: {e}")
             return self.s._disk_full(self.api, e)
         except (BackendUnavailable, EngineRefused) as e:
             # No engine at all (503, retryable) or the engine refused the request (400): the
             # call is kept as an error record.
             self._record("error")
             status, message = _status_of(e)
-            self.ex.note_answer(refused=_refusal(status))
+            self.ex.note_answer(refused=_refusal(status), why=f"{status} {message}")
             return _error(self.api, status, message)
         except Exception as e:  # noqa: BLE001 - recorded and answered, never a silent drop
             log.exception("call %s failed", self.prep.call_id)
             self._record("error")
-            self.ex.note_answer(refused=True)
+            self.ex.note_answer(refused=True, why=f"500 internal error: {type(e).__name__}: {e}")
             return _error(self.api, 500, f"internal error: {type(e).__name__}: {e}")
         finally:
             if not pump.done():
@@ -581,7 +581,7 @@ class _Call:
                 log.exception("call %s failed mid-stream", self.prep.call_id)
             self._record("error")
             status, message = _status_of(e)
-            self.ex.note_answer(refused=_refusal(status))
+            self.ex.note_answer(refused=_refusal(status), why=f"{status} {message}")
             for event in stream.error(status, message):
                 await resp.write(event)
             await resp.write_eof()

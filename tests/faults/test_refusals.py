@@ -73,7 +73,8 @@ async def test_a_harness_that_dies_on_gyres_503_is_aborted_infra_not_a_zero(prox
     # having recorded no call: before, a "placeholder" valid 0.0.
     run = await _run(proxy, tmp_path, "die on error", RETRIES=1)
     assert (run.status, run.reward, run.valid) == ("aborted_infra", None, False), (run.status, run.ref)
-    assert "refused by gyre" in run.ref or "gyre refused" in run.ref, run.ref
+    assert run.ref.startswith("gyre refused the harness's last model call (2 refused; the last: 503 "), run.ref
+    assert "min_free_disk_bytes" in run.ref, run.ref  # it says why: the disk guard
     assert run.recorder.refusals == 2 and run.recorder.refused_last
 
 
