@@ -72,7 +72,12 @@ async def run_harness_once(proxy: ProxyServer, preset: HarnessPreset, prompt: st
     return summary
 
 
-SERVING_FIELDS = ("default_max_tokens", "max_tokens_cap", "max_context", "rollout_temperature", "rollout_top_p")
+SERVING_FIELDS = ("default_max_tokens", "max_tokens_cap", "max_context", "rollout_temperature", "rollout_top_p",
+                  "max_calls_in_flight_per_execution", "max_tokens_per_minute_per_execution", "budget_wait_s")
+# The per-execution budgets when serving: none unless set (`gyre serve`'s one execution is often
+# a whole benchmark client; `gyre up` sets its own, config.py).
+SERVING_BUDGETS = {"max_calls_in_flight_per_execution": 0, "max_tokens_per_minute_per_execution": 0,
+                   "budget_wait_s": 60.0}
 
 
 def serve_fields(*, config: Path | None = None, sets: list[str] | None = None,
@@ -93,6 +98,13 @@ def serve_fields(*, config: Path | None = None, sets: list[str] | None = None,
         v = values.get(name)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise ConfigError(f"field {name}: expected a positive int, got {v!r}")
+    for name in ("max_calls_in_flight_per_execution", "max_tokens_per_minute_per_execution"):
+        v = values.get(name)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise ConfigError(f"field {name}: expected an int >= 0 (0: unlimited), got {v!r}")
+    wait = values.get("budget_wait_s")
+    if wait is not None and (isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait < 1e6):
+        raise ConfigError(f"field budget_wait_s: expected seconds >= 0, got {wait!r}")
     temperature, top_p = values.get("rollout_temperature", 1.0), values.get("rollout_top_p", 1.0)
     if not isinstance(temperature, (int, float)) or temperature < 0:
         raise ConfigError(f"field rollout_temperature: expected a number >= 0, got {temperature!r}")
@@ -112,7 +124,7 @@ def serve_settings(*, model_dir: Path, fields: dict | None = None) -> dict:
                             max_tokens_cap=f.get("max_tokens_cap"), max_context=f.get("max_context"))
     return {"default_max_tokens": limits["default_max_tokens"], "max_tokens_cap": limits["max_tokens_cap"],
             "max_context": limits["max_context"], "temperature": f.get("rollout_temperature", 1.0),
-            "top_p": f.get("rollout_top_p", 1.0)}
+            "top_p": f.get("rollout_top_p", 1.0), **{k: f.get(k, v) for k, v in SERVING_BUDGETS.items()}}
 
 
 async def serve(*, model_dir: Path, run_dir: Path, host: str, port: int, execution: str = "serve",

@@ -128,6 +128,15 @@ def test_per_model_defaults_and_the_context_clamp(tmp_path, tiny_dir, caplog):
     assert (s["max_context"], s["default_max_tokens"], s["max_tokens_cap"]) == (4096, None, 300)
     with pytest.raises(ConfigError, match="gyre serve takes only"):
         serve_fields(sets=["lr=1"])
+    # Serving budgets nothing unless asked (its one execution may be a whole benchmark client).
+    assert (s["max_calls_in_flight_per_execution"], s["max_tokens_per_minute_per_execution"]) == (0, 0)
+    s = serve_settings(model_dir=real, fields=serve_fields(sets=["max_calls_in_flight_per_execution=2",
+                                                                 "budget_wait_s=5"]))
+    assert (s["max_calls_in_flight_per_execution"], s["budget_wait_s"]) == (2, 5)
+    from gyre.proxy.server import ProxyConfig
+    assert ProxyConfig(**s).max_calls_in_flight_per_execution == 2
+    with pytest.raises(ConfigError, match="max_calls_in_flight_per_execution: expected an int >= 0"):
+        serve_fields(sets=["max_calls_in_flight_per_execution=-1"])
 
 
 async def test_the_proxy_cuts_output_to_the_cap_and_the_context(chat_tokenizer):
