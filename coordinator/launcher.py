@@ -13,7 +13,9 @@ rewrite what is scored), and the workspace is copied out to RUN_DIR/executions/I
 task's verifier then runs in a fresh sandbox from the task's image holding that copy and the
 tests (verifier.py): nothing the agent changed outside its workdir (its tools, hooks,
 preload list, `sleep`) takes part, and its own container is removed first (kept under
-keep_sandbox, it is never started again); else an evaluator scores the copy. A container
+keep_sandbox, it is never started again); a task whose `[verifier] environment = "agent"`
+is scored in a copy of its stopped container instead, its diff in agent-diff.json (verifier.py
+says what that mode can and cannot guarantee); else an evaluator scores the copy. A container
 execution makes one exec (the harness); files move by archive calls, which leave no monitor.
 A reward outside reward_range is no reward (evaluator_error). The harness's
 storage is held to the task's storage_mb (measured as it runs) and harness.log is capped.
@@ -509,11 +511,13 @@ class Launcher:
         try:
             if task.verifier:
                 # 3) Scored in fresh sandboxes from the image: the agent's container goes now (a
-                #    kept one stays stopped), nothing of it beyond the copy takes part.
-                if self.spec.keep_sandbox == "never":
+                #    kept one stays stopped), nothing of it beyond the copy takes part. A task in
+                #    the "agent" environment is scored in a copy of it (stopped, removed at close).
+                if self.spec.keep_sandbox == "never" and task.verifier.get("environment") != "agent":
                     await self._remove(run, sandbox)
                 evaluator = build_verifier(task, sandbox, swe_mode=self.spec.swe_score,
-                                           log_path=folder / "verifier.log", owners=self._owners.pop(run.id, None))
+                                           log_path=folder / "verifier.log", owners=self._owners.pop(run.id, None),
+                                           diff_path=folder / "agent-diff.json")
             else:
                 evaluator = build_evaluator(task.evaluator or self.default_evaluator)
         except (EvaluatorError, EvaluatorFailed) as e:

@@ -38,7 +38,7 @@ HARBOR_NEEDS = ("a Harbor task needs instruction.md, task.toml, environment/Dock
 HARBOR_TOP_KEYS = frozenset({"version", "source"})
 HARBOR_SECTIONS: dict[str, frozenset[str] | None] = {  # None: any key (free-form)
     "metadata": None,
-    "verifier": frozenset({"timeout_sec", "env"}),
+    "verifier": frozenset({"timeout_sec", "env", "environment"}),
     "agent": frozenset({"timeout_sec", "user"}),
     "environment": frozenset({"docker_image", "build_timeout_sec", "cpus", "memory_mb", "memory",
                               "storage_mb", "storage", "allow_internet", "gpus"}),
@@ -60,6 +60,10 @@ CPUS_RANGE = (0.01, 512.0)
 MEMORY_MB_RANGE = (6, 4 << 20)  # 6 MiB .. 4 TiB
 STORAGE_MB_RANGE = (1, 16 << 20)  # 1 MiB .. 16 TiB
 GPUS_RANGE = (1, 64)
+# [verifier].environment: "fresh" (default) scores in a new container from the task's image holding
+# the agent's copied-out workdir; "agent" in a copy of the agent's whole container, for tasks that
+# check system state it changed outside its workdir (verifier.py says what that mode guarantees).
+VERIFIER_ENVIRONMENTS = ("fresh", "agent")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -333,10 +337,20 @@ def _harbor_size(env: _Fields, name: str, older: str, bounds: tuple[int, int]) -
     return env.get(older, _within(_size_mb, *bounds, " MiB"))
 
 
+def _verifier_environment(value: Any) -> str:
+    if value not in VERIFIER_ENVIRONMENTS:
+        raise _Bad(f"must be one of {', '.join(map(repr, VERIFIER_ENVIRONMENTS))}, got {value!r}")
+    return value
+
+
 def _harbor_verifier(verifier: _Fields) -> dict:
-    return {"type": "harbor",
-            "timeout_s": verifier.get("timeout_sec", _timeout, DEFAULT_HARBOR_VERIFIER_TIMEOUT_S),
-            "env": verifier.get("env", _string_table, {})}
+    """The verifier's settings; "environment" only where it is not the default ("fresh")."""
+    out = {"type": "harbor",
+           "timeout_s": verifier.get("timeout_sec", _timeout, DEFAULT_HARBOR_VERIFIER_TIMEOUT_S),
+           "env": verifier.get("env", _string_table, {})}
+    if (where := verifier.get("environment", _verifier_environment, "fresh")) != "fresh":
+        out["environment"] = where
+    return out
 
 
 def _harbor_meta(folder: Path, toml: dict, sections: dict[str, dict], where: str) -> dict:

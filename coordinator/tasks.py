@@ -64,7 +64,8 @@ class Task:
     environment: Environment | None = None  # None: no image; any backend runs it
     tests_dir: str | None = None  # absolute: copied to /tests only after the agent stops
     solution_dir: str | None = None  # absolute: copied to /solution for `--solution` (solve.sh)
-    verifier: dict = field(default_factory=dict)  # run inside the sandbox (harbor | swe); {}: `evaluator`
+    # run inside the sandbox (harbor | swe); {}: `evaluator`. Harbor's "environment": "agent" (absent: fresh).
+    verifier: dict = field(default_factory=dict)
 
 
 def check_relpath(path: Any) -> PurePosixPath:

@@ -16,22 +16,46 @@ output (pytest -rA / -v lines, unittest's "... ok"); reward 1 when all pass, els
 FAIL_TO_PASS fraction (`swe_score = "fraction"`). A verifier that cannot produce a reward
 fails the attempt (EvaluatorFailed, retried, then evaluator_error): never a 0. An image whose
 working directory is / cannot be verified this way (the agent's copy would be the whole
-system): evaluator_error. Not yet: a task field to verify in the agent's own container (for
-tasks that check system state). Logs and test output are capped. Not the host-side
-evaluators (evaluator.py).
+system): evaluator_error. Logs and test output are capped. Not the host-side evaluators
+(evaluator.py).
+
+Harbor's `[verifier] environment = "agent"` (default "fresh") is for tasks that must check
+system state the agent changed outside its workdir ("install nginx and configure
+/etc/nginx"). The killed agent container is committed to a temporary image and the tests run
+once in a new container from it (never a restart: its own command, `sleep`, is the agent's),
+removed after with the image. Before scoring, the container's layer against its image
+(`podman diff`) is written to RUN_DIR/executions/ID/agent-diff.json. What this mode
+guarantees: no process of the agent's runs (its container's init was killed); the container's
+command, the shell that runs test.sh (`busybox sh`, not bash), `timeout` and every busybox
+applet that shell runs by name (rm, cat, grep, ...: applets beat PATH) come from the host's
+statically linked busybox, mounted read-only, so no preload list or replaced library reaches
+them; /tests is the task's, mounted read-only over whatever the agent left there;
+/logs/verifier is made anew; an empty file is mounted over /etc/ld.so.preload and LD_PRELOAD,
+BASH_ENV and ENV are emptied, PYTHONNOUSERSITE and PYTHONSAFEPATH set (no user site, no
+usercustomize, no script folder first on sys.path). What it cannot: any program of the
+image the tests call that is not a busybox applet (python3, pytest, bash, nginx, curl) is
+the agent's to have replaced, and Python still loads sitecustomize.py and .pth files from its
+site-packages (unless the tests run `python3 -I -S`); so a score in this mode is only as
+trustworthy as those programs, and agent-diff.json is the record to audit (a changed
+/usr/bin/python3 or a new .pth file shows there). Tests that can check through busybox alone
+(`grep -q listen /etc/nginx/nginx.conf`) are fully trusted. It needs a local engine (the
+busybox is the host's: Debian's busybox-static, /bin/busybox) and a test.sh that busybox sh
+can run; SWE rows are always verified fresh.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import struct
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 from gyre.coordinator.evaluator import EvaluatorError, EvaluatorFailed, Outcome
-from gyre.coordinator.sandbox.base import CappedLog, Put, Sandbox
+from gyre.coordinator.sandbox.base import TRUSTED_BUSYBOX, CappedLog, Put, Sandbox, SandboxError
 from gyre.coordinator.tasks import Task
 
 TESTS_DIR, SOLUTION_DIR, VERIFIER_LOGS = "/tests", "/solution", "/logs/verifier"
@@ -41,6 +65,14 @@ LOG_LIMIT_BYTES = 16 << 20  # of verifier.log, and of a SWE test run's output
 # tests in the working directory (or / should it be missing).
 _HARBOR = (f'rm -rf {VERIFIER_LOGS} && mkdir -p {VERIFIER_LOGS} && {{ cd "$1" 2>/dev/null || cd /; }} && shift '
            '&& exec "$@"')
+# In a copy of the agent's container (environment = "agent"): the same, every step by the
+# host's busybox (its applets run by name before anything on PATH).
+_HARBOR_IN_COPY = (f'B={TRUSTED_BUSYBOX}; $B rm -rf {VERIFIER_LOGS} && $B mkdir -p {VERIFIER_LOGS} && '
+                   '{ cd "$1" 2>/dev/null || cd /; } && shift && exec "$@"')
+# What the agent could have left to run inside the tests' programs, turned off where an
+# environment variable can: the preload variable, shells' startup files, Python's user site.
+NEUTRAL_ENV = {"LD_PRELOAD": "", "BASH_ENV": "", "ENV": "", "PYTHONNOUSERSITE": "1", "PYTHONSAFEPATH": "1"}
+BUSYBOX_PATHS = ("/bin/busybox", "/usr/bin/busybox")  # Debian's busybox-static; GYRE_BUSYBOX overrides
 PATCH_INSIDE = "/tmp/gyre-test.patch"
 MARK = "gyre-verifier:"  # the SWE command's first line says how the patch went: nothing of the agent's runs before it
 _SWE = (f'cd "$1" 2>/dev/null || cd /; if [ -s {PATCH_INSIDE} ]; then '
@@ -85,28 +117,85 @@ def reward_from_json(text: str) -> float:
     raise EvaluatorFailed(f"reward.json must hold a number or an object, got {type(data).__name__}")
 
 
+def _static_elf(path: str) -> bool:
+    """A 64-bit little-endian ELF executable without an interpreter (PT_INTERP): statically
+    linked, so no preload list or library in the container reaches it."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+            if len(head) < 64 or head[:4] != b"\x7fELF" or head[4:6] != b"\x02\x01":
+                return False
+            (phoff,), (phentsize, phnum) = struct.unpack_from("<Q", head, 32), struct.unpack_from("<HH", head, 54)
+            f.seek(phoff)
+            table = f.read(phentsize * phnum)
+    except OSError:
+        return False
+    return len(table) == phentsize * phnum and all(
+        struct.unpack_from("<I", table, i * phentsize)[0] != 3 for i in range(phnum))
+
+
+def trusted_busybox() -> str:
+    """The host's statically linked busybox for the "agent" environment; EvaluatorError if none."""
+    wanted = os.environ.get("GYRE_BUSYBOX")
+    for path in (wanted,) if wanted else BUSYBOX_PATHS:
+        if _static_elf(path):
+            return path
+    raise EvaluatorError(f"[verifier] environment = \"agent\" needs a statically linked busybox on this host "
+                         f"({wanted or ' or '.join(BUSYBOX_PATHS)}; apt-get install busybox-static)")
+
+
 class HarborVerifier:
     """tests/test.sh in a fresh sandbox holding the agent's copied-out workdir; the reward
     from its /logs/verifier."""
 
     def __init__(self, sandbox: Sandbox, spec: dict, log_path: Path | None = None,
-                 owners: Mapping[str, tuple[int, int]] | None = None):
+                 owners: Mapping[str, tuple[int, int]] | None = None, diff_path: Path | None = None):
         self.sandbox = sandbox
         self.timeout_s = float(spec.get("timeout_s") or 600.0)
         self.env = dict(spec.get("env") or {})
         self.log_path = log_path
         self.owners = dict(owners or {})
+        self.in_agent = spec.get("environment") == "agent"
+        self.busybox = trusted_busybox() if self.in_agent else None
+        self.diff_path = diff_path
 
     async def evaluate(self, task: Task, workspace: Path) -> Outcome:
+        rewards = (f"{VERIFIER_LOGS}/reward.txt", f"{VERIFIER_LOGS}/reward.json")
+        with open(self.log_path, "ab") if self.log_path else tempfile.TemporaryFile() as logf:
+            log = CappedLog(logf, LOG_LIMIT_BYTES, "verifier.log")
+            if self.in_agent:
+                r, got = await self._in_agent_copy(task, log, rewards)
+            else:
+                r, got = await self._fresh(task, workspace, log, rewards)
+        return self._reward(r, got, rewards)
+
+    async def _fresh(self, task: Task, workspace: Path, log: CappedLog, rewards: tuple[str, str]):
         sb = self.sandbox
         puts = [Put(Path(workspace), sb.workdir, self.owners)]
         if task.tests_dir is not None:
             puts.append(Put(Path(task.tests_dir), TESTS_DIR))
-        rewards = (f"{VERIFIER_LOGS}/reward.txt", f"{VERIFIER_LOGS}/reward.json")
-        with open(self.log_path, "ab") if self.log_path else tempfile.TemporaryFile() as logf:
-            r, got = await sb.run_fresh(["sh", "-c", _HARBOR, "sh", sb.workdir, "bash", f"{TESTS_DIR}/test.sh"],
-                                        puts=puts, env=self.env, timeout_s=self.timeout_s,
-                                        log=CappedLog(logf, LOG_LIMIT_BYTES, "verifier.log"), read=rewards)
+        return await sb.run_fresh(["sh", "-c", _HARBOR, "sh", sb.workdir, "bash", f"{TESTS_DIR}/test.sh"],
+                                  puts=puts, env=self.env, timeout_s=self.timeout_s, log=log, read=rewards)
+
+    async def _in_agent_copy(self, task: Task, log: CappedLog, rewards: tuple[str, str]):
+        """test.sh by the trusted busybox sh in a copy of the agent's container; its layer's
+        diff recorded first (once)."""
+        sb = self.sandbox
+        if self.diff_path is not None and not self.diff_path.exists():
+            try:
+                changes = await sb.changes()
+            except SandboxError as e:
+                raise EvaluatorFailed(f"the agent's container diff: {e}") from None
+            tmp = self.diff_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(changes, indent=1) + "\n")
+            tmp.replace(self.diff_path)
+        mounts = {str(Path(task.tests_dir).resolve()): TESTS_DIR} if task.tests_dir is not None else {}
+        argv = [TRUSTED_BUSYBOX, "sh", "-c", _HARBOR_IN_COPY, "sh", sb.workdir, TRUSTED_BUSYBOX, "sh",
+                f"{TESTS_DIR}/test.sh"]
+        return await sb.run_in_copy(argv, busybox=Path(self.busybox), mounts=mounts,
+                                    env={**self.env, **NEUTRAL_ENV}, timeout_s=self.timeout_s, log=log, read=rewards)
+
+    def _reward(self, r, got: dict[str, bytes | None], rewards: tuple[str, str]) -> Outcome:
         if r.timed_out:
             raise EvaluatorFailed(f"tests/test.sh timed out after {self.timeout_s:g}s")
         text = got[rewards[0]]
@@ -222,15 +311,16 @@ class SweVerifier:
 
 
 def build_verifier(task: Task, sandbox: Sandbox, *, swe_mode: str = "all", log_path: Path | None = None,
-                   owners: Mapping[str, tuple[int, int]] | None = None):
-    """The task's verifier, to run in fresh sandboxes made from `sandbox`'s image; `owners`
-    the copied-out workdir's (CopyReport.owners)."""
+                   owners: Mapping[str, tuple[int, int]] | None = None, diff_path: Path | None = None):
+    """The task's verifier, to run in fresh sandboxes made from `sandbox`'s image (or, for a
+    Harbor task in the "agent" environment, from a copy of `sandbox`, its diff to `diff_path`);
+    `owners` the copied-out workdir's (CopyReport.owners)."""
     kind = task.verifier.get("type")
     if kind not in ("harbor", "swe"):
         raise EvaluatorError(f"task {task.id!r}: verifier type must be harbor or swe, got {kind!r}")
-    if sandbox.workdir.rstrip("/") == "":
+    if sandbox.workdir.rstrip("/") == "" and task.verifier.get("environment") != "agent":
         raise EvaluatorError(f"task {task.id!r}: the image's working directory is /, so the agent's work cannot be "
                              "told from the system; set WORKDIR in its Dockerfile")
     if kind == "harbor":
-        return HarborVerifier(sandbox, task.verifier, log_path, owners)
+        return HarborVerifier(sandbox, task.verifier, log_path, owners, diff_path)
     return SweVerifier(sandbox, task.verifier, swe_mode, log_path, owners)

@@ -69,6 +69,10 @@ def process_alive(label: str | None) -> bool | None:
     return start != "None" and _start_time(pid_n) == start
 
 
+TRUSTED_BUSYBOX = "/.gyre-trusted/busybox"  # inside a copy of the agent's sandbox (run_in_copy): the host's, read-only
+PRELOAD_LIST = "/etc/ld.so.preload"
+
+
 class SandboxError(GyreError):
     """The sandbox layer failed (engine unreachable, image missing, start refused): an
     infrastructure failure, never the agent's fault; the execution ends aborted_infra."""
@@ -239,6 +243,24 @@ class Sandbox(abc.ABC):
         result and the bytes of each `read` path once it ended (None where missing); the
         new sandbox is removed. SandboxError where the backend cannot."""
         raise SandboxError(f"{type(self).__name__} cannot start a fresh sandbox from an image")
+
+    async def run_in_copy(self, argv: list[str], *, busybox: Path, mounts: Mapping[str, str] | None = None,
+                          env: Mapping[str, str] | None = None, timeout_s: float | None = None, grace_s: float = 5.0,
+                          log: BinaryIO | None = None, read: Sequence[str] = ()
+                          ) -> tuple[ExecResult, dict[str, bytes | None]]:
+        """Run `argv` once in a new sandbox made from this one's files as the agent left them
+        (its processes gone: call after `cancel`), for tasks that check system state outside
+        the workdir. Its command never comes from those files: the host's statically linked
+        `busybox` is mounted read-only at TRUSTED_BUSYBOX and runs `argv` under its own
+        `timeout`; an empty file is mounted over /etc/ld.so.preload, `mounts` (host -> inside)
+        read-only. Returns as `run_fresh`; the new sandbox and what was made for it are
+        removed. SandboxError where the backend cannot."""
+        raise SandboxError(f"{type(self).__name__} cannot verify in a copy of the agent's sandbox")
+
+    async def changes(self) -> list[dict]:
+        """What the sandbox changed against its image (`podman diff`): {"path", "kind"} with kind
+        changed, added or deleted. SandboxError where the backend cannot tell."""
+        raise SandboxError(f"{type(self).__name__} cannot list the changes of its sandbox")
 
     async def storage_used(self) -> int | None:
         """Bytes written in the sandbox so far (a container's writable layer, a host

@@ -12,8 +12,12 @@ left, whatever group it is in); the files stay for copying out, and the containe
 again (a restart would run `sleep` from the agent's files). `run_fresh` is the verifier's: a
 new container from the same image whose own command is the verifier's (under `timeout` from
 the image), its files put in before it starts, its output followed through the logs
-endpoint. Execs are few on purpose: podman keeps each exec's `conmon` alive about 5 minutes
-after it ends, so an execution makes one (the harness's); files move as tar streams
+endpoint. `run_in_copy` (a task verified in the agent's environment) commits the killed
+container to a temporary image and runs the command once in a new container from it, its
+command the host's static busybox mounted read-only (never the agent's files), an empty
+/etc/ld.so.preload mounted over the agent's; `changes` is `podman diff`. Execs are few on
+purpose: podman keeps each exec's `conmon` alive about 5 minutes after it ends, so an
+execution makes one (the harness's); files move as tar streams
 (put_archive / get_archive, which start no process), a download extracted entry by entry,
 never through a link and under a cap. Images are built from a task's environment folder
 under a content-hashed tag, once per content (images.py). The SDK blocks: every call runs
@@ -44,6 +48,8 @@ from gyre.coordinator.sandbox.base import (
     COPY_LIMIT_BYTES,
     LABEL_EXECUTION,
     LABEL_OWNER,
+    PRELOAD_LIST,
+    TRUSTED_BUSYBOX,
     CopyReport,
     ExecResult,
     ImageBuildError,
@@ -337,9 +343,50 @@ class ContainerSandbox(Sandbox):
             await asyncio.shield(fresh.stop())
         return result, got
 
-    async def _run_once(self, timeout_s: float | None, grace_s: float, log: BinaryIO | None) -> ExecResult:
+    async def run_in_copy(self, argv, *, busybox, mounts=None, env=None, timeout_s=None, grace_s=5.0, log=None,
+                          read=()):
+        """The agent's container committed to a temporary image (its files, never its
+        processes: it was killed and is not started again) and `argv` run once in a new
+        container from it, under the host's busybox; container and image removed after."""
+        if not self._cancelled:
+            raise SandboxError(f"sandbox {self.container.short_id} still runs: cancel it before copying it")
+        if not self.backend.local:
+            raise SandboxError(f"{self.backend.name}: verifying in the agent's container needs a local engine "
+                               "(the trusted busybox is mounted from this host)")
+        limit = "0" if timeout_s is None else f"{max(timeout_s, 0.001):.3f}"
+        with tempfile.TemporaryDirectory(prefix="gyre-copy-") as tmp:
+            empty = Path(tmp, "ld.so.preload")
+            empty.write_bytes(b"")
+            image = await self.backend.commit(self, f"gyre-verify-{self.spec.execution}-{secrets.token_hex(3)}")
+            try:
+                spec = dataclasses.replace(self.spec, image=image, mounts={
+                    **dict(mounts or {}), str(busybox): TRUSTED_BUSYBOX, str(empty): PRELOAD_LIST})
+                fresh = await self.backend.container(
+                    spec, [TRUSTED_BUSYBOX, "timeout", "-k", f"{grace_s:g}", limit, *argv], env=env, start=False,
+                    role="verify")
+                try:
+                    # busybox's timeout ends the command with its signal's status: 143 (TERM), 137 (KILL)
+                    result = await fresh._run_once(timeout_s, grace_s, log, codes=(124, 137, 143))
+                    got = {path: await fresh.read_file(path) for path in read}
+                finally:
+                    await asyncio.shield(fresh.stop())
+            finally:
+                await asyncio.shield(self.backend.remove_image(image))
+        return result, got
+
+    async def changes(self) -> list[dict]:
+        kinds = {0: "changed", 1: "added", 2: "deleted"}
+        try:
+            got = await self.backend.io(self.container.diff)
+        except _api_error() as e:
+            _released(e)
+            raise SandboxError(f"changes of {self.container.short_id}: {e}") from None
+        return [{"path": c.get("Path"), "kind": kinds.get(c.get("Kind"), str(c.get("Kind")))} for c in got or []]
+
+    async def _run_once(self, timeout_s: float | None, grace_s: float, log: BinaryIO | None,
+                        codes: tuple[int, ...] = (124, 137)) -> ExecResult:
         """Start the container, its own command to its end, its output followed: the exec
-        verb's contract, without an exec."""
+        verb's contract, without an exec. `codes`: the exit statuses its timeout ends it with."""
         start = time.monotonic()
         host_wait = None if timeout_s is None else timeout_s + grace_s + HOST_SLACK_S
         job = _own_thread(self._start_and_follow, log)
@@ -352,7 +399,7 @@ class ContainerSandbox(Sandbox):
             await asyncio.shield(self.cancel())
             raise
         elapsed = time.monotonic() - start
-        timed_out = timeout_s is not None and code in (124, 137) and elapsed >= timeout_s * 0.99
+        timed_out = timeout_s is not None and code in codes and elapsed >= timeout_s * 0.99
         return ExecResult(code, timed_out or code is None, output)
 
     def _start_and_follow(self, log: BinaryIO | None) -> tuple[int | None, bytes]:
@@ -522,6 +569,25 @@ class DockerAPIBackend(SandboxBackend):
         state = container.attrs.get("State", {})
         workdir = container.attrs.get("Config", {}).get("WorkingDir") or "/"
         return ContainerSandbox(self, container, spec, workdir, state.get("Pid") or None)
+
+    async def commit(self, sandbox: ContainerSandbox, name: str) -> str:
+        """The (stopped) container's files as a new local image, its id; `remove_image` after."""
+        def commit() -> str:
+            return sandbox.container.commit(repository=f"localhost/{name}", tag="latest", pause=False).id
+
+        try:
+            return await self.io(commit)
+        except _api_error() as e:
+            _released(e)
+            raise SandboxError(f"{self.name}: cannot commit {sandbox.container.short_id} to an image: {e}") from None
+
+    async def remove_image(self, image: str) -> None:
+        """Remove an image gyre made (logged, never raised: a leftover is disk, not a fault)."""
+        try:
+            await self.io(self.client.images.remove, image, force=True)
+        except _api_error() as e:
+            _released(e)
+            log.warning("%s: could not remove image %s: %s", self.name, image[:19], e)
 
     async def reap(self, alive) -> int:
         def sweep() -> int:
