@@ -114,6 +114,17 @@ def _own_thread(fn, *args) -> asyncio.Future:
     return fut
 
 
+def _follow(stream, log: BinaryIO | None, tail: bytearray) -> None:
+    """A command's output as it comes: into `log`, else its last OUTPUT_TAIL bytes into `tail`."""
+    for chunk in stream:
+        if log is not None:
+            log.write(chunk)
+            log.flush()
+        else:
+            tail += chunk
+            del tail[:-OUTPUT_TAIL]
+
+
 def _tar_into(f: BinaryIO, src: Path, arcname: str, owners: Mapping[str, tuple[int, int]] | None,
               under: Sequence[str] = ()) -> None:
     """`src` as a tar into `f`: a folder's contents, or the file as `arcname`, below the
@@ -193,13 +204,7 @@ class ContainerSandbox(Sandbox):
             tail = bytearray()
             stream = api.exec_start(ex["Id"], stream=True)
             try:
-                for chunk in stream:
-                    if log is not None:
-                        log.write(chunk)
-                        log.flush()
-                    else:
-                        tail += chunk
-                        del tail[:-OUTPUT_TAIL]
+                _follow(stream, log, tail)
             finally:
                 # The upgraded connection never returns to the pool: shut its socket and close
                 # the response's file on it too, or the socket outlives both (ResourceWarning).
@@ -409,13 +414,7 @@ class ContainerSandbox(Sandbox):
             tail = bytearray()
             stream = api.logs(self.container.id, stdout=True, stderr=True, stream=True, follow=True)
             try:
-                for chunk in stream:
-                    if log is not None:
-                        log.write(chunk)
-                        log.flush()
-                    else:
-                        tail += chunk
-                        del tail[:-OUTPUT_TAIL]
+                _follow(stream, log, tail)
             finally:
                 stream.close()
             code = api.wait(self.container.id).get("StatusCode")
