@@ -62,6 +62,7 @@ from gyre.coordinator.sandbox.files import untar_capped
 
 log = logging.getLogger("gyre.coordinator")
 OUTPUT_TAIL = 64 * 1024
+VERIFY_IMAGE_PREFIX = "localhost/gyre-verify-"  # the agent environment's temporary images (committed containers)
 PID_DIR = "/tmp/.gyre-exec"  # inside: one file per running exec, holding its wrapper's pid
 KILL_WAIT_S = 10.0  # a cancelled exec's group gets this long after SIGTERM before SIGKILL
 HOST_SLACK_S = 60.0  # the host-side wait past an exec's deadline + grace before it gives up on the engine
@@ -362,7 +363,8 @@ class ContainerSandbox(Sandbox):
         with tempfile.TemporaryDirectory(prefix="gyre-copy-") as tmp:
             empty = Path(tmp, "ld.so.preload")
             empty.write_bytes(b"")
-            image = await self.backend.commit(self, f"gyre-verify-{self.spec.execution}-{secrets.token_hex(3)}")
+            image = await self.backend.commit(self, f"{VERIFY_IMAGE_PREFIX[len('localhost/'):]}"
+                                                    f"{self.spec.execution}-{secrets.token_hex(3)}")
             try:
                 spec = dataclasses.replace(self.spec, image=image, mounts={
                     **dict(mounts or {}), str(busybox): TRUSTED_BUSYBOX, str(empty): PRELOAD_LIST})
@@ -609,13 +611,34 @@ class DockerAPIBackend(SandboxBackend):
                 except _api_error() as e:
                     _released(e)
                     log.warning("%s: could not remove orphan %s: %s", self.name, short, e)
-            return removed
+            return removed + self._sweep_verify_images(alive)
 
         try:
             return await self.io(sweep)
         except _api_error() as e:
             _released(e)
             raise SandboxError(f"{self.name}: listing sandboxes failed: {e}") from None
+
+    def _sweep_verify_images(self, alive) -> int:
+        """The temporary images the agent environment commits (gyre-verify-*, carrying the agent
+        container's labels) that a crash left: those of runs no longer alive are removed."""
+        import docker.errors
+
+        removed = 0
+        for img in self.client.api.images(filters={"label": LABEL_OWNER}):
+            tags = img.get("RepoTags") or []
+            if not any(t.startswith(VERIFY_IMAGE_PREFIX) for t in tags) or alive(img.get("Labels") or {}):
+                continue
+            log.info("%s: removing orphan verifier image %s", self.name, tags[0])
+            try:
+                self.client.api.remove_image(img["Id"], force=True)
+                removed += 1
+            except docker.errors.NotFound:
+                pass
+            except _api_error() as e:
+                _released(e)
+                log.warning("%s: could not remove orphan image %s: %s", self.name, tags[0], e)
+        return removed
 
     def image_exists(self, image: str) -> bool:
         import docker.errors

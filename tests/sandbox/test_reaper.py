@@ -79,3 +79,28 @@ async def test_orphans_of_a_killed_run_are_reaped_at_the_next_start(podman, tmp_
             await again.close()
     finally:
         lock.release()
+
+
+async def test_a_verifier_image_a_crash_left_is_reaped(podman, tmp_path):
+    """The agent environment commits the agent's container to a temporary gyre-verify-* image
+    (removed after scoring); one a crash left carries the container's labels, and the reaper
+    removes it with the orphans of its run, never another's."""
+    import secrets
+
+    from gyre.coordinator.sandbox.docker_api import VERIFY_IMAGE_PREFIX
+
+    owner = f"verify-orphan-{secrets.token_hex(3)}"
+    made = []
+    for name in ("dead", "live"):
+        sandbox = await podman.create(SandboxSpec(execution=name, image=images.BASE_IMAGE, labels={
+            LABEL_OWNER: f"{owner}-{name}", LABEL_RUN_DIR: str(tmp_path), LABEL_EXECUTION: name}))
+        made.append(await podman.commit(sandbox, f"{VERIFY_IMAGE_PREFIX[len('localhost/'):]}{owner}-{name}"))
+        await sandbox.stop()
+    try:
+        removed = await podman.reap(lambda labels: labels.get(LABEL_OWNER) != f"{owner}-dead")
+        assert removed == 1
+        assert not podman.image_exists(made[0]) and podman.image_exists(made[1])
+    finally:
+        for image in made:
+            if podman.image_exists(image):
+                podman.client.api.remove_image(image, force=True)
