@@ -34,6 +34,14 @@ def task_refusal(task, *, backend: str, needs_image: bool, internet: bool) -> st
                 "\"podman\" or \"docker\")")
     if task.verifier and not needs_image:
         return f"task {task.id!r} is verified inside its sandbox; sandbox {backend!r} has none"
+    if task.verifier.get("environment") == "agent":  # its trusted shell: refused at start, not at every score
+        from gyre.coordinator.evaluator import EvaluatorError
+        from gyre.coordinator.verifier import trusted_busybox
+
+        try:
+            trusted_busybox()
+        except EvaluatorError as e:
+            return f"task {task.id!r}: {e}"
     return None
 
 

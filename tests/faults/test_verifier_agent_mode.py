@@ -109,3 +109,18 @@ def test_an_unknown_verifier_environment_is_a_one_line_load_error(tmp_path):
     assert "[verifier].environment" in str(e.value) and "'host'" in str(e.value), str(e.value)
     assert load_harbor_task(harbor_task(tmp_path, "default")).verifier.get("environment", "fresh") == "fresh"
     assert load_harbor_task(harbor_task(tmp_path, "agent", toml=AGENT_MODE)).verifier["environment"] == "agent"
+
+
+def test_an_agent_mode_task_is_refused_at_start_without_a_static_busybox(tmp_path, monkeypatch):
+    """Without the trusted shell every score would be an evaluator_error: the run's start
+    refuses the task instead, naming the package (a dynamically linked busybox is no better)."""
+    from gyre.coordinator.sandbox.preflight import task_refusal
+
+    folder = harbor_task(tmp_path, "agent", toml=AGENT_MODE, test_sh=CHECK_ETC)
+    task = load_harbor_task(folder)
+    monkeypatch.setenv("GYRE_BUSYBOX", "/bin/sh")  # not statically linked
+    why = task_refusal(task, backend="podman", needs_image=True, internet=False)
+    assert why is not None and "'agent'" in why and "busybox-static" in why and "\n" not in why, why
+    monkeypatch.delenv("GYRE_BUSYBOX")
+    fresh = load_harbor_task(harbor_task(tmp_path, "fresh", test_sh=CHECK_ETC))
+    assert task_refusal(fresh, backend="podman", needs_image=True, internet=False) is None
