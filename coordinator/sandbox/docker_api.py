@@ -34,11 +34,9 @@ import functools
 import json
 import logging
 import secrets
-import tarfile
 import tempfile
 import threading
 import time
-import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
@@ -58,10 +56,10 @@ from gyre.coordinator.sandbox.base import (
     SandboxError,
     SandboxSpec,
 )
+from gyre.coordinator.sandbox.engineio import api_error, follow, own_thread, released, tar_into
 from gyre.coordinator.sandbox.files import untar_capped
 
 log = logging.getLogger("gyre.coordinator")
-OUTPUT_TAIL = 64 * 1024
 VERIFY_IMAGE_PREFIX = "localhost/gyre-verify-"  # the agent environment's temporary images (committed containers)
 PID_DIR = "/tmp/.gyre-exec"  # inside: one file per running exec, holding its wrapper's pid
 KILL_WAIT_S = 10.0  # a cancelled exec's group gets this long after SIGTERM before SIGKILL
@@ -69,86 +67,6 @@ HOST_SLACK_S = 60.0  # the host-side wait past an exec's deadline + grace before
 OPEN_PING_S = 10.0  # an engine that does not answer a ping this fast at open is refused
 PUT_ATTEMPTS = 3  # an archive put the engine failed (a 5xx) is made again: it replaces what it wrote
 SLEEP = ["sleep", "infinity"]  # an agent's container's own command: the harness runs by exec
-
-
-def _api_error() -> tuple[type[BaseException], ...]:
-    import docker.errors
-    import requests.exceptions
-
-    return (docker.errors.DockerException, requests.exceptions.RequestException, OSError)
-
-
-def _released(e: BaseException) -> BaseException:
-    """`e` with the frames of its traceback chain cleared: a refused connect leaves its socket
-    in a frame's locals (docker-py's unix transport), which would otherwise live on with the
-    exception and close only at garbage collection."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        traceback.clear_frames(e.__traceback__)
-        e = e.__cause__ or e.__context__
-    return e
-
-
-def _own_thread(fn, *args) -> asyncio.Future:
-    """`fn(*args)` on a thread of its own: an exec streams for as long as the harness runs,
-    and a few of them would fill the loop's default executor (cpus + 4 threads) and hold
-    every other `to_thread` call behind them."""
-    loop = asyncio.get_running_loop()
-    fut = loop.create_future()
-
-    def settle(result=None, error: BaseException | None = None) -> None:
-        if not fut.done():
-            fut.set_exception(error) if error is not None else fut.set_result(result)
-
-    def work() -> None:
-        try:
-            outcome = (fn(*args), None)
-        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
-            outcome = (None, e)
-        try:
-            loop.call_soon_threadsafe(settle, *outcome)
-        except RuntimeError:  # the loop is closed: nobody waits any more
-            pass
-
-    threading.Thread(target=work, name="gyre-sandbox-exec", daemon=True).start()
-    return fut
-
-
-def _follow(stream, log: BinaryIO | None, tail: bytearray) -> None:
-    """A command's output as it comes: into `log`, else its last OUTPUT_TAIL bytes into `tail`."""
-    for chunk in stream:
-        if log is not None:
-            log.write(chunk)
-            log.flush()
-        else:
-            tail += chunk
-            del tail[:-OUTPUT_TAIL]
-
-
-def _tar_into(f: BinaryIO, src: Path, arcname: str, owners: Mapping[str, tuple[int, int]] | None,
-              under: Sequence[str] = ()) -> None:
-    """`src` as a tar into `f`: a folder's contents, or the file as `arcname`, below the
-    folders `under` (made with entries of their own). With `owners` (path -> uid, gid) each
-    entry gets its owner from it, root where it names none; else the host file's."""
-    prefix = "".join(f"{part}/" for part in under)
-
-    def own(info: tarfile.TarInfo) -> tarfile.TarInfo:
-        if owners is not None:
-            info.uid, info.gid = owners.get(info.name[len(prefix):], (0, 0))
-            info.uname = info.gname = ""
-        return info
-
-    with tarfile.open(fileobj=f, mode="w") as tar:
-        for i in range(len(under)):
-            folder = tarfile.TarInfo("/".join(under[:i + 1]))
-            folder.type, folder.mode = tarfile.DIRTYPE, 0o755
-            tar.addfile(folder)
-        if src.is_dir():
-            for child in sorted(src.iterdir()):
-                tar.add(child, arcname=prefix + child.name, filter=own)
-        else:
-            tar.add(src, arcname=prefix + arcname, filter=own)
 
 
 class ContainerSandbox(Sandbox):
@@ -183,7 +101,7 @@ class ContainerSandbox(Sandbox):
         self._execs.add(token)
         start = time.monotonic()
         host_wait = None if timeout_s is None else timeout_s + grace_s + HOST_SLACK_S
-        job = _own_thread(self._run, wrapped, dict(env or {}), cwd or self.workdir, user, log)
+        job = own_thread(self._run, wrapped, dict(env or {}), cwd or self.workdir, user, log)
         try:
             code, output = await asyncio.wait_for(asyncio.shield(job), host_wait)
         except TimeoutError:
@@ -205,15 +123,15 @@ class ContainerSandbox(Sandbox):
             tail = bytearray()
             stream = api.exec_start(ex["Id"], stream=True)
             try:
-                _follow(stream, log, tail)
+                follow(stream, log, tail)
             finally:
                 # The upgraded connection never returns to the pool: shut its socket and close
                 # the response's file on it too, or the socket outlives both (ResourceWarning).
                 stream.close()
                 stream._response.close()
             code = api.exec_inspect(ex["Id"]).get("ExitCode")
-        except _api_error() as e:
-            _released(e)
+        except api_error() as e:
+            released(e)
             raise SandboxError(f"exec in {self.container.short_id}: {e}") from None
         return code, bytes(tail)
 
@@ -228,8 +146,8 @@ class ContainerSandbox(Sandbox):
                   f'i=$((i+1)); done; kill -KILL -"$p" 2>/dev/null; rm -f {PID_DIR}/{token}; true')
         try:
             await self.backend.io(self.container.exec_run, ["sh", "-c", script])
-        except _api_error() as e:
-            _released(e)
+        except api_error() as e:
+            released(e)
             log.warning("sandbox %s: could not kill exec %s inside: %s", self.container.short_id, token, e)
 
     async def upload(self, src: Path, dest: str, owners: Mapping[str, tuple[int, int]] | None = None) -> None:
@@ -243,7 +161,7 @@ class ContainerSandbox(Sandbox):
 
         def put(at: str, under: Sequence[str] = ()) -> bool:
             with tempfile.TemporaryFile(prefix="gyre-put-") as f:  # on disk: a workspace may be large
-                _tar_into(f, src, name, owners, under)
+                tar_into(f, src, name, owners, under)
                 f.seek(0)
                 return self.container.put_archive(at, f)
 
@@ -262,8 +180,8 @@ class ContainerSandbox(Sandbox):
 
         try:
             ok = await self.backend.io(upload)
-        except _api_error() as e:
-            _released(e)
+        except api_error() as e:
+            released(e)
             raise SandboxError(f"upload to {dest} in {self.container.short_id}: {e}") from None
         if not ok:
             raise SandboxError(f"upload to {dest} in {self.container.short_id} refused")
@@ -307,8 +225,8 @@ class ContainerSandbox(Sandbox):
             return await self.backend.io(pull)
         except FileNotFoundError:
             raise
-        except _api_error() as e:
-            _released(e)
+        except api_error() as e:
+            released(e)
             raise SandboxError(f"download of {src} from {self.container.short_id}: {e}") from None
 
     async def cancel(self) -> None:
@@ -329,8 +247,8 @@ class ContainerSandbox(Sandbox):
             return
         try:
             await self.backend.io(halt)
-        except _api_error() as e:
-            _released(e)
+        except api_error() as e:
+            released(e)
             raise SandboxError(f"could not stop what runs in {self.container.short_id}: {e}") from None
         self._cancelled, self._pid = True, None
         self._execs.clear()
@@ -385,8 +303,8 @@ class ContainerSandbox(Sandbox):
         kinds = {0: "changed", 1: "added", 2: "deleted"}
         try:
             got = await self.backend.io(self.container.diff)
-        except _api_error() as e:
-            _released(e)
+        except api_error() as e:
+            released(e)
             raise SandboxError(f"changes of {self.container.short_id}: {e}") from None
         return [{"path": c.get("Path"), "kind": kinds.get(c.get("Kind"), str(c.get("Kind")))} for c in got or []]
 
@@ -396,7 +314,7 @@ class ContainerSandbox(Sandbox):
         verb's contract, without an exec. `codes`: the exit statuses its timeout ends it with."""
         start = time.monotonic()
         host_wait = None if timeout_s is None else timeout_s + grace_s + HOST_SLACK_S
-        job = _own_thread(self._start_and_follow, log)
+        job = own_thread(self._start_and_follow, log)
         try:
             code, output = await asyncio.wait_for(asyncio.shield(job), host_wait)
         except TimeoutError:
@@ -416,12 +334,12 @@ class ContainerSandbox(Sandbox):
             tail = bytearray()
             stream = api.logs(self.container.id, stdout=True, stderr=True, stream=True, follow=True)
             try:
-                _follow(stream, log, tail)
+                follow(stream, log, tail)
             finally:
                 stream.close()
             code = api.wait(self.container.id).get("StatusCode")
-        except _api_error() as e:
-            _released(e)
+        except api_error() as e:
+            released(e)
             raise SandboxError(f"run in {self.container.short_id}: {e}") from None
         return code, bytes(tail)
 
@@ -433,8 +351,8 @@ class ContainerSandbox(Sandbox):
 
         try:
             return await self.backend.io(size)
-        except _api_error() as e:
-            _released(e)
+        except api_error() as e:
+            released(e)
             raise SandboxError(f"size of {self.container.short_id}: {e}") from None
 
     async def stop(self) -> None:
@@ -443,8 +361,8 @@ class ContainerSandbox(Sandbox):
         self._removed = True
         try:
             await self.backend.io(self.container.remove, force=True)
-        except _api_error() as e:
-            _released(e)
+        except api_error() as e:
+            released(e)
             import docker.errors
 
             if not isinstance(e, docker.errors.NotFound):
@@ -482,8 +400,8 @@ class DockerAPIBackend(SandboxBackend):
         await self.ping(OPEN_PING_S)  # an engine that hangs is refused in seconds, not the client's 600
         try:
             self.client = await self.io(connect)
-        except _api_error() as e:
-            _released(e)
+        except api_error() as e:
+            released(e)
             raise SandboxError(f"{self.name}: no engine answers at {self.base_url}: {e}") from None
 
     async def io(self, fn, *args, **kwargs):
@@ -516,8 +434,8 @@ class DockerAPIBackend(SandboxBackend):
 
         try:
             await self.io(ping)
-        except _api_error() as e:
-            _released(e)
+        except api_error() as e:
+            released(e)
             raise SandboxError(f"{self.name}: no engine answers at {self.base_url}: {e}") from None
 
     async def prepare(self, build_dir, *, image, dockerfile=None, timeout_s=600.0, name="task"):
@@ -564,8 +482,8 @@ class DockerAPIBackend(SandboxBackend):
 
         try:
             container = await self.io(make)
-        except _api_error() as e:
-            _released(e)
+        except api_error() as e:
+            released(e)
             raise SandboxError(f"{self.name}: cannot start a container from {spec.image}: {e}") from None
         state = container.attrs.get("State", {})
         workdir = container.attrs.get("Config", {}).get("WorkingDir") or "/"
@@ -578,16 +496,16 @@ class DockerAPIBackend(SandboxBackend):
 
         try:
             return await self.io(commit)
-        except _api_error() as e:
-            _released(e)
+        except api_error() as e:
+            released(e)
             raise SandboxError(f"{self.name}: cannot commit {sandbox.container.short_id} to an image: {e}") from None
 
     async def remove_image(self, image: str) -> None:
         """Remove an image gyre made (logged, never raised: a leftover is disk, not a fault)."""
         try:
             await self.io(self.client.images.remove, image, force=True)
-        except _api_error() as e:
-            _released(e)
+        except api_error() as e:
+            released(e)
             log.warning("%s: could not remove image %s: %s", self.name, image[:19], e)
 
     async def reap(self, alive) -> int:
@@ -608,15 +526,15 @@ class DockerAPIBackend(SandboxBackend):
                     removed += 1
                 except docker.errors.NotFound:
                     pass  # gone already
-                except _api_error() as e:
-                    _released(e)
+                except api_error() as e:
+                    released(e)
                     log.warning("%s: could not remove orphan %s: %s", self.name, short, e)
             return removed + self._sweep_verify_images(alive)
 
         try:
             return await self.io(sweep)
-        except _api_error() as e:
-            _released(e)
+        except api_error() as e:
+            released(e)
             raise SandboxError(f"{self.name}: listing sandboxes failed: {e}") from None
 
     def _sweep_verify_images(self, alive) -> int:
@@ -635,8 +553,8 @@ class DockerAPIBackend(SandboxBackend):
                 removed += 1
             except docker.errors.NotFound:
                 pass
-            except _api_error() as e:
-                _released(e)
+            except api_error() as e:
+                released(e)
                 log.warning("%s: could not remove orphan image %s: %s", self.name, tags[0], e)
         return removed
 

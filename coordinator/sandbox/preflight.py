@@ -107,7 +107,7 @@ def ping_engine(url: str, timeout_s: float = PING_TIMEOUT_S) -> str | None:
     why not (one short phrase). A unix socket that is not there is not connected to."""
     import docker
 
-    from gyre.coordinator.sandbox.docker_api import _api_error, _released
+    from gyre.coordinator.sandbox.engineio import api_error, released
 
     parts = urlsplit(url)
     if parts.scheme in ("unix", "http+unix") and not os.path.exists(parts.path):
@@ -116,8 +116,8 @@ def ping_engine(url: str, timeout_s: float = PING_TIMEOUT_S) -> str | None:
     try:
         client = docker.APIClient(base_url=url, timeout=timeout_s)
         client.ping()
-    except _api_error() as e:
-        _released(e)
+    except api_error() as e:
+        released(e)
         return f"no engine answers at {url} within {timeout_s:g} s ({_reason(e)})"
     finally:
         if client is not None:
