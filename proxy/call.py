@@ -1,6 +1,6 @@
 """call.py: one admitted model call in flight, and the provider-shaped answers.
 
-`Call` runs a call the server has authenticated, budgeted and prepared (server.py):
+`ProxiedCall` runs a call the server has authenticated, budgeted and prepared (server.py):
 generation through the backend, the output parser, the answer whole or streamed (SSE token
 by token, keep-alives while the engine is silent), and the call's record, written once
 with the status that ended it (ok, error, disconnected). Its except ladder answers a full
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("gyre.proxy")
 
 
-class Call:
+class ProxiedCall:
     """One model call in flight: generation, parsing, streaming, recording."""
 
     def __init__(self, server: ProxyServer, request: web.Request, api: ModuleType, req: ChatRequest,

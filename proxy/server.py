@@ -35,7 +35,7 @@ from aiohttp import web
 from gyre.proxy import api_anthropic, api_openai, api_responses
 from gyre.proxy.backend import Backend
 from gyre.proxy.budget import Budgets, OverBudget
-from gyre.proxy.call import Call, api_error, dumps_str, http_error, is_refusal, json_error
+from gyre.proxy.call import ProxiedCall, api_error, dumps_str, http_error, is_refusal, json_error
 from gyre.proxy.chat import ChatTokenizer
 from gyre.proxy.connections import RUNNER_OPTIONS, Connections, HttpError, Tally, read_body
 from gyre.proxy.recorder import Recorder, new_key
@@ -394,7 +394,7 @@ class ProxyServer:
             return api_error(api, 400, str(e))
         self.budgets.charge(execution.id, prep.new_tokens)
         budget = self.config.max_context - len(prep.prompt_ids)
-        call = Call(self, request, api, req, execution, prep, self._max_tokens(req, budget))
+        call = ProxiedCall(self, request, api, req, execution, prep, self._max_tokens(req, budget))
         return await call.run()
 
     def _lock_of(self, execution: Recorder) -> asyncio.Lock:
