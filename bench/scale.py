@@ -39,7 +39,6 @@ import asyncio
 import cProfile
 import gc
 import io
-import itertools
 import json
 import multiprocessing as mp
 import os
@@ -384,11 +383,7 @@ class StandInLink:
     await yields to the loop once, as the real link's wait on its reply future does."""
 
     def __init__(self):
-        self._ids = itertools.count(1)
         self.wire_bytes = self.micro_steps = self.target_tokens = 0
-
-    def new_req_id(self) -> int:
-        return next(self._ids)
 
     async def request(self, node, msg, tensors=None, timeout=None):
         await asyncio.sleep(0)

@@ -51,21 +51,21 @@ async def one_size(model_dir: Path, repeat: int) -> dict:
         zmq = []
         for v in range(repeat):
             t0 = time.perf_counter()
-            w, frames = await link.call(n0, wire.ExportWeights(req_id=link.new_req_id()), timeout=600)
-            await link.call(n1, wire.LoadWeights(req_id=link.new_req_id(), version=v, trainer=True, engine=True),
+            w, frames = await link.call(n0, wire.ExportWeights(), timeout=600)
+            await link.call(n1, wire.LoadWeights(version=v, trainer=True, engine=True),
                             frames, timeout=600)
             zmq.append(time.perf_counter() - t0)
         nbytes = w.nbytes
         for n in (n0, n1):
-            await link.request(n, wire.InitTransfer(req_id=link.new_req_id(), backend="mooncake", host="127.0.0.1"),
+            await link.request(n, wire.InitTransfer(backend="mooncake", host="127.0.0.1"),
                                timeout=600)
         t0 = time.perf_counter()
-        handle = (await link.request(n0, wire.OfferWeights(req_id=link.new_req_id(), version=0), timeout=600)).handle
+        handle = (await link.request(n0, wire.OfferWeights(version=0), timeout=600)).handle
         offer = time.perf_counter() - t0
         pulls, wire_s = [], []
         for _ in range(repeat):
             t0 = time.perf_counter()
-            r = await link.request(n1, wire.PullWeights(req_id=link.new_req_id(), handle=handle, engine=True,
+            r = await link.request(n1, wire.PullWeights(handle=handle, engine=True,
                                                         trainer=True), timeout=600)
             pulls.append(time.perf_counter() - t0)
             wire_s.append(r.transfer_seconds)

@@ -41,7 +41,7 @@ def run_up(config: CoordinatorConfig, live: bool = False, resume: bool = False) 
           f"phi={config.phi} mu={config.mu}, {config.steps} steps -> {config.run_dir}", flush=True)
     if resume:
         print(f"resuming {config.run_dir} from its latest checkpoint", flush=True)
-    coord = Coordinator(config, on_step=_print_step(config.steps), resume=resume)
+    coord = Coordinator(config, on_step=_print_step(config.steps), resume=resume, workers=inproc_workers(config))
     reports = uvloop.run(_run_with_view(coord, live))
     rewards = " ".join("n/a" if r.reward_mean is None else f"{r.reward_mean:.3f}" for r in reports)
     total = reports[-1].step if reports else coord.steps_done
@@ -55,6 +55,16 @@ def run_up(config: CoordinatorConfig, live: bool = False, resume: bool = False) 
               f"gyre up --resume {shown(config.run_dir)}", flush=True)
         return 128 + coord.stop_signal
     return 0
+
+
+def inproc_workers(config: CoordinatorConfig):
+    """The in-process workers `workers = "inproc"` asks for (the coordinator takes them from here:
+    it imports nothing of workerd's but its wire types), or None."""
+    if config.workers != "inproc":
+        return None
+    from gyre.workerd.inproc import InprocWorkers
+
+    return InprocWorkers()
 
 
 def shown(path: Path) -> str:

@@ -93,7 +93,9 @@ class CoordinatorConfig:
     lr: float | None = None  # None: the model directory's gyre.json, else 1e-6 (a real model's)
     seed: int = 0
     address: str = "tcp://127.0.0.1:0"  # ZeroMQ bind for workerds
-    workers: str = "local"  # local: spawn one workerd per cell here; external: wait for `cells` to register
+    # local: spawn one workerd process per cell here; inproc: one worker thread per cell in this
+    # process (no sockets: tests, a laptop); external: wait for `cells` workerds to register
+    workers: str = "local"
     topology_timeout_s: float = 600.0  # external: how long to wait for every cell's worker
     reducer_init: str | None = None  # torch.distributed init for the gradient reducer; None: auto
     weight_transfer: str = "zmq"  # how weights reach other cells: zmq (via the link) | mooncake (pulled) | broadcast
@@ -196,8 +198,10 @@ class CoordinatorConfig:
                 raise ValueError(f"{name} must be > 0, got {value}")
         if self.weight_transfer not in ("zmq", "mooncake", "broadcast"):
             raise ValueError(f"weight_transfer must be one of zmq, mooncake, broadcast, got {self.weight_transfer!r}")
-        if self.workers not in ("local", "external"):
-            raise ValueError(f"workers must be one of local, external, got {self.workers!r}")
+        if self.workers not in ("local", "inproc", "external"):
+            raise ValueError(f"workers must be one of local, inproc, external, got {self.workers!r}")
+        if self.workers == "inproc" and self.keys_dir is not None:
+            raise ValueError("workers = inproc has no link to encrypt: keys_dir is for workerds over ZeroMQ")
         if self.workers == "external" and self.address.rsplit(":", 1)[-1] == "0":
             raise ValueError(f"workers = external needs a fixed address for workerds to connect to, e.g. "
                              f"tcp://0.0.0.0:5555 (address is {self.address!r})")

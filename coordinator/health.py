@@ -63,7 +63,7 @@ async def rejoin(coord, cell: int, node: str) -> None:
     coord.table.close(node)  # no calls before its weights and role are in place
     try:
         await coord.weights.push([cell], engine=True, version=coord.trainer_version)
-        await coord.link.request(node, wire.SetRole(req_id=coord.link.new_req_id(), role="rollout"))
+        await coord.link.request(node, wire.SetRole(role="rollout"))
     except WorkerDeadError as e:
         log.warning("rejoin of cell %d failed: %s (it stays excluded)", cell, e)
         return

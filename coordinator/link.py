@@ -6,18 +6,23 @@ callback. A node that dies fails every pending future for it with `WorkerDeadErr
 A reply counts only from the connection the request went to, and a connection that has
 not registered is read no further than its first frame (the port may be open to processes
 that hold no key: see `_receive`). Not a scheduler: it never decides where work goes.
+
+The link assigns every request's `req_id`. Its transport is ZeroMQ unless it is given another:
+`gyre.workerd.inproc.InprocWorkers` runs the workers on threads of this process and hands their
+messages to `deliver` (the coordinator only receives it; it imports nothing of workerd's but wire).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 import zmq.asyncio
@@ -57,6 +62,19 @@ class WorkerError(wire.GyreError):
         self.kind = kind
 
 
+class Transport(Protocol):
+    """Frames to and from workers other than over ZeroMQ (gyre.workerd.inproc.InprocWorkers):
+    `start` returns the address workers use; a worker's message comes back through
+    `WorkerLink.deliver`, on the link's event loop."""
+
+    async def start(self, link: WorkerLink) -> str: ...
+
+    def send(self, node: str, frames: list) -> None:
+        """KeyError: no such worker (it is gone)."""
+
+    def close(self) -> None: ...
+
+
 @dataclass
 class _Pending:
     node: str
@@ -74,13 +92,14 @@ class NodeLink:
 
 class WorkerLink:
     def __init__(self, bind: str, on_event: Callable[[Any], None] | None = None, keys_dir: Path | None = None,
-                 call_timeout_s: float = 600.0):
+                 call_timeout_s: float = 600.0, transport: Transport | None = None):
         self._bind = bind
+        self._transport = transport  # None: ZeroMQ, bound at `bind`
         self.call_timeout_s = call_timeout_s  # a call's default bound (worker_call_timeout_s)
         self.describe: Callable[[str], str] = lambda node: f"node {node}"  # for errors: "cell 1 (local-1)"
         self._keys_dir = keys_dir  # CURVE: only workers with an authorised key may connect
         self._auth = None
-        self._ctx = zmq.asyncio.Context()
+        self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count(1)
@@ -97,6 +116,10 @@ class WorkerLink:
         """Bind (created here, after uvloop is installed); returns the bound address."""
         from gyre.coordinator.keys import on_loopback
 
+        if self._transport is not None:
+            self.address = await self._transport.start(self)
+            return self.address
+        self._ctx = zmq.asyncio.Context()
         if self._keys_dir is None and not on_loopback(self._bind):  # the run config opted in (allow_...)
             log.warning("the worker link %s is not on loopback and has no CURVE keys: any process that reaches it "
                         "can register as a worker and answer requests; set keys_dir (gyre keys init DIR)", self._bind)
@@ -126,14 +149,14 @@ class WorkerLink:
         for p in self._pending.values():
             _fail(p, WorkerDeadError("coordinator link closed"))
         self._pending.clear()
+        if self._transport is not None:
+            self._transport.close()
         if self._sock is not None:
             self._sock.close(linger=0)
         if self._auth is not None:
             self._auth.stop()
-        self._ctx.term()
-
-    def new_req_id(self) -> int:
-        return next(self._ids)
+        if self._ctx is not None:
+            self._ctx.term()
 
     # --- sending ------------------------------------------------------------------------
 
@@ -144,8 +167,11 @@ class WorkerLink:
         if not force and (link is None or not link.alive):
             raise WorkerDeadError(f"node {node} is not connected")
         try:
-            await self._sock.send_multipart([node.encode(), *wire.encode(msg, tensors)], copy=False)
-        except zmq.ZMQError as e:  # EHOSTUNREACH under ROUTER_MANDATORY
+            if self._transport is not None:
+                self._transport.send(node, wire.encode(msg, tensors))
+            else:
+                await self._sock.send_multipart([node.encode(), *wire.encode(msg, tensors)], copy=False)
+        except (zmq.ZMQError, KeyError) as e:  # EHOSTUNREACH under ROUTER_MANDATORY; a worker gone
             if link is not None:
                 self.mark_dead(node, f"send failed: {e}")
             raise WorkerDeadError(f"node {node} unreachable: {e}") from None
@@ -167,6 +193,7 @@ class WorkerLink:
         if timeout is not None and timeout < 0:
             timeout = self.call_timeout_s
         what = type(msg).__name__ + (f" {msg.method}" if isinstance(msg, wire.Call) else "")
+        msg = dataclasses.replace(msg, req_id=next(self._ids))
         fut = asyncio.get_running_loop().create_future()
         self._pending[msg.req_id] = _Pending(node, future=fut)
         try:
@@ -193,6 +220,7 @@ class WorkerLink:
         """Stream a request's chunks until the finished one. The caller aborts on cancel.
         Chunks that carry frames (a handed-back request's KV) also go to `on_frames`."""
         q: asyncio.Queue = asyncio.Queue()
+        msg = dataclasses.replace(msg, req_id=next(self._ids))
         self._pending[msg.req_id] = _Pending(node, stream=q, on_frames=on_frames)
         try:
             await self.send(node, msg, tensors)
@@ -212,6 +240,8 @@ class WorkerLink:
 
     async def serve(self) -> None:
         """Reader loop: run as a task for the coordinator's lifetime."""
+        if self._transport is not None:  # it calls deliver: nothing to read
+            await asyncio.Future()
         while True:
             self._receive(await self._sock.recv_multipart(copy=False))
             # Then what is queued already, a batch at a time, and the loop's other tasks in
@@ -241,8 +271,13 @@ class WorkerLink:
         #    a lookup per message, never a decode, and nothing is kept per connection.
         if node not in self.nodes and not self._admit_unregistered(frames):
             return self._drop(node, "not a registered worker")
+        self.deliver(node, frames[1:])
+
+    def deliver(self, node: str, frames: list) -> None:
+        """One message from `node`, past `_receive`'s guards (or from a transport's worker in
+        this process, which has no unknown peers): decoded, then dispatched."""
         try:
-            msg, tensors = wire.decode(frames[1:])
+            msg, tensors = wire.decode(frames)
         except wire.WireError as e:
             return self._drop(node, "undecodable", str(e))
         try:

@@ -1,6 +1,7 @@
 """local.py: a coordinator-side handle on workerd processes started on this machine.
 
-`LocalCluster` binds the ZeroMQ link, starts `gyre workerd` subprocesses (one per cell),
+`LocalCluster` binds the ZeroMQ link, starts `gyre workerd` subprocesses (one per cell; or,
+given `workers` (gyre.workerd.inproc.InprocWorkers), one worker thread per cell in this process),
 answers their Register with a Welcome naming the model and role, and waits (with a
 deadline) until every node is Ready. Used by `gyre up` on the embedded default and by
 tests. Not the run loop and not a scheduler.
@@ -16,6 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from gyre.coordinator.link import WorkerLink
 from gyre.workerd import wire
@@ -56,15 +58,18 @@ class LocalCluster:
     spawn: bool = True  # False: start nothing, wait for `cells` workerds started elsewhere to register
     backends: tuple[str, str] = ("cpu", "cpu")  # (engine, trainer) of the workerds it spawns
     call_timeout_s: float = 600.0  # a worker call's default bound (micro-steps, checkpoints, ...)
+    # The workers in this process (workers = "inproc": gyre.workerd.inproc.InprocWorkers, handed
+    # in by whoever builds the coordinator): the link's transport and each cell's starter.
+    workers: Any = None
 
     def __post_init__(self) -> None:
         # One cell per core at most: oversubscribed torch threads spin and crawl.
         self.engine = {"threads": max(1, (os.cpu_count() or 1) // self.cells), **self.engine}
         self.link = WorkerLink(self.address, on_event=self._on_event, keys_dir=self.keys_dir,
-                               call_timeout_s=self.call_timeout_s)
+                               call_timeout_s=self.call_timeout_s, transport=self.workers)
         self.link.describe = self.describe
         self.nodes: dict[str, NodeInfo] = {}
-        self.procs: list[asyncio.subprocess.Process] = []
+        self.procs: list = []  # asyncio.subprocess.Process, or InprocWorker: waited and killed alike
         self._ready = asyncio.Event()
         self._reader: asyncio.Task | None = None
         # Lifecycle messages seen (Register, Ready, WorkerDead, ...), the latest EVENTS_KEPT;
@@ -179,6 +184,10 @@ class LocalCluster:
             log.info("waiting up to %.0fs for %d workerds at %s (gyre workerd --coordinator ADDRESS)",
                      self.start_timeout_s, self.cells, address)
         for cell in range(self.cells if self.spawn else 0):
+            if self.workers is not None:
+                self.procs.append(self.workers.spawn(cell=cell, node_id=f"local-{cell}", heartbeat_s=self.heartbeat_s,
+                                                     backends=self.backends))
+                continue
             out = None
             if self.log_dir is not None:
                 self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -222,7 +231,7 @@ class LocalCluster:
         for node in list(self.nodes):
             if self.link.nodes.get(node) and self.link.nodes[node].alive:
                 try:
-                    await self.link.call(node, wire.Shutdown(req_id=self.link.new_req_id()), timeout=5)
+                    await self.link.call(node, wire.Shutdown(), timeout=5)
                 except Exception as e:  # noqa: BLE001 - escalated to terminate/kill below
                     log.warning("shutdown of %s: %s", node, e)
         for p in self.procs:

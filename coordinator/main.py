@@ -60,9 +60,15 @@ class InfraFailures(GyreError):
     """Executions keep failing before the agent's work could be assessed: the run stops."""
 
 class Coordinator:
-    def __init__(self, config: CoordinatorConfig, *, on_step=None, resume: bool = False):
+    def __init__(self, config: CoordinatorConfig, *, on_step=None, resume: bool = False, workers=None):
+        """`workers`: with `workers = "inproc"`, the workers to run in this process
+        (gyre.workerd.inproc.InprocWorkers(): the coordinator imports nothing of workerd's but wire)."""
         from gyre.coordinator.runconfig import with_model_defaults
 
+        if (workers is not None) != (config.workers == "inproc"):
+            raise ValueError('workers = "inproc" and the in-process workers come together '
+                             '(Coordinator(config, workers=InprocWorkers())); other kinds start their own')
+        self._inproc = workers
         self.c = config = with_model_defaults(config)  # lr, output limits, context: per model
         self.resume = resume  # continue RUN_DIR from its latest checkpoint (resume.py)
         tasks = load_task_source(config.tasks_path) if config.tasks_path else default_tasks()
@@ -154,7 +160,8 @@ class Coordinator:
                                engine={"seed": c.seed, "max_running": c.engine_max_running,
                                        "prefix_cache_mb": c.prefix_cache_mb, **c.engine_options},
                                backends=(c.engine_backend, c.trainer_backend),
-                               keys_dir=c.keys_dir, spawn=c.workers == "local", call_timeout_s=c.worker_call_timeout_s,
+                               keys_dir=c.keys_dir, spawn=c.workers != "external", workers=self._inproc,
+                               call_timeout_s=c.worker_call_timeout_s,
                                start_timeout_s=c.topology_timeout_s if c.workers == "external" else 120.0)
         self._install_signal_handlers()
         cluster.on_rejoin = self._on_rejoin
@@ -230,10 +237,10 @@ class Coordinator:
         link = self.link
         if c.weight_transfer == "mooncake":  # fail at start-up, named, where Mooncake cannot run
             await asyncio.gather(*(link.request(n, wire.InitTransfer(
-                req_id=link.new_req_id(), backend="mooncake", host=self.cluster.transfer_host(n, c.transfer_host)))
+                backend="mooncake", host=self.cluster.transfer_host(n, c.transfer_host)))
                 for n in self.nodes))
         await asyncio.gather(*(link.request(n, wire.InitReducer(
-            req_id=link.new_req_id(), rank=i, world_size=c.cells, init_method=init))
+            rank=i, world_size=c.cells, init_method=init))
             for i, n in enumerate(self.nodes)))
         if c.weight_transfer == "broadcast" and len(self.nodes) > 1:
             await self.weights.init_broadcast()
@@ -271,7 +278,7 @@ class Coordinator:
             await self.sandboxes.close()
         await self.proxy.stop()
         # Each live worker's peak memory, for the summary (a dead one has no answer: None).
-        stats = await asyncio.gather(*(self.link.request(n, wire.Stats(req_id=self.link.new_req_id()), timeout=10)
+        stats = await asyncio.gather(*(self.link.request(n, wire.Stats(), timeout=10)
                                        for n in self.nodes), return_exceptions=True)
         self.peak_rss = [s.peak_rss_bytes if isinstance(s, wire.WorkerStats) else None for s in stats]
 
@@ -300,13 +307,13 @@ class Coordinator:
             raise SandboxError(f"sandbox host's node {node!r} is not a connected workerd")
         link = self.link
         try:
-            opened = await link.request(node, wire.OpenRelay(req_id=link.new_req_id(), pid=pid, proxy_port=proxy_port),
+            opened = await link.request(node, wire.OpenRelay(pid=pid, proxy_port=proxy_port),
                                         timeout=30)
         except (WorkerError, WorkerDeadError, WorkerCallTimeout) as e:
             raise SandboxError(f"node {node} could not make the sandbox's proxy listener: {e}") from None
 
         async def close() -> None:
-            await link.request(node, wire.CloseRelay(req_id=link.new_req_id(), relay=opened.relay), timeout=30)
+            await link.request(node, wire.CloseRelay(relay=opened.relay), timeout=30)
 
         return opened.port, close
 
@@ -509,7 +516,7 @@ class Coordinator:
         if new == "training":
             self.table.close(node)  # no new requests, its executions re-homed; running ones are handed back
         try:
-            reply = await self.link.request(node, wire.SetRole(req_id=self.link.new_req_id(), role=new))
+            reply = await self.link.request(node, wire.SetRole(role=new))
         except WorkerDeadError as e:  # the health watch excludes the cell
             log.warning("role change of cell %d to %s: %s", cell, new, e)
             return
@@ -574,7 +581,7 @@ class Coordinator:
         t0 = time.monotonic()
         version = self.trainer_version
         core = self.nodes[0]
-        await self.link.request(core, wire.LoadWeights(req_id=self.link.new_req_id(), version=version))
+        await self.link.request(core, wire.LoadWeights(version=version))
         others = [i for i in range(1, len(self.nodes)) if i not in self.dead]
         nbytes = await self.weights.push(others, engine=True, version=version)
         self.version = version

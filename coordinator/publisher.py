@@ -52,14 +52,13 @@ class WeightPublisher:
         """Mooncake: the core's offer for `version` (the core packs and registers its
         parameters once per version)."""
         if self.offer is None or self.offer.version != version:
-            self.offer = await self.link.request(self.nodes[0], wire.OfferWeights(req_id=self.link.new_req_id(),
-                                                                                  version=version))
+            self.offer = await self.link.request(self.nodes[0], wire.OfferWeights(version=version))
         return self.offer
 
     async def core_weights(self, version: int) -> tuple[int, list[wire.TensorFrame]]:
         """The core's parameters at `version`, exported once per version."""
         if self.export is None or self.export[0] != version:
-            w, frames = await self.link.call(self.nodes[0], wire.ExportWeights(req_id=self.link.new_req_id()))
+            w, frames = await self.link.call(self.nodes[0], wire.ExportWeights())
             self.export = (version, w.nbytes, frames)
         return self.export[1], self.export[2]
 
@@ -69,10 +68,10 @@ class WeightPublisher:
         c, nodes, link = self.c, self.nodes, self.link
         host = self.cluster.transfer_host(nodes[0], c.transfer_host)
         port = _free_port() if self.cluster.spawn and not c.transfer_host else c.transfer_port
-        await asyncio.gather(*(link.request(n, wire.InitBroadcast(req_id=link.new_req_id(), master_address=host,
+        await asyncio.gather(*(link.request(n, wire.InitBroadcast(master_address=host,
                                                                   master_port=port, rank=i, world_size=len(nodes)))
                                for i, n in enumerate(nodes)))
-        self.specs = await link.request(nodes[0], wire.WeightSpecs(req_id=link.new_req_id()))
+        self.specs = await link.request(nodes[0], wire.WeightSpecs())
 
     async def level(self, cells: list[int], version: int) -> int:
         """`version` (the core's) to the trainers of those `cells` that are behind it."""
@@ -100,13 +99,13 @@ class WeightPublisher:
         if self.c.weight_transfer == "broadcast" and self._covers(cells):
             specs = self.specs
             # The core exports first: receivers enter the collective only once the sender is ready.
-            await link.request(nodes[0], wire.PrepareBroadcast(req_id=link.new_req_id(), version=version))
+            await link.request(nodes[0], wire.PrepareBroadcast(version=version))
             if not self._covers(cells):  # a member died meanwhile (health.py gave the group up)
                 return await self._push(self._alive(cells), engine=engine, version=version)
             results = await asyncio.gather(
-                link.request(nodes[0], wire.BroadcastWeights(req_id=link.new_req_id(), version=version)),
+                link.request(nodes[0], wire.BroadcastWeights(version=version)),
                 *(link.request(nodes[i], wire.ReceiveWeights(
-                    req_id=link.new_req_id(), version=version, names=specs.names, dtypes=specs.dtypes,
+                    version=version, names=specs.names, dtypes=specs.dtypes,
                     shapes=specs.shapes, engine=engine, trainer=True)) for i in cells), return_exceptions=True)
             failed = [r for r in results if isinstance(r, BaseException)]
             if not failed:
@@ -121,7 +120,7 @@ class WeightPublisher:
         if self.c.weight_transfer == "mooncake":  # each cell pulls from the core's registered buffer
             offer = await self.core_offer(version)
             _tolerate_dead(await asyncio.gather(
-                *(link.request(nodes[i], wire.PullWeights(req_id=link.new_req_id(), handle=offer.handle,
+                *(link.request(nodes[i], wire.PullWeights(handle=offer.handle,
                                                           engine=engine, trainer=True)) for i in cells),
                 return_exceptions=True))
             self.last_transfer = "mooncake"
@@ -129,7 +128,7 @@ class WeightPublisher:
         self.last_transfer = "zmq"
         nbytes, frames = await self.core_weights(version)
         _tolerate_dead(await asyncio.gather(
-            *(link.request(nodes[i], wire.LoadWeights(req_id=link.new_req_id(), version=version, trainer=True,
+            *(link.request(nodes[i], wire.LoadWeights(version=version, trainer=True,
                                                       engine=engine), frames) for i in cells),
             return_exceptions=True))
         return nbytes

@@ -268,8 +268,7 @@ async def checkpoint(coord) -> None:
     link = coord.link
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        await link.request(coord.nodes[0], wire.SaveCheckpoint(req_id=link.new_req_id(),
-                                                               path=str(folder / "trainer.pt")),
+        await link.request(coord.nodes[0], wire.SaveCheckpoint(path=str(folder / "trainer.pt")),
                            timeout=coord.c.checkpoint_timeout_s)
     except Exception as e:  # the worker's error names the errno (workerd/checkpointio.py)
         _discard(folder)
@@ -370,7 +369,7 @@ async def restore(coord) -> None:
     core, link = coord.nodes[0], coord.link
     if folder is not None:
         path = str(folder / "trainer.pt")
-        loaded = await link.request(core, wire.LoadCheckpoint(req_id=link.new_req_id(), path=path),
+        loaded = await link.request(core, wire.LoadCheckpoint(path=path),
                                     timeout=coord.c.checkpoint_timeout_s)
         coord.trainer_version = coord.version = loaded.version
         coord.checkpointed_step = st["step"]
@@ -390,7 +389,7 @@ async def restore(coord) -> None:
     coord.tokens_trained = st.get("tokens_trained", 0)
     coord.weights.forget(coord.version)
     if folder is not None:
-        await link.request(core, wire.LoadWeights(req_id=link.new_req_id(), version=coord.version))
+        await link.request(core, wire.LoadWeights(version=coord.version))
         await coord.weights.push(list(range(1, len(coord.nodes))), engine=True, version=coord.version)
     if st["tasks"] is not None:  # else the task source is at its start, as the run was
         restore_task_order(coord.tasks, st["tasks"])

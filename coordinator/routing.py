@@ -262,7 +262,7 @@ class LinkBackend:
             self._where[rid] = route.node
             frames = handover.pop("frames", None)
             prompt = prompt_frame(prompt_ids, produced)
-            msg = wire.Generate(req_id=self.link.new_req_id(), rid=rid, prompt_ids=[], prompt_in_frame=True,
+            msg = wire.Generate(rid=rid, prompt_ids=[], prompt_in_frame=True,
                                 max_new_tokens=params.max_new_tokens - len(produced), temperature=params.temperature,
                                 top_p=params.top_p, stop_token_ids=list(params.stop_token_ids), seed=params.seed,
                                 kv_tokens=handover.pop("tokens", 0) if frames else 0)
@@ -329,7 +329,7 @@ class LinkBackend:
             return
         self._aborted[rid] = True  # our own abort: the stream really ends here
         try:
-            await self.link.call(node, wire.Abort(req_id=self.link.new_req_id(), rid=rid), timeout=10)
+            await self.link.call(node, wire.Abort(rid=rid), timeout=10)
         except Exception as e:  # noqa: BLE001 - the node may be gone already
             log.debug("abort of %s on %s: %s", rid, node, e)
 

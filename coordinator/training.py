@@ -117,10 +117,10 @@ class Batch:
         # Reduce over the participants' prefix group; only the core applies the update.
         self.applying = True
         k = len(self.participants)
-        await asyncio.gather(*(link.request(nodes[i], wire.SetParticipants(req_id=link.new_req_id(), participants=k))
+        await asyncio.gather(*(link.request(nodes[i], wire.SetParticipants(participants=k))
                                for i in self.participants))
         replies = await asyncio.gather(*(link.request(nodes[i], wire.OptimizerStep(
-            req_id=link.new_req_id(), num_executions=max(1, self.executions), apply=i == 0))
+            num_executions=max(1, self.executions), apply=i == 0))
             for i in self.participants))
         core = replies[0]
         for cell, r in zip(self.participants, replies):
@@ -139,7 +139,7 @@ class Batch:
                 ms = self.pending.popleft()
                 self.busy.add(cell)
             try:
-                res = await link.request(node, wire.TrainMicroStep(req_id=link.new_req_id(), step=self.step),
+                res = await link.request(node, wire.TrainMicroStep(step=self.step),
                                          ms.frames())
             finally:
                 self.busy.discard(cell)

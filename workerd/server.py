@@ -1,10 +1,11 @@
-"""server.py: `WorkerServer`, the thin ZeroMQ shell around `Worker`.
+"""server.py: `WorkerServer`, the thin shell around `Worker`, and its ZeroMQ I/O.
 
-One I/O thread owns the DEALER socket to the coordinator: it moves incoming frames to
-an inbox queue (bounded: when the main thread falls behind it stops reading, and ZeroMQ
+`ZmqIO`'s thread owns the DEALER socket to the coordinator: it moves incoming frames to the
+server's inbox (bounded: when the main thread falls behind it stops reading, and ZeroMQ
 pushes back on the coordinator), forwards outgoing frames that the main thread pushes over
 an inproc pair, and sends heartbeats. The main thread blocks for input only when the engine
-is idle and otherwise steps the engine, so backend calls never wait on the network. Not the
+is idle and otherwise steps the engine, so backend calls never wait on the network. The
+same server runs in the coordinator's process over queues instead (inproc.py). Not the
 logic: that is worker.py.
 """
 
@@ -44,64 +45,79 @@ class WelcomeFailed(wire.GyreError):
     """The backends could not be built from the coordinator's Welcome."""
 
 
-class WorkerServer:
-    def __init__(self, config: WorkerConfig, worker: Worker | None = None):
-        self.config = config
-        self.worker = worker or Worker(config)
-        self.node_id = self.worker.node_id
-        self.should_exit = False
-        self.force_exit = False
-        self.welcomed = False
-        self._inbox: queue.Queue = queue.Queue()  # bounded by the I/O thread (INBOX_MAX, INBOX_MAX_BYTES)
-        self._inbox_bytes = 0  # held in the inbox; both threads update it, under the lock
-        self._inbox_lock = threading.Lock()
+class ZmqIO:
+    """The I/O thread that owns the DEALER socket to the coordinator: incoming frames to the
+    server's inbox while it has room, outgoing frames from the main thread (over an inproc
+    PUSH/PULL pair), and heartbeats once welcomed. The other I/O is in process (inproc.py)."""
+
+    def __init__(self, server: WorkerServer):
+        self.server = server
         self._ctx = zmq.Context()
-        self._io_stop = threading.Event()
+        self._stop = threading.Event()
         self._outbox_addr = f"inproc://gyre-outbox-{id(self)}"
         # The I/O thread binds the PULL end before the main thread connects to it.
-        self._io_ready = threading.Event()
-        self._io = threading.Thread(target=self._io_loop, name="gyre-workerd-io", daemon=True)
-        self._send_to_io: zmq.Socket | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="gyre-workerd-io", daemon=True)
+        self._push: zmq.Socket | None = None
         self._curve: tuple[bytes, bytes, bytes] | None = None  # (public, secret, coordinator public)
 
-    # --- I/O thread ---------------------------------------------------------------------
+    def start(self) -> None:
+        config = self.server.config
+        if config.keys_dir is not None:  # read here: a bad key file fails start-up, named
+            from gyre.coordinator.keys import client_keys
 
-    def _io_loop(self) -> None:
+            self._curve = client_keys(Path(config.keys_dir), config.key_name)
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise RuntimeError("workerd I/O thread did not start")
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.SNDHWM, 0)
+        self._push.connect(self._outbox_addr)
+
+    def send(self, frames: list) -> None:
+        self._push.send_multipart(frames, copy=False)
+
+    def close(self, timeout: float) -> None:
+        self._stop.set()
+        self._thread.join(timeout=timeout)
+        if self._push is not None:
+            self._push.close(linger=0)
+        self._ctx.term() if not self._thread.is_alive() else self._ctx.destroy(linger=0)
+
+    def _loop(self) -> None:
+        server = self.server
         dealer = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.IDENTITY, self.node_id.encode())
+        dealer.setsockopt(zmq.IDENTITY, server.node_id.encode())
         dealer.setsockopt(zmq.LINGER, 2000)  # let Deregister/WorkerDead leave on exit
         dealer.setsockopt(zmq.SNDHWM, 0)
         dealer.setsockopt(zmq.RCVHWM, RECV_HWM)
         if self._curve is not None:
             dealer.curve_publickey, dealer.curve_secretkey, dealer.curve_serverkey = self._curve
-        dealer.connect(self.config.coordinator)
+        dealer.connect(server.config.coordinator)
         pull = self._ctx.socket(zmq.PULL)
         pull.bind(self._outbox_addr)
-        self._io_ready.set()
+        self._ready.set()
         poller = zmq.Poller()
         poller.register(dealer, zmq.POLLIN)
         poller.register(pull, zmq.POLLIN)
         next_beat = time.monotonic()
         reading = True
         try:
-            while not self._io_stop.is_set():
+            while not self._stop.is_set():
                 # Read the coordinator only while the inbox has room (else ZeroMQ and TCP hold the
                 # rest); paused, look again soon: the main thread drains without telling us.
-                if reading != self._inbox_has_room():
+                if reading != server.inbox_has_room():
                     reading = not reading
                     poller.modify(dealer, zmq.POLLIN if reading else 0)
-                timeout = max(0.0, next_beat - time.monotonic()) * 1000 if self.welcomed else 100
+                timeout = max(0.0, next_beat - time.monotonic()) * 1000 if server.welcomed else 100
                 events = dict(poller.poll(timeout=min(timeout, 100 if reading else 5)))
                 if dealer in events:
-                    frames = dealer.recv_multipart(copy=False)
-                    with self._inbox_lock:
-                        self._inbox_bytes += _nbytes(frames)
-                    self._inbox.put(frames)
+                    server.deliver(dealer.recv_multipart(copy=False))
                 if pull in events:
                     dealer.send_multipart(pull.recv_multipart(copy=False), copy=False)
-                if self.welcomed and time.monotonic() >= next_beat:
-                    dealer.send_multipart(wire.encode(self._heartbeat()))
-                    next_beat = time.monotonic() + self.config.heartbeat_s
+                if server.welcomed and time.monotonic() >= next_beat:
+                    dealer.send_multipart(wire.encode(server.heartbeat()))
+                    next_beat = time.monotonic() + server.config.heartbeat_s
             # Flush what the main thread queued last (Deregister, WorkerDead).
             while pull.poll(0):
                 dealer.send_multipart(pull.recv_multipart(copy=False), copy=False)
@@ -109,10 +125,35 @@ class WorkerServer:
             pull.close(linger=0)
             dealer.close()  # keeps LINGER so queued frames still leave
 
-    def _inbox_has_room(self) -> bool:
+
+class WorkerServer:
+    """The worker's main loop over an I/O: ZeroMQ to a coordinator elsewhere (`ZmqIO`, the
+    default) or queues to one in this process (inproc.py)."""
+
+    def __init__(self, config: WorkerConfig, worker: Worker | None = None, io=None):
+        self.config = config
+        self.worker = worker or Worker(config)
+        self.node_id = self.worker.node_id
+        self.should_exit = False
+        self.force_exit = False
+        self.welcomed = False
+        self._inbox: queue.Queue = queue.Queue()  # bounded by the I/O (INBOX_MAX, INBOX_MAX_BYTES)
+        self._inbox_bytes = 0  # held in the inbox; both threads update it, under the lock
+        self._inbox_lock = threading.Lock()
+        self.io = io(self) if io is not None else ZmqIO(self)
+
+    # --- the I/O's side -----------------------------------------------------------------
+
+    def deliver(self, frames: list) -> None:
+        """A message from the coordinator, for the main thread (called on the I/O's thread)."""
+        with self._inbox_lock:
+            self._inbox_bytes += _nbytes(frames)
+        self._inbox.put(frames)
+
+    def inbox_has_room(self) -> bool:
         return self._inbox.qsize() < INBOX_MAX and self._inbox_bytes < INBOX_MAX_BYTES
 
-    def _heartbeat(self) -> wire.Heartbeat:
+    def heartbeat(self) -> wire.Heartbeat:
         w = self.worker
         return wire.Heartbeat(node_id=self.node_id, role=w.role.value,
                               running=w.engine.running if w.engine else 0,
@@ -121,23 +162,14 @@ class WorkerServer:
     # --- main thread --------------------------------------------------------------------
 
     def send(self, msg, tensors=None) -> None:
-        self._send_to_io.send_multipart(wire.encode(msg, tensors), copy=False)
+        self.io.send(wire.encode(msg, tensors))
 
     def _send_all(self, outs: list[Out]) -> None:
         for msg, tensors in outs:
             self.send(msg, tensors)
 
     def start(self) -> None:
-        if self.config.keys_dir is not None:  # read here: a bad key file fails start-up, named
-            from gyre.coordinator.keys import client_keys
-
-            self._curve = client_keys(Path(self.config.keys_dir), self.config.key_name)
-        self._io.start()
-        if not self._io_ready.wait(10):
-            raise RuntimeError("workerd I/O thread did not start")
-        self._send_to_io = self._ctx.socket(zmq.PUSH)
-        self._send_to_io.setsockopt(zmq.SNDHWM, 0)
-        self._send_to_io.connect(self._outbox_addr)
+        self.io.start()
         self._register()
 
     def _register(self) -> None:
@@ -230,11 +262,7 @@ class WorkerServer:
             self._close()
 
     def _close(self) -> None:
-        self._io_stop.set()
-        self._io.join(timeout=self.config.graceful_timeout_s)
-        if self._send_to_io is not None:
-            self._send_to_io.close(linger=0)
-        self._ctx.term() if not self._io.is_alive() else self._ctx.destroy(linger=0)
+        self.io.close(self.config.graceful_timeout_s)
 
     def install_signal_handlers(self) -> None:
         """First SIGTERM/SIGINT: graceful exit. Second SIGINT: exit now."""

@@ -161,10 +161,6 @@ class ScriptedLink:
     def __init__(self, nodes):
         self.chunks = {n: asyncio.Queue() for n in nodes}
         self.sent = asyncio.Queue()
-        self._ids = iter(range(1, 1000))
-
-    def new_req_id(self) -> int:
-        return next(self._ids)
 
     async def generate(self, node, msg, frames, on_frames=None):
         await self.sent.put(node)

@@ -15,6 +15,7 @@ from gyre.coordinator import resume
 from gyre.coordinator.config import CoordinatorConfig
 from gyre.coordinator.main import Coordinator
 from tests.coordinator.scripted import write_tasks
+from tests.inproc import coordinator
 
 HERE = Path(__file__).parent
 EVAL = [sys.executable, str(HERE / "_evaluator.py")]
@@ -35,13 +36,15 @@ def tasks_file(tmp_path: Path) -> Path:
 
 
 @pytest.mark.timeout(300)
-async def test_statuses_rewards_and_validity(tiny_dir, tmp_path):
+@pytest.mark.parametrize("workers", ["inproc", "local"])  # the file's zmq twin
+async def test_statuses_rewards_and_validity(tiny_dir, tmp_path, workers):
     cfg = CoordinatorConfig(run_dir=tmp_path / "run", model_dir=tiny_dir, steps=1, policy="async", cells=2,
                             groups_per_step=5, group_size=2, min_valid=1, phi=0, mu=1,
                             harness=(sys.executable, str(HERE / "_harness.py")), tasks_path=tasks_file(tmp_path),
                             eval_attempts=3, eval_budget_s=60, seed=1)
     seen: list[dict] = []
-    coord = Coordinator(cfg, on_step=lambda rep: seen.append(json.loads(json.dumps(coord.status()))))
+    build = coordinator if workers == "inproc" else Coordinator
+    coord = build(cfg, on_step=lambda rep: seen.append(json.loads(json.dumps(coord.status()))))
     reports = await coord.run()
     assert len(reports) == 1
     # The live view's data at the step, as `gyre top` gets it (plain JSON, no key in it).
@@ -92,7 +95,7 @@ async def test_elastic_run_keeps_its_promises(tiny_dir, tmp_path):
     cfg = CoordinatorConfig(run_dir=tmp_path / "run", model_dir=tiny_dir, steps=2, policy="elastic", cells=2,
                             groups_per_step=2, group_size=2, min_valid=1, phi=0, mu=2, exec_slots_per_cell=4,
                             harness=(sys.executable, str(HERE / "_harness.py")), tasks_path=tasks, seed=3)
-    coord = Coordinator(cfg)
+    coord = coordinator(cfg)
     reports = await coord.run()
     assert [r.version for r in reports] == [1, 2]
     lines = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -115,7 +118,7 @@ async def test_colocate_switches_its_cells_in_parallel(tiny_dir, tmp_path):
     cfg = CoordinatorConfig(run_dir=tmp_path / "run", model_dir=tiny_dir, steps=1, policy="colocate", cells=3,
                             groups_per_step=2, group_size=2, min_valid=1, phi=0, mu=1, exec_slots_per_cell=2,
                             harness=(sys.executable, str(HERE / "_harness.py")), tasks_path=tasks, seed=3)
-    reports = await Coordinator(cfg).run()
+    reports = await coordinator(cfg).run()
     assert len(reports) == 1 and reports[0].cells_training == 3
     lines = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     to_training = [x for x in lines if x["event"] == "role" and x["to"] == "training"]

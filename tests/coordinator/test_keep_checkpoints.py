@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from gyre.coordinator.config import CoordinatorConfig
-from gyre.coordinator.main import Coordinator
 from gyre.coordinator.resume import CHECKPOINTS, prune_checkpoints, step_dir, write_state
 from tests.coordinator.scripted import HARNESS, write_tasks
+from tests.inproc import coordinator
 
 
 def _checkpoint(run_dir: Path, step: int, *, complete: bool = True) -> None:
@@ -55,7 +55,7 @@ async def test_a_run_keeps_its_newest_checkpoints_and_says_what_it_deleted(tiny_
     cfg = CoordinatorConfig(run_dir=tmp_path / "run", model_dir=tiny_dir, steps=3, cells=2, groups_per_step=1,
                             group_size=2, min_valid=2, checkpoint_every=1, keep_checkpoints=2,
                             harness=HARNESS, tasks_path=tasks, default_max_tokens=8)
-    await Coordinator(cfg).run()
+    await coordinator(cfg).run()
     assert _steps(cfg.run_dir) == ["step-000002", "step-000003"]
     assert (cfg.run_dir / CHECKPOINTS / "latest").read_text().strip() == "step-000003"
     assert (step_dir(cfg.run_dir, 3) / "trainer.pt").exists()

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 
 from gyre.coordinator.config import CoordinatorConfig
-from gyre.coordinator.main import Coordinator
+from tests.inproc import coordinator
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 async def test_embedded_default_raises_reward(tiny_dir, tmp_path):
-    reports = await Coordinator(CoordinatorConfig(run_dir=tmp_path / "run", model_dir=tiny_dir, steps=16,
+    reports = await coordinator(CoordinatorConfig(run_dir=tmp_path / "run", model_dir=tiny_dir, steps=16,
                                                   policy="colocate", seed=0)).run()
     rewards = [r.reward_mean for r in reports]
     first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4

@@ -40,13 +40,13 @@ async def test_a_call_without_a_reply_names_the_cell_and_the_command():
     sock = await silent_worker(link, "w3")
     try:
         with pytest.raises(WorkerCallTimeout) as e:
-            await link.call("w3", wire.TrainMicroStep(req_id=link.new_req_id(), step=1))
+            await link.call("w3", wire.TrainMicroStep(step=1))
         assert str(e.value) == "cell 3 (w3) did not answer TrainMicroStep within 0.3 s (worker_call_timeout_s)"
         with pytest.raises(WorkerCallTimeout) as e:  # a bound of the caller's own (checkpoint_timeout_s)
-            await link.request("w3", wire.SaveCheckpoint(req_id=link.new_req_id(), path="x"), timeout=0.1)
+            await link.request("w3", wire.SaveCheckpoint(path="x"), timeout=0.1)
         assert str(e.value) == "cell 3 (w3) did not answer SaveCheckpoint within 0.1 s"
         with pytest.raises(WorkerCallTimeout, match=r"did not answer Call echo within 0.1 s$"):
-            await link.call("w3", wire.Call(req_id=link.new_req_id(), method="echo"), timeout=0.1)
+            await link.call("w3", wire.Call(method="echo"), timeout=0.1)
         assert not link._pending  # nothing left waiting for the reply that never came
     finally:
         sock.close()
@@ -76,11 +76,11 @@ async def test_an_error_or_a_wrong_reply_names_the_command_and_the_cell():
         for make, text in zip(replies, expected):
             task = asyncio.create_task(answer(make))
             with pytest.raises(WorkerError) as e:
-                await link.request("w3", wire.SaveCheckpoint(req_id=link.new_req_id(), path="x"), timeout=10)
+                await link.request("w3", wire.SaveCheckpoint(path="x"), timeout=10)
             await task
             assert str(e.value) == text
         task = asyncio.create_task(answer(replies[2]))
-        got = await link.request("w3", wire.LoadCheckpoint(req_id=link.new_req_id(), path="x"), timeout=10)
+        got = await link.request("w3", wire.LoadCheckpoint(path="x"), timeout=10)
         await task
         assert isinstance(got, wire.CheckpointLoaded) and got.version == 4
     finally:
@@ -146,7 +146,7 @@ async def test_a_reply_counts_only_from_the_connection_the_request_went_to():
     intruder = _dealer(link, b"intruder")  # never registered
     try:
         # 1) A call: forged answers from an unregistered connection and from another worker.
-        call = asyncio.create_task(link.request("w3", wire.Call(req_id=link.new_req_id(), method="echo"), timeout=30))
+        call = asyncio.create_task(link.request("w3", wire.Call(method="echo"), timeout=30))
         cmd, _ = wire.decode(await w3.recv_multipart())
         forged = wire.encode(wire.CallResult(req_id=cmd.req_id, result="forged"))
         for sock, name in ((intruder, "intruder"), (w4, "w4")):
@@ -156,7 +156,7 @@ async def test_a_reply_counts_only_from_the_connection_the_request_went_to():
         await w3.send_multipart(wire.encode(wire.CallResult(req_id=cmd.req_id, result="real")))
         assert (await call).result == "real"
         # 2) A stream: a forged finished chunk ends nothing; the real ones arrive, in order.
-        gen = link.generate("w3", wire.Generate(req_id=link.new_req_id(), rid="r", prompt_ids=[1], max_new_tokens=2))
+        gen = link.generate("w3", wire.Generate(rid="r", prompt_ids=[1], max_new_tokens=2))
         first = asyncio.ensure_future(anext(gen))
         cmd, _ = wire.decode(await w3.recv_multipart())
 
@@ -208,7 +208,7 @@ async def test_a_connection_speaks_only_for_itself_and_unregistered_ones_are_not
         # 3) Connections whose routing id is not text: dropped, and the reader lives on.
         for sock in nameless:
             await sock.send_multipart(_beat("x"))
-        call = asyncio.create_task(link.request("w3", wire.Call(req_id=link.new_req_id(), method="echo"), timeout=30))
+        call = asyncio.create_task(link.request("w3", wire.Call(method="echo"), timeout=30))
         cmd, _ = wire.decode(await w3.recv_multipart())
         await w3.send_multipart(wire.encode(wire.CallResult(req_id=cmd.req_id, result="real")))
         assert (await call).result == "real" and not reader.done()

@@ -52,9 +52,6 @@ def agent_tree(rng: random.Random, turns: int) -> tuple[Tree, dict[int, str]]:
 class Link:
     """The workers' side of a step, answering at once: what is timed is the coordinator."""
 
-    def new_req_id(self) -> int:
-        return 0
-
     async def request(self, node, msg, tensors=None, timeout=None):
         await asyncio.sleep(0)  # a reply comes back through the loop, as over ZeroMQ
         if isinstance(msg, wire.TrainMicroStep):

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from gyre.coordinator.config import CoordinatorConfig
-from gyre.coordinator.main import Coordinator
 from gyre.proxy.records import load_execution
 from tests.coordinator.scripted import HARNESS, write_tasks
+from tests.inproc import coordinator
 
 
 @pytest.mark.timeout(300)
@@ -25,7 +25,7 @@ async def test_trained_executions_leave_memory_at_checkpoints_and_stay_on_disk(t
         held[rep.step] = {g.id for g in coord.buffer.groups.values() if g.state == "consumed"
                           and any(r.id in coord.proxy.executions for r in g.runs)}
 
-    coord = Coordinator(cfg, on_step=at_step)
+    coord = coordinator(cfg, on_step=at_step)
     await coord.run()
 
     groups = coord.buffer.groups.values()

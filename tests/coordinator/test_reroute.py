@@ -14,6 +14,7 @@ from gyre.coordinator.routing import LinkBackend, RoutingTable
 from gyre.proxy.chat import ChatTokenizer
 from gyre.proxy.server import ProxyConfig, ProxyServer
 from gyre.workerd import wire
+from gyre.workerd.inproc import InprocWorkers
 
 PROMPTS = [f"Tell me story number {i}." for i in range(6)]
 
@@ -43,7 +44,7 @@ async def run_calls(proxy, name, flip=None):
 
 @pytest.mark.timeout(300)
 async def test_role_changes_under_load_lose_nothing(tiny_dir, tmp_path):
-    async with LocalCluster(tiny_dir, cells=2, roles=("rollout", "rollout")) as cluster:
+    async with LocalCluster(tiny_dir, cells=2, roles=("rollout", "rollout"), workers=InprocWorkers()) as cluster:
         nodes = [cluster.node_of_cell(0), cluster.node_of_cell(1)]
         table = RoutingTable()
         table.set_nodes(nodes)
@@ -57,7 +58,7 @@ async def test_role_changes_under_load_lose_nothing(tiny_dir, tmp_path):
         async def set_role(node, role):
             if role == "training":
                 table.close(node)  # stop new requests (executions re-homed), then hand back running ones
-            await link.call(node, wire.SetRole(req_id=link.new_req_id(), role=role))
+            await link.call(node, wire.SetRole(role=role))
             if role == "rollout":
                 table.open(node)
 

@@ -170,8 +170,9 @@ async def test_affine_calls_hit_their_homes_cache_and_rehome_when_a_cell_leaves(
     from gyre.proxy.chat import ChatTokenizer
     from gyre.proxy.server import ProxyConfig, ProxyServer
     from gyre.workerd import wire
+    from gyre.workerd.inproc import InprocWorkers
 
-    async with LocalCluster(tiny_dir, cells=2, roles=("rollout", "rollout")) as cluster:
+    async with LocalCluster(tiny_dir, cells=2, roles=("rollout", "rollout"), workers=InprocWorkers()) as cluster:
         nodes = [cluster.node_of_cell(0), cluster.node_of_cell(1)]
         table = RoutingTable()
         table.set_nodes(nodes)
@@ -192,7 +193,7 @@ async def test_affine_calls_hit_their_homes_cache_and_rehome_when_a_cell_leaves(
             assert {next(iter({c["engine"] for c in ex.calls})) for ex, _ in done} == set(nodes)  # spread by load
             # Cell 0 leaves rollout: its executions are re-homed to cell 1 and stay there.
             moved = table.close(nodes[0])
-            await cluster.link.call(nodes[0], wire.SetRole(req_id=cluster.link.new_req_id(), role="training"))
+            await cluster.link.call(nodes[0], wire.SetRole(role="training"))
             assert moved and all(table.homes[m] == nodes[1] for m in moved)
             again = await asyncio.gather(*(agent(proxy, ex.id, turns=2, start=3, messages=msgs)
                                            for ex, msgs in done if ex.id in moved))

@@ -215,5 +215,5 @@ async def test_a_second_worker_for_a_held_name_or_cell_is_not_let_in(tiny_dir):
         assert list(link.nodes) == [node] and link.nodes[node].alive
         assert link.dropped == {"registration refused": 1}  # second-0's; the other was never read
         assert [type(e) for e in cluster.events] == [wire.Register, wire.Ready, wire.Register]
-        msg = wire.Generate(req_id=link.new_req_id(), rid="a", prompt_ids=list(b"hi"), max_new_tokens=4)
+        msg = wire.Generate(rid="a", prompt_ids=list(b"hi"), max_new_tokens=4)
         assert sum(len(c.token_ids) for c in [c async for c in link.generate(node, msg)]) == 4

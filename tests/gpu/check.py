@@ -60,7 +60,7 @@ async def generate(link, node, n: int, tokens: int, tag: str):
                for i in range(n)]
 
     async def one(i):
-        msg = wire.Generate(req_id=link.new_req_id(), rid=f"{tag}-{i}", prompt_ids=prompts[i],
+        msg = wire.Generate(rid=f"{tag}-{i}", prompt_ids=prompts[i],
                             max_new_tokens=tokens, temperature=1.0, seed=i)
         chunks = [c async for c in link.generate(node, msg)]
         return (prompts[i], [t for c in chunks for t in c.token_ids], [x for c in chunks for x in c.logprobs],
@@ -72,7 +72,7 @@ async def generate(link, node, n: int, tokens: int, tag: str):
 
 
 async def trainer_logprobs(link, node, prompt, ids):
-    reply, _ = await link.call(node, wire.Call(req_id=link.new_req_id(), method="logprobs",
+    reply, _ = await link.call(node, wire.Call(method="logprobs",
                                                args={"input_ids": [prompt + ids]}))
     if reply.error:
         raise RuntimeError(reply.error)
@@ -120,7 +120,7 @@ async def main(args) -> int:
         samples = await generation_round(c, link, node, args, version=0, tag="a", tps_key="rollout_tokens_per_s")
 
         t = time.perf_counter()
-        changed, _ = await link.call(node, wire.SetRole(req_id=link.new_req_id(), role="training"))
+        changed, _ = await link.call(node, wire.SetRole(role="training"))
         c.figures["to_training_seconds"] = round(time.perf_counter() - t, 3)
         print(f"3 role -> training: {c.figures['to_training_seconds']} s (worker {changed.seconds:.3f} s, "
               f"freed {changed.freed_bytes:,} bytes)")
@@ -131,9 +131,9 @@ async def main(args) -> int:
         t = time.perf_counter()
         results = []
         for f in frames:
-            res, _ = await link.call(node, wire.TrainMicroStep(req_id=link.new_req_id(), step=0), f)
+            res, _ = await link.call(node, wire.TrainMicroStep(step=0), f)
             results.append(res)
-        step, _ = await link.call(node, wire.OptimizerStep(req_id=link.new_req_id(), num_executions=len(frames)))
+        step, _ = await link.call(node, wire.OptimizerStep(num_executions=len(frames)))
         c.figures["train_step_seconds"] = round(time.perf_counter() - t, 3)
         c.figures["mismatch_kl"] = round(max(abs(r.mismatch_kl) for r in results), 6)
         print(f"4 train: {len(frames)} micro-steps + optimizer step in {c.figures['train_step_seconds']} s, "
@@ -141,13 +141,13 @@ async def main(args) -> int:
         c.expect(step.version == 1 and step.grad_norm > 0, "optimizer step: version 1, non-zero gradient")
 
         t = time.perf_counter()
-        changed, _ = await link.call(node, wire.SetRole(req_id=link.new_req_id(), role="rollout"))
+        changed, _ = await link.call(node, wire.SetRole(role="rollout"))
         c.figures["to_rollout_seconds"] = round(time.perf_counter() - t, 3)
         print(f"5 role -> rollout: {c.figures['to_rollout_seconds']} s (worker {changed.seconds:.3f} s, "
               f"offloaded {changed.freed_bytes:,} bytes)")
 
         t = time.perf_counter()
-        loaded, _ = await link.call(node, wire.LoadWeights(req_id=link.new_req_id(), version=1))
+        loaded, _ = await link.call(node, wire.LoadWeights(version=1))
         c.figures["publish_seconds"] = round(time.perf_counter() - t, 3)
         c.figures["publish_bytes"] = loaded.nbytes
         print(f"6 publish: {loaded.nbytes:,} bytes in {c.figures['publish_seconds']} s "

@@ -21,22 +21,22 @@ async def main(model_dir: str) -> dict:
     async with LocalCluster(model_dir, cells=2, roles=("training", "rollout")) as cluster:
         link = cluster.link
         n0, n1 = cluster.node_of_cell(0), cluster.node_of_cell(1)
-        _, frames = await link.call(n0, wire.ExportWeights(req_id=link.new_req_id()))
+        _, frames = await link.call(n0, wire.ExportWeights())
         perturbed = {k: (v.clone() * 2 + 0.5 if v.is_floating_point() else v.clone())
                      for k, v in from_frames(frames).items()}
-        await link.call(n0, wire.LoadWeights(req_id=link.new_req_id(), version=5, trainer=True, engine=False),
+        await link.call(n0, wire.LoadWeights(version=5, trainer=True, engine=False),
                         to_frames(perturbed))
         for n in (n0, n1):
-            await link.request(n, wire.InitTransfer(req_id=link.new_req_id(), backend="mooncake", host="127.0.0.1"))
-        offer = await link.request(n0, wire.OfferWeights(req_id=link.new_req_id(), version=5))
+            await link.request(n, wire.InitTransfer(backend="mooncake", host="127.0.0.1"))
+        offer = await link.request(n0, wire.OfferWeights(version=5))
         handle = offer.handle
-        pulled = await link.request(n1, wire.PullWeights(req_id=link.new_req_id(), handle=handle, engine=True,
+        pulled = await link.request(n1, wire.PullWeights(handle=handle, engine=True,
                                                          trainer=True))
-        _, back = await link.call(n1, wire.ExportWeights(req_id=link.new_req_id()))
+        _, back = await link.call(n1, wire.ExportWeights())
         got = from_frames(back)
         equal = all(torch.equal(got[k], perturbed[k]) for k in perturbed)
         # The engine serves the pulled weights too: same log-probs as cell 0's trainer would give.
-        again = await link.request(n1, wire.PullWeights(req_id=link.new_req_id(), handle=handle, engine=False,
+        again = await link.request(n1, wire.PullWeights(handle=handle, engine=False,
                                                         trainer=True))  # cached offer
         src = torch.empty(offer.nbytes, dtype=torch.uint8).fill_(1)
         t0 = time.perf_counter()

@@ -22,7 +22,7 @@ PROMPT = list(b"<|im_start|>user\nhi")
 
 
 async def collect(link, node, **kw):
-    msg = wire.Generate(req_id=link.new_req_id(), **kw)
+    msg = wire.Generate(**kw)
     chunks = [c async for c in link.generate(node, msg)]
     return chunks, [t for c in chunks for t in c.token_ids], [lp for c in chunks for lp in c.logprobs]
 
@@ -44,84 +44,84 @@ async def test_workerd_serves_and_trains_over_zeromq(tiny_dir, tmp_path):
             await collect(link, train, rid="b", prompt_ids=PROMPT, max_new_tokens=4)
 
         # 3) Abort by request id ends the stream with finish_reason "abort".
-        gen = link.generate(rollout, wire.Generate(req_id=link.new_req_id(), rid="long", prompt_ids=PROMPT,
+        gen = link.generate(rollout, wire.Generate(rid="long", prompt_ids=PROMPT,
                                                    max_new_tokens=5000))
         first = await anext(gen)
         assert not first.finished
-        reply = await link.request(rollout, wire.Abort(req_id=link.new_req_id(), rid="long"))
+        reply = await link.request(rollout, wire.Abort(rid="long"))
         assert reply == wire.Aborted(req_id=reply.req_id, found=True)
         rest = [c async for c in gen]
         assert rest[-1].finish_reason == "abort" and sum(len(c.token_ids) for c in rest) < 5000
 
         # 4) A training micro-step and an optimizer step on the training cell.
         frames = _frames(PROMPT, ids, lps)
-        res, _ = await link.call(train, wire.TrainMicroStep(req_id=link.new_req_id(), step=0), frames)
+        res, _ = await link.call(train, wire.TrainMicroStep(step=0), frames)
         assert isinstance(res, wire.TrainResult) and res.tokens == 16 and res.executions == 1
         assert abs(res.mismatch_kl) < 1e-4  # same initial weights in both cells
-        upd, _ = await link.call(train, wire.OptimizerStep(req_id=link.new_req_id(), num_executions=1))
+        upd, _ = await link.call(train, wire.OptimizerStep(num_executions=1))
         assert upd.version == 1 and upd.grad_norm > 0
 
         # 5) Export from the trainer, load into the engine: chunks now carry version 1.
-        w, wframes = await link.call(train, wire.ExportWeights(req_id=link.new_req_id()))
+        w, wframes = await link.call(train, wire.ExportWeights())
         assert w.version == 1 and w.nbytes == sum(memoryview(f.data).nbytes for f in wframes)
-        loaded, _ = await link.call(rollout, wire.LoadWeights(req_id=link.new_req_id(), version=1), wframes)
+        loaded, _ = await link.call(rollout, wire.LoadWeights(version=1), wframes)
         assert loaded.version == 1 and loaded.nbytes == w.nbytes
         chunks, ids, lps = await collect(link, rollout, rid="c", prompt_ids=PROMPT, max_new_tokens=24, seed=2)
         assert {c.version for c in chunks} == {1}
 
         # 6) Mismatch check across processes: engine behaviour log-probs == trainer log-probs.
-        reply, _ = await link.call(train, wire.Call(req_id=link.new_req_id(), method="logprobs",
+        reply, _ = await link.call(train, wire.Call(method="logprobs",
                                                     args={"input_ids": [PROMPT + ids]}))
         trainer_lps = torch.tensor(reply.result[0][len(PROMPT):])
         assert torch.allclose(torch.tensor(lps), trainer_lps, atol=1e-4)
 
         # 7) Role change while a request runs: its stream ends (abort), the cell trains, then
         #    comes back to rollout and serves again. Nothing is restarted.
-        gen = link.generate(rollout, wire.Generate(req_id=link.new_req_id(), rid="d", prompt_ids=PROMPT,
+        gen = link.generate(rollout, wire.Generate(rid="d", prompt_ids=PROMPT,
                                                    max_new_tokens=5000))
         await anext(gen)
-        changed, _ = await link.call(rollout, wire.SetRole(req_id=link.new_req_id(), role="training"))
+        changed, _ = await link.call(rollout, wire.SetRole(role="training"))
         assert changed.role == "training"
         assert [c async for c in gen][-1].finish_reason == "abort"
         with pytest.raises(WorkerError, match="RoleError"):
             await collect(link, rollout, rid="e", prompt_ids=PROMPT, max_new_tokens=2)
-        res, _ = await link.call(rollout, wire.TrainMicroStep(req_id=link.new_req_id(), step=1), frames)
+        res, _ = await link.call(rollout, wire.TrainMicroStep(step=1), frames)
         assert res.tokens == 16
-        back, _ = await link.call(rollout, wire.SetRole(req_id=link.new_req_id(), role="rollout"))
+        back, _ = await link.call(rollout, wire.SetRole(role="rollout"))
         assert back.role == "rollout"
         _, ids2, _ = await collect(link, rollout, rid="f", prompt_ids=PROMPT, max_new_tokens=3)
         assert len(ids2) == 3
-        stats = await link.request(rollout, wire.Stats(req_id=link.new_req_id()))
+        stats = await link.request(rollout, wire.Stats())
         assert isinstance(stats, wire.WorkerStats) and stats.node_id == rollout and stats.cell == 0
         assert stats.version == 1 and stats.role == "rollout" and stats.peak_rss_bytes > 0
 
         # 8) Typed control commands: a checkpoint saved and loaded back; a failing one names
         #    the command and the cell, with the worker-side exception's class.
         ckpt = str(tmp_path / "ckpt" / "trainer.pt")
-        done = await link.request(train, wire.SaveCheckpoint(req_id=link.new_req_id(), path=ckpt), timeout=60)
+        done = await link.request(train, wire.SaveCheckpoint(path=ckpt), timeout=60)
         assert isinstance(done, wire.Done)
-        loaded = await link.request(train, wire.LoadCheckpoint(req_id=link.new_req_id(), path=ckpt), timeout=60)
+        loaded = await link.request(train, wire.LoadCheckpoint(path=ckpt), timeout=60)
         assert loaded == wire.CheckpointLoaded(req_id=loaded.req_id, version=1)
         with pytest.raises(WorkerError) as e:
-            await link.request(train, wire.LoadCheckpoint(req_id=link.new_req_id(), path=str(tmp_path / "none.pt")))
+            await link.request(train, wire.LoadCheckpoint(path=str(tmp_path / "none.pt")))
         assert str(e.value).startswith(f"LoadCheckpoint on {cluster.describe(train)} failed: FileNotFoundError: ")
         assert e.value.kind == "FileNotFoundError"
         with pytest.raises(WorkerError, match=r"^SetParticipants on .* failed: RuntimeError: no reducer"):
-            await link.request(train, wire.SetParticipants(req_id=link.new_req_id(), participants=1))
+            await link.request(train, wire.SetParticipants(participants=1))
 
         # 9) The diagnostic RPC path and its errors: echo, a failing call, an unknown method
         #    (the typed commands are not methods), a reply type that is not a command, an
         #    unknown kind. Each gets an answer; none kills it.
-        echo, _ = await link.call(rollout, wire.Call(req_id=link.new_req_id(), method="echo", args={"x": [1, 2]}))
+        echo, _ = await link.call(rollout, wire.Call(method="echo", args={"x": [1, 2]}))
         assert echo.result == {"x": [1, 2]}
         with pytest.raises(WorkerError, match="RuntimeError: boom"):
-            await link.call(rollout, wire.Call(req_id=link.new_req_id(), method="fail", args={"message": "boom"}))
+            await link.call(rollout, wire.Call(method="fail", args={"message": "boom"}))
         with pytest.raises(WorkerError, match="unknown method"):
-            await link.call(rollout, wire.Call(req_id=link.new_req_id(), method="nope"))
+            await link.call(rollout, wire.Call(method="nope"))
         with pytest.raises(WorkerError, match="unknown method 'stats'"):
-            await link.call(rollout, wire.Call(req_id=link.new_req_id(), method="stats"))
+            await link.call(rollout, wire.Call(method="stats"))
         with pytest.raises(WorkerError, match="not a workerd command"):
-            await link.call(rollout, wire.StepResult(req_id=link.new_req_id(), version=0, grad_norm=0, seconds=0))
+            await link.call(rollout, wire.StepResult(req_id=0, version=0, grad_norm=0, seconds=0))
         fut = asyncio.get_running_loop().create_future()
         link._pending[99999] = _Pending(rollout, future=fut)
         await link._sock.send_multipart([rollout.encode(), b"Bogus", b'{"req_id": 99999}'])
@@ -161,7 +161,7 @@ async def test_workerd_without_coordinator_answer_exits_nonzero(tmp_path):
 async def test_sigterm_hands_back_requests_and_deregisters(tiny_dir):
     async with LocalCluster(tiny_dir, cells=1, roles=("rollout",)) as cluster:
         link, node = cluster.link, cluster.node_of_cell(0)
-        gen = link.generate(node, wire.Generate(req_id=link.new_req_id(), rid="x", prompt_ids=PROMPT,
+        gen = link.generate(node, wire.Generate(rid="x", prompt_ids=PROMPT,
                                                 max_new_tokens=100000))
         await anext(gen)
         cluster.procs[0].send_signal(signal.SIGTERM)
@@ -176,7 +176,7 @@ async def test_killed_worker_fails_pending_requests(tiny_dir):
     """SIGKILL gives no goodbye: the link marks the silent node dead and fails its stream."""
     async with LocalCluster(tiny_dir, cells=1, roles=("rollout",), heartbeat_s=0.2) as cluster:
         link, node = cluster.link, cluster.node_of_cell(0)
-        gen = link.generate(node, wire.Generate(req_id=link.new_req_id(), rid="x", prompt_ids=PROMPT,
+        gen = link.generate(node, wire.Generate(rid="x", prompt_ids=PROMPT,
                                                 max_new_tokens=100000))
         await anext(gen)
         os.kill(cluster.procs[0].pid, signal.SIGKILL)

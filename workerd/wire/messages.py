@@ -91,7 +91,7 @@ PROMPT_FRAME = "prompt"  # a Generate's prompt ids, when prompt_in_frame
 class Generate:
     """Start one rollout request; answered by a stream of `GenerateChunk`s sharing req_id."""
 
-    req_id: int
+    req_id: int = 0  # assigned by the link (WorkerLink.call)
     rid: str  # the proxy's request id, used to abort
     prompt_ids: list[int]
     max_new_tokens: int
@@ -107,7 +107,7 @@ class Generate:
 
 @_msg
 class Abort:
-    req_id: int
+    req_id: int = 0  # assigned by the link (WorkerLink.call)
     rid: str
 
 
@@ -115,7 +115,7 @@ class Abort:
 class SetRole:
     """Change role; replied to with `RoleChanged` once the switch is complete."""
 
-    req_id: int
+    req_id: int = 0  # assigned by the link (WorkerLink.call)
     role: str
 
 
@@ -124,7 +124,7 @@ class TrainMicroStep:
     """One packed micro-step: path rows (`MICRO_STEP_TENSORS`, all [rows, T]) or a tree of
     unique segments (`TREE_STEP_TENSORS`)."""
 
-    req_id: int
+    req_id: int = 0  # assigned by the link (WorkerLink.call)
     step: int
 
 
@@ -134,7 +134,7 @@ class OptimizerStep:
     `SetParticipants`), normalise by `num_executions`, clip, and apply one update if `apply`:
     the policy version then advances by one."""
 
-    req_id: int
+    req_id: int = 0  # assigned by the link (WorkerLink.call)
     num_executions: int
     apply: bool = True  # False on satellites: take part in the reduction, leave the update to the core
 
@@ -143,7 +143,7 @@ class OptimizerStep:
 class ExportWeights:
     """Reply `Weights` carries every parameter by its Hugging Face name."""
 
-    req_id: int
+    req_id: int = 0  # assigned by the link (WorkerLink.call)
 
 
 @_msg
@@ -151,7 +151,7 @@ class LoadWeights:
     """Load named tensors (frames) into the rollout engine (if `engine`) and the trainer
     (if `trainer`). With no frames, the engine copies this node's own trainer."""
 
-    req_id: int
+    req_id: int = 0  # assigned by the link (WorkerLink.call)
     version: int
     trainer: bool = False
     engine: bool = True
@@ -163,7 +163,7 @@ class Call:
     `logprobs` (the trainer's log-probs of given rows, for consistency checks). Every
     operation the coordinator relies on has a typed message of its own."""
 
-    req_id: int
+    req_id: int = 0  # assigned by the link (WorkerLink.call)
     method: str
     args: dict[str, Any] = field(default_factory=dict)
 
@@ -172,7 +172,7 @@ class Call:
 class Shutdown:
     """Exit after answering `Done`."""
 
-    req_id: int
+    req_id: int = 0  # assigned by the link (WorkerLink.call)
     reason: str = ""
 
 
@@ -191,7 +191,7 @@ class Reregister:
 class InitReducer:
     """Join the cells' gradient-reduction world (blocks until every cell joined)."""
 
-    req_id: int
+    req_id: int = 0  # assigned by the link (WorkerLink.call)
     rank: int
     world_size: int
     init_method: str  # a torch.distributed rendezvous URL: "tcp://host:port", "file://..."
@@ -201,7 +201,7 @@ class InitReducer:
 class SetParticipants:
     """The next OptimizerStep reduces over the first `participants` cells."""
 
-    req_id: int
+    req_id: int = 0  # assigned by the link (WorkerLink.call)
     participants: int
 
 
@@ -209,19 +209,19 @@ class SetParticipants:
 class SaveCheckpoint:
     """The trainer's state (parameters, optimizer, version) to `path` on the node."""
 
-    req_id: int
+    req_id: int = 0  # assigned by the link (WorkerLink.call)
     path: str
 
 
 @_msg
 class LoadCheckpoint:
-    req_id: int
+    req_id: int = 0  # assigned by the link (WorkerLink.call)
     path: str
 
 
 @_msg
 class Stats:
-    req_id: int
+    req_id: int = 0  # assigned by the link (WorkerLink.call)
 
 
 @_msg
@@ -229,14 +229,14 @@ class OpenRelay:
     """A proxy listener inside process `pid`'s network namespace (a sandbox on this node's
     host) relaying to the coordinator's proxy on `proxy_port`."""
 
-    req_id: int
+    req_id: int = 0  # assigned by the link (WorkerLink.call)
     pid: int  # in this host's pid namespace
     proxy_port: int
 
 
 @_msg
 class CloseRelay:
-    req_id: int
+    req_id: int = 0  # assigned by the link (WorkerLink.call)
     relay: int  # RelayOpened.relay
 
 

@@ -17,7 +17,7 @@ from gyre.workerd.wire.messages import _msg
 class InitTransfer:
     """Start the weight-transfer backend (only "mooncake" for now) listening on `host`."""
 
-    req_id: int
+    req_id: int = 0  # assigned by the link (WorkerLink.call)
     backend: str
     host: str
 
@@ -26,7 +26,7 @@ class InitTransfer:
 class OfferWeights:
     """Make the trainer's parameters at `version` pullable by other nodes (Mooncake)."""
 
-    req_id: int
+    req_id: int = 0  # assigned by the link (WorkerLink.call)
     version: int
 
 
@@ -34,7 +34,7 @@ class OfferWeights:
 class PullWeights:
     """Pull another node's offer into this node's engine and/or trainer."""
 
-    req_id: int
+    req_id: int = 0  # assigned by the link (WorkerLink.call)
     handle: dict[str, Any]  # WeightOffer.handle, opaque to the coordinator
     engine: bool
     trainer: bool
@@ -44,7 +44,7 @@ class PullWeights:
 class InitBroadcast:
     """Join the weight-broadcast group (blocks until every cell joined; the core is rank 0)."""
 
-    req_id: int
+    req_id: int = 0  # assigned by the link (WorkerLink.call)
     master_address: str
     master_port: int
     rank: int
@@ -55,14 +55,14 @@ class InitBroadcast:
 class WeightSpecs:
     """The name, dtype and shape of every trainer parameter, in broadcast order."""
 
-    req_id: int
+    req_id: int = 0  # assigned by the link (WorkerLink.call)
 
 
 @_msg
 class PrepareBroadcast:
     """The core exports (and checks) `version` before any receiver enters the collective."""
 
-    req_id: int
+    req_id: int = 0  # assigned by the link (WorkerLink.call)
     version: int
 
 
@@ -70,7 +70,7 @@ class PrepareBroadcast:
 class BroadcastWeights:
     """The core sends the prepared `version` to every other member."""
 
-    req_id: int
+    req_id: int = 0  # assigned by the link (WorkerLink.call)
     version: int
 
 
@@ -79,7 +79,7 @@ class ReceiveWeights:
     """A member receives the core's broadcast of `version` (tensors as the core's
     `TensorSpecs` lists them) into its engine and/or trainer."""
 
-    req_id: int
+    req_id: int = 0  # assigned by the link (WorkerLink.call)
     version: int
     names: list[str]
     dtypes: list[str]
