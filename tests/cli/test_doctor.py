@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 
 from gyre.cli.doctor import doctor
 from gyre.cli.runchecks import run_directory
+from tests.inproc import SET
 from tests.sandbox.conftest import podman_ready
 
 __all__ = ["podman_ready"]  # a fixture, used by name: builds the base image where the tier runs
@@ -59,8 +60,8 @@ def finished(tmp_path_factory) -> Path:
     """A real finished run: `gyre up --steps 1` on the embedded default (about 30 s)."""
     root = tmp_path_factory.mktemp("doctor")
     run = root / "run"
-    r = subprocess.run([sys.executable, "-m", "gyre.cli", "up", "--steps", "1", "--no-live", "--run-dir", str(run)],
-                       cwd=root, capture_output=True, text=True, timeout=280)
+    r = subprocess.run([sys.executable, "-m", "gyre.cli", "up", "--steps", "1", "--no-live", "--run-dir", str(run),
+                        *SET], cwd=root, capture_output=True, text=True, timeout=280)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     return run
 

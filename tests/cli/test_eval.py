@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 from gyre.cli.eval import eval_cmd
 from gyre.coordinator.heldout import score
+from tests.inproc import SET
 from tests.sandbox.conftest import REPO, podman_ready  # noqa: F401 - the fixture, with its skip reasons
 
 runner = CliRunner()
@@ -111,7 +112,7 @@ def trained_run(tmp_path_factory) -> Path:
     """A `gyre up` run of one step on the tiny model: checkpoints/step-000001, version 1."""
     run = tmp_path_factory.mktemp("up") / "run"
     exe = shutil.which("gyre", path=str(Path(sys.executable).parent)) or "gyre"
-    r = subprocess.run([exe, "up", "--steps", "1", "--no-live", "--run-dir", str(run)], capture_output=True,
+    r = subprocess.run([exe, "up", "--steps", "1", "--no-live", "--run-dir", str(run), *SET], capture_output=True,
                        text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     assert (run / "checkpoints" / "step-000001" / "trainer.pt").exists()

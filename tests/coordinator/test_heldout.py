@@ -71,7 +71,7 @@ def test_a_run_evaluates_the_base_model_and_every_step_and_never_trains_on_it(ti
     harness = json.dumps([sys.executable, str(here / "_harness.py")])
     cfg.write_text(f'steps = 2\ngroups_per_step = 1\ngroup_size = 2\nharness = {harness}\n'
                    f'tasks_path = "{tasks}"\nmodel_dir = "{tiny_dir}"\ndefault_max_tokens = 8\neval_every = 1\n'
-                   f'eval_tasks_path = "{held}"\neval_k = 2\neval_pass_threshold = 0.5\n')
+                   f'eval_tasks_path = "{held}"\neval_k = 2\neval_pass_threshold = 0.5\nworkers = "inproc"\n')
     run = tmp_path / "run"
     r = CliRunner().invoke(app, ["up", str(cfg), "--run-dir", str(run), "--no-live"])
     assert r.exit_code == 0, r.output

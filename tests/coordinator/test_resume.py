@@ -20,14 +20,16 @@ from tests.coordinator.scripted import write_tasks
 HERE = Path(__file__).parent
 
 
-def write_config(tmp_path: Path, tiny_dir: Path, *, steps: int = 4, checkpoint_every: int = 1) -> Path:
+def write_config(tmp_path: Path, tiny_dir: Path, *, steps: int = 4, checkpoint_every: int = 1,
+                 workers: str | None = "inproc") -> Path:
     tasks = write_tasks(tmp_path / "tasks.jsonl", 5)
     harness = json.dumps([sys.executable, str(HERE / "_harness.py")])
     cfg = tmp_path / "run.toml"
     # async with a dispatch lead: executions are running when the coordinator is killed.
     cfg.write_text(f'steps = {steps}\npolicy = "async"\nphi = 1.0\ngroups_per_step = 2\ngroup_size = 3\nmin_valid = 2\n'
                    f'checkpoint_every = {checkpoint_every}\nharness = {harness}\ntasks_path = "{tasks}"\n'
-                   f'model_dir = "{tiny_dir}"\ndefault_max_tokens = 16\n')
+                   f'model_dir = "{tiny_dir}"\ndefault_max_tokens = 16\n'
+                   + (f'workers = "{workers}"\n' if workers else ""))  # a kill -9 takes inproc workers with it
     return cfg
 
 
@@ -140,7 +142,7 @@ def test_workers_started_by_hand_survive_a_coordinator_kill_and_rejoin_the_resum
         port = s.getsockname()[1]
     address = f"tcp://127.0.0.1:{port}"
     run = tmp_path / "run"
-    cfg = write_config(tmp_path, tiny_dir)
+    cfg = write_config(tmp_path, tiny_dir, workers=None)
     cfg.write_text(cfg.read_text() + f'workers = "external"\naddress = "{address}"\ntopology_timeout_s = 120.0\n')
     workers = [subprocess.Popen([sys.executable, "-m", "gyre.cli", "workerd", "--coordinator", address,
                                  "--node-id", f"hand-{i}", "--heartbeat", "0.5"],

@@ -25,7 +25,7 @@ STEPS = 6
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def write_config(folder: Path, tiny_dir: Path, *, checkpoint_every: int) -> Path:
+def write_config(folder: Path, tiny_dir: Path, *, checkpoint_every: int, workers: str = "inproc") -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     tasks = write_tasks(folder / "tasks.jsonl", 5)
     harness = json.dumps([sys.executable, str(HERE / "_harness.py")])
@@ -33,7 +33,7 @@ def write_config(folder: Path, tiny_dir: Path, *, checkpoint_every: int) -> Path
     # The issue's run: elastic, phi = 0, mu = 1 (staleness 0 at every step, uninterrupted).
     cfg.write_text(f'steps = {STEPS}\nphi = 0.0\nmu = 1\ngroups_per_step = 2\ngroup_size = 2\nmin_valid = 2\n'
                    f'checkpoint_every = {checkpoint_every}\nharness = {harness}\ntasks_path = "{tasks}"\n'
-                   f'model_dir = "{tiny_dir}"\ndefault_max_tokens = 8\nseed = 7\n')
+                   f'model_dir = "{tiny_dir}"\ndefault_max_tokens = 8\nseed = 7\nworkers = "{workers}"\n')
     return cfg
 
 
@@ -131,7 +131,7 @@ def test_a_stopped_run_exits_128_plus_the_signal_with_its_checkpoint(tiny_dir, t
     """The shell (and a script, and systemd) can tell a stopped run from a finished one; either
     way the last step is kept."""
     run = tmp_path / "run"
-    proc = start(write_config(tmp_path, tiny_dir, checkpoint_every=5), run)
+    proc = start(write_config(tmp_path, tiny_dir, checkpoint_every=5, workers="local"), run)  # the zmq twin
     out = stop_at(proc, "step 1/", sig)
     assert proc.returncode == code, out
     assert (run / "checkpoints" / "latest").read_text().strip() in ("step-000001", "step-000002")

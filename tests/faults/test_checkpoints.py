@@ -55,7 +55,7 @@ def disk_full_run(tmp_path_factory, tiny_dir) -> Run:
     cfg = root / "run.toml"
     cfg.write_text(f"steps = 3\ncells = 1\ngroups_per_step = 1\ngroup_size = 2\nmin_valid = 2\ncheckpoint_every = 1\n"
                    f'harness = {json.dumps(list(HARNESS))}\ntasks_path = "{tasks}"\nmodel_dir = "{tiny_dir}"\n'
-                   "default_max_tokens = 8\n")
+                   'default_max_tokens = 8\nworkers = "inproc"\n')
     run, saved = root / "run", root / "saved"
     up = [sys.executable, "-m", "gyre.cli", "up", str(cfg), "--run-dir", str(run), "--no-live"]
     if NO_DISK:

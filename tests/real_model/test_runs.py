@@ -33,7 +33,7 @@ def test_serve_runs_the_demo_harness_on_smollm2(smollm2_dir, tmp_path):
 def test_two_steps_of_gyre_up_on_smollm2(smollm2_dir, tmp_path, capsys):
     run = tmp_path / "up"
     sets = ["cells=2", "groups_per_step=1", "group_size=2", "min_valid=1", "default_max_tokens=32",
-            "execution_timeout_s=240", "micro_step_tokens=4096", "policy=colocate"]
+            "execution_timeout_s=240", "micro_step_tokens=4096", "policy=colocate", "workers=inproc"]
     r = subprocess.run([*GYRE, "up", "--model", str(smollm2_dir), "--run-dir", str(run), "--steps", "2", "--no-live",
                         *(x for s in sets for x in ("--set", s))], capture_output=True, text=True, timeout=560)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]

@@ -19,7 +19,7 @@ GYRE = [sys.executable, "-m", "gyre.cli"]
 def test_gyre_up_trains_on_the_examples_in_containers(podman_ready, tmp_path):
     run = tmp_path / "up"
     sets = ["tasks_path=examples/tasks", "sandbox=podman", "cells=2", "groups_per_step=2", "group_size=2",
-            "min_valid=1"]
+            "min_valid=1", "workers=inproc"]
     r = subprocess.run([*GYRE, "up", "--run-dir", str(run), "--steps", "2", "--no-live",
                         *(x for s in sets for x in ("--set", s))], cwd=REPO, capture_output=True, text=True,
                        timeout=380)
@@ -42,7 +42,7 @@ def test_a_run_whose_every_execution_fails_its_sandbox_stops_saying_why(podman_r
 
     folder = harbor_task(tmp_path / "tasks", "broken", dockerfile="FROM localhost/gyre-base:bookworm\nRUN exit 3\n")
     sets = [f"tasks_path={folder}", "sandbox=podman", "cells=2", "groups_per_step=1", "group_size=2",
-            "min_valid=1", "infra_failures_in_row=4"]
+            "min_valid=1", "infra_failures_in_row=4", "workers=inproc"]
     r = subprocess.run([*GYRE, "up", "--run-dir", str(tmp_path / "up"), "--steps", "2", "--no-live",
                         *(x for s in sets for x in ("--set", s))], capture_output=True, text=True, timeout=280)
     assert r.returncode != 0
