@@ -65,9 +65,9 @@ def export(run_dir: ExportRunDirArg, out: ExportOutArg, step: ExportStepOpt = No
 
 def export_run(*, run_dir: Path, out: Path, step: int | None = None, dtype: str | None = None) -> Exported:
     """The command's work: every check before anything is written, then one rename."""
-    from gyre.coordinator.modeldir import load_config
     from gyre.coordinator.rundir import absolute
     from gyre.workerd.export import read_checkpoint
+    from gyre.workerd.modelconfig import load_config
     from gyre.workerd.weightfiles import weights_dtype
 
     if dtype is not None and dtype not in DTYPES:

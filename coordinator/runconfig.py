@@ -144,7 +144,7 @@ def model_defaults(model_dir: Path, *, lr: float | None, default_max_tokens: int
     max_context above the model's own is clamped to it, with a warning."""
     import logging
 
-    from gyre.coordinator.modeldir import gyre_defaults, load_config
+    from gyre.workerd.modelconfig import gyre_defaults, load_config
 
     limit = load_config(model_dir).max_position_embeddings
     own = gyre_defaults(model_dir)

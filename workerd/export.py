@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gyre.coordinator.modeldir import ModelConfig, ModelDirError
+from gyre.workerd.modelconfig import ModelConfig, ModelDirError
 from gyre.workerd.wire import GyreError
 
 if TYPE_CHECKING:  # torch and the model load with the reading, not with the `gyre` command

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 # From their home, not workerd/modeldir.py: that module's init_tiny builds a CausalLM.
-from gyre.coordinator.modeldir import ModelConfig, ModelDirError, load_config
+from gyre.workerd.modelconfig import ModelConfig, ModelDirError, load_config
 from gyre.workerd.weightfiles import iter_weights
 
 

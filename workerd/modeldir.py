@@ -13,10 +13,10 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-# config.json and gyre.json are read where the coordinator resolves a run (coordinator/modeldir.py);
+# config.json and gyre.json are read by modelconfig.py (the coordinator resolves a run with it too);
 # workerd's modules and tests take ModelConfig, ModelDirError and load_config from here too, but
 # model.py, which init_tiny below builds on, takes them from there.
-from gyre.coordinator.modeldir import ModelConfig, ModelDirError, gyre_defaults, load_config, read_json, require
+from gyre.workerd.modelconfig import ModelConfig, ModelDirError, gyre_defaults, load_config, read_json, require
 from gyre.workerd.weightfiles import weight_files
 
 

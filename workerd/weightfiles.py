@@ -5,7 +5,7 @@ every tensor in them (`iter_weights`) and the dtype they are stored in (`weights
 Below both modeldir.py, which checks a directory whole, and model.py, which loads a
 `CausalLM` from one, so neither of those imports the other for it. Standard library at
 import; safetensors only while streaming. Not the name mapping (hf_megatron.py) and not
-the config (coordinator/modeldir.py).
+the config (modelconfig.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import math
 from collections.abc import Iterator
 from pathlib import Path
 
-from gyre.coordinator.modeldir import ModelDirError, require
+from gyre.workerd.modelconfig import ModelDirError, require
 
 
 def weight_files(model_dir: str | Path) -> list[Path]:

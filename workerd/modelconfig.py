@@ -1,9 +1,11 @@
-"""modeldir.py: what a run reads from a Hugging Face model directory before anything starts.
+"""modelconfig.py: what a run reads from a Hugging Face model directory before anything starts.
 
 config.json as `ModelConfig` (its checks: a supported architecture, plain RoPE; its
 max_position_embeddings bounds a run's context) and gyre.json's run defaults. The
 coordinator resolves a run against these and workerd builds its model from the same
-`ModelConfig`. Standard library only; not the weights or the tokenizer (workerd/modeldir.py).
+`ModelConfig`: so it lives here, one of the light workerd modules the coordinator may import
+(standard library only, no torch; tests/test_layering.py). Not the weights or the tokenizer
+(modeldir.py).
 """
 
 from __future__ import annotations
