@@ -90,7 +90,7 @@ keys_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
 @keys_app.command("init")
 def keys_init(directory: KeysDirArg, worker: WorkerNamesOpt = None) -> None:
     """Write a coordinator key pair and worker key pairs (authorised) into DIRECTORY."""
-    from gyre.coordinator.keys import init_keys
+    from gyre.workerd.keys import init_keys
 
     files = _guard(init_keys, root=directory, workers=tuple(worker or ["worker"]))
     for f in files:
@@ -100,7 +100,7 @@ def keys_init(directory: KeysDirArg, worker: WorkerNamesOpt = None) -> None:
 @keys_app.command("add")
 def keys_add(directory: KeysDirArg, name: KeyNameArg) -> None:
     """Add (and authorise) one more worker key pair; restart the coordinator to accept it."""
-    from gyre.coordinator.keys import add_worker
+    from gyre.workerd.keys import add_worker
 
     typer.echo(str(_guard(add_worker, root=directory, name=name)))
 

@@ -223,7 +223,7 @@ class CoordinatorConfig:
         if POLICIES[self.policy].fixed_split and not 1 <= self.async_training_cells < self.cells:
             raise ValueError(f"{self.policy} needs 1 <= async_training_cells < cells ({self.cells}); "
                              f"got {self.async_training_cells}")
-        from gyre.coordinator.keys import on_loopback
+        from gyre.workerd.keys import on_loopback
 
         if self.keys_dir is None and not on_loopback(self.address) and not self.allow_unauthenticated_link:
             raise ValueError(f"address {self.address} is not on loopback and keys_dir is unset: any process that "

@@ -9,7 +9,8 @@ that hold no key: see `_receive`). Not a scheduler: it never decides where work 
 
 The link assigns every request's `req_id`. Its transport is ZeroMQ unless it is given another:
 `gyre.workerd.inproc.InprocWorkers` runs the workers on threads of this process and hands their
-messages to `deliver` (the coordinator only receives it; it imports nothing of workerd's but wire).
+messages to `deliver` (the coordinator only receives it; of workerd it imports the wire and
+the light, torch-free modules tests/test_layering.py lists: here keys.py, the CURVE keys).
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ class WorkerLink:
 
     async def start(self) -> str:
         """Bind (created here, after uvloop is installed); returns the bound address."""
-        from gyre.coordinator.keys import on_loopback
+        from gyre.workerd.keys import on_loopback
 
         if self._transport is not None:
             self.address = await self._transport.start(self)
@@ -127,7 +128,7 @@ class WorkerLink:
         if self._keys_dir is not None:
             from zmq.auth.asyncio import AsyncioAuthenticator
 
-            from gyre.coordinator.keys import server_keys
+            from gyre.workerd.keys import server_keys
 
             public, secret, authorized = server_keys(self._keys_dir)
             self._auth = AsyncioAuthenticator(self._ctx)

@@ -24,7 +24,7 @@ class WorkerConfig:
     welcome_timeout_s: float = 60.0  # registration handshake deadline
     graceful_timeout_s: float = 10.0  # drain on SIGTERM before force exit
     parent_pid: int | None = None  # exit when this process is gone (workers a coordinator spawned)
-    keys_dir: str | None = None  # CURVE key directory (coordinator/keys.py); None: a plain link
+    keys_dir: str | None = None  # CURVE key directory (keys.py); None: a plain link
     key_name: str = "worker"  # this node's key pair in keys_dir
     extra: dict = field(default_factory=dict)
 

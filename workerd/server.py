@@ -64,7 +64,7 @@ class ZmqIO:
     def start(self) -> None:
         config = self.server.config
         if config.keys_dir is not None:  # read here: a bad key file fails start-up, named
-            from gyre.coordinator.keys import client_keys
+            from gyre.workerd.keys import client_keys
 
             self._curve = client_keys(Path(config.keys_dir), config.key_name)
         self._thread.start()

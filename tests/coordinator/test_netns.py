@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from gyre.coordinator.config import CoordinatorConfig
-from gyre.coordinator.keys import init_keys
 from gyre.coordinator.main import Coordinator
+from gyre.workerd.keys import init_keys
 from tests.coordinator.scripted import write_tasks
 
 HERE = Path(__file__).parent

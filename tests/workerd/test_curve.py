@@ -11,10 +11,10 @@ import pytest
 from typer.testing import CliRunner
 
 from gyre.cli.main import app
-from gyre.coordinator.keys import KeyFileError, add_worker, client_keys, init_keys, server_keys
 from gyre.coordinator.link import WorkerLink
 from gyre.coordinator.local import LocalCluster
 from gyre.workerd import wire
+from gyre.workerd.keys import KeyFileError, add_worker, client_keys, init_keys, server_keys
 from tests.workerd.test_workerd_process import PROMPT, collect
 
 

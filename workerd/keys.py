@@ -10,10 +10,11 @@ handshake, so it cannot even register). Secret files are written 0600. Layout:
     DIR/authorized/NAME.key
 
 Copy DIR/coordinator.key and DIR/workers/NAME.key_secret (with NAME.key) to a worker's
-node; keep DIR/coordinator.key_secret on the coordinator only. Here, not in workerd/, because
-the coordinator imports nothing of workerd's but wire; workerd's server.py reads its
-`client_keys` from here. `on_loopback` says which bind addresses need no keys. Not the link:
-link.py and server.py apply these to their sockets.
+node; keep DIR/coordinator.key_secret on the coordinator only. Here in workerd/, beside the
+daemon's server.py that reads its `client_keys`: the coordinator (its link, `gyre keys`) may
+import it, a light module (standard library at import, zmq.auth only to make keys; no
+torch; tests/test_layering.py). `on_loopback` says which bind addresses need no keys. Not
+the link: link.py and server.py apply these to their sockets.
 """
 
 from __future__ import annotations
