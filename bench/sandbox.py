@@ -8,7 +8,7 @@ each one's latency); with those 16 idle, the memory they hold (podman: each cont
 cgroup memory plus its conmon's RSS; bubblewrap: the holder processes' RSS; process:
 nothing runs while idle). The round-trip: an HTTP GET answered by a small aiohttp server
 on the host, timed by a client in the sandbox through gyre's listener in the sandbox's
-network namespace (sandbox/netns.py), against the same client run on the host straight to
+network namespace (workerd/netns.py), against the same client run on the host straight to
 the server; the ratio is the listener's price. Not a test. Run:
     python bench/sandbox.py [--repeat 10] [--concurrent 16] [--requests 200] [--json PATH]
 """
@@ -31,7 +31,7 @@ from aiohttp import web
 
 from gyre.coordinator.sandbox import Limits, SandboxError, SandboxSpec, images, make_backend
 from gyre.coordinator.sandbox.base import LABEL_EXECUTION, LABEL_OWNER, LABEL_PROCESS, LABEL_RUN_DIR, process_label
-from gyre.coordinator.sandbox.netns import ProxyRelay
+from gyre.workerd.netns import ProxyRelay
 
 OWNER = "bench-sandbox"
 CLIENT = r'''

@@ -4,7 +4,7 @@ The sandbox comes from the run's backend (sandbox/): a host folder for `process`
 from the task's image for `podman` / `docker`. The harness runs inside with the proxy's base
 URL and a fresh per-execution key in both OpenAI and Anthropic variable names, plus the
 preset's own variables; in an isolated sandbox the base URL is a listener inside the
-sandbox's own network namespace (sandbox/netns.py), the only thing it can reach. At the
+sandbox's own network namespace (workerd/netns.py), the only thing it can reach. At the
 deadline the harness is stopped inside (SIGTERM to its group, SIGKILL after the grace) and
 the sandbox kept, so a timed-out execution is still scored on its preserved work. Before
 anything is scored every process of the sandbox is killed (a daemon the agent left could
@@ -84,13 +84,13 @@ from gyre.coordinator.sandbox.base import (
     process_label,
 )
 from gyre.coordinator.sandbox.hosts import HostPool, SandboxHost
-from gyre.coordinator.sandbox.netns import ProxyRelay
 from gyre.coordinator.sandbox.pool import Sandboxes, open_sandboxes  # noqa: F401 - the launcher's callers open them
 from gyre.coordinator.sandbox.preflight import task_refusal
 from gyre.coordinator.sandbox.process import ProcessBackend
 from gyre.coordinator.tasks import Task, make_workspace
 from gyre.coordinator.verifier import SOLUTION_DIR, build_verifier
 from gyre.proxy.server import ProxyServer
+from gyre.workerd.netns import ProxyRelay, RelayError
 
 log = logging.getLogger("gyre.coordinator")
 STATE_INSIDE = "/tmp/gyre-state"  # the harness's own state folder inside a container sandbox
@@ -430,7 +430,10 @@ class Launcher:
             raise SandboxError(f"{self.backend.name}: no local network namespace to reach the proxy from")
         target = "127.0.0.1" if url.hostname in (None, "", "0.0.0.0", "::") else url.hostname
         relay = ProxyRelay(target, url.port)
-        port = await relay.start(pid)
+        try:
+            port = await relay.start(pid)
+        except RelayError as e:  # the sandbox layer's failure: the execution ends aborted_infra
+            raise SandboxError(str(e)) from None
         return relay, f"http://127.0.0.1:{port}"
 
     async def _run_harness(self, run: Execution, sandbox: Sandbox, folder: Path, key: str, base: str):

@@ -18,7 +18,7 @@ import itertools
 import threading
 from urllib.parse import urlsplit
 
-from gyre.coordinator.sandbox.netns import MAX_RELAY_CONNECTIONS, SANDBOX_PROXY_PORT, ProxyRelay
+from gyre.workerd.netns import MAX_RELAY_CONNECTIONS, SANDBOX_PROXY_PORT, ProxyRelay
 
 CALL_TIMEOUT_S = 30.0
 

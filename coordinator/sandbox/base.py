@@ -5,7 +5,7 @@ limits, read-only mounts, the labels naming the run and execution). A sandbox ha
 the systems gyre is compared with converge on: `exec` (with its deadline enforced inside the
 sandbox), `upload`, `download` (never following a link, under a size cap), `stop` (remove it),
 `cancel` (kill everything that runs in it, what escaped its exec's process group too, keep its
-files; nothing runs in it again), plus `netns_pid` for the proxy-only network (netns.py binds
+files; nothing runs in it again), plus `netns_pid` for the proxy-only network (workerd/netns.py binds
 the proxy's listener in that process's network namespace), `storage_used` (what the agent
 wrote, for storage_mb) and `run_fresh` (one command in a new sandbox from the same image,
 holding only the files put in: where the verifier runs, away from all the agent changed).

@@ -10,7 +10,7 @@ gyre writes beside them stay root's), a private /tmp (also $HOME), and an enviro
 only what the launcher passes (proxy URL, key, GYRE_*, the preset's) plus PATH, TERM, LANG.
 Every command gets private PID, IPC and UTS namespaces. The network namespace is the sandbox's
 own: a holder process (`bwrap --unshare-net ... sleep infinity`) keeps it alive, each `exec`
-enters it (nsenter) and the proxy's listener is bound in it (netns.py), so the harness
+enters it (nsenter) and the proxy's listener is bound in it (workerd/netns.py), so the harness
 reaches the proxy and nothing else. An exec's PID namespace ends with its command (bwrap's
 init goes, and the kernel kills what it left); `cancel` also sweeps for the sandbox's
 markers, as the process backend does. `stop` returns once every process of the sandbox is

@@ -7,7 +7,7 @@ already holds the task's image. A host is watched while the run lasts: every
 twice in a row is marked down, its executions are ended `aborted_infra` (the launcher
 watches `down`), and no new one goes there until a later ping answers. The proxy-only
 network of a container on the coordinator's own host is made by the coordinator
-(netns.py); on another host by that node's `gyre workerd` (`node`), which binds the
+(workerd/netns.py); on another host by that node's `gyre workerd` (`node`), which binds the
 listener in the container's namespace and relays to the coordinator's proxy. Not the
 backends: docker_api.py talks to each engine.
 """

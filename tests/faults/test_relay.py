@@ -20,8 +20,8 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from gyre.coordinator.sandbox.netns import MAX_RELAY_CONNECTIONS, ProxyRelay
 from gyre.proxy.server import ProxyConfig, ProxyServer
+from gyre.workerd.netns import MAX_RELAY_CONNECTIONS, ProxyRelay
 from gyre.workerd.relays import RelayService
 from tests.scripted import ScriptedEngine
 from tests.support import ThreadEngineBackend

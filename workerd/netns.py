@@ -3,13 +3,16 @@
 A sandbox runs with no network at all. `bind_in_netns` opens a TCP socket in the namespace
 of a process inside it (`setns` on a short-lived thread of this process, which then returns
 to the host's namespace; the socket stays where it was made), and `ProxyRelay` serves it on
-the coordinator's event loop, relaying every connection to the proxy on the host's
+an event loop (the coordinator's, for a sandbox on its host; a node's workerd's, relays.py,
+for one on the node's host), relaying every connection to the proxy on the host's
 loopback. No extra process and nothing inside the image; the harness is told
 `http://127.0.0.1:PORT`, and from inside nothing else answers: no other host port, no other
 address, no DNS. One relay per execution, holding at most MAX_RELAY_CONNECTIONS connections
 in flight, each closed on both sides as soon as the proxy's side ends (issue 36: a sandbox
 holding thousands of connections used to take the coordinator's fds). Linux only, and it
-needs CAP_SYS_ADMIN (root).
+needs CAP_SYS_ADMIN (root). Here in workerd/, beside relays.py: the coordinator may import
+it, a light module (standard library only; tests/test_layering.py). Its failures are
+`RelayError`s; the coordinator's launcher reports them as its sandbox errors.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ import socket
 import threading
 import time
 
-from gyre.coordinator.sandbox.base import SandboxError
+from gyre.workerd.wire import GyreError
 
-log = logging.getLogger("gyre.coordinator")
+log = logging.getLogger("gyre.coordinator")  # where the relays' warnings have always gone, a node's too
 
 CLONE_NEWNET = 0x40000000
 SANDBOX_PROXY_PORT = 47600  # the proxy's port inside every sandbox (each has its own namespace)
@@ -35,6 +38,10 @@ _CONNECT_S = 10.0  # to reach the proxy
 _FLUSH_S = 10.0  # for what a closed side still has buffered
 _REPORT_EVERY_S = 10.0
 _libc = None
+
+
+class RelayError(GyreError):
+    """A relay that cannot be made: no listener in the namespace, a bad connection cap."""
 
 
 def _setns(fd: int) -> None:
@@ -90,7 +97,7 @@ def bind_in_netns(pid: int, host: str = "127.0.0.1", port: int = SANDBOX_PROXY_P
         if "sock" in out:
             out["sock"].close()
         e = out["error"]
-        raise SandboxError(f"cannot listen for the proxy in the network namespace of pid {pid}: "
+        raise RelayError(f"cannot listen for the proxy in the network namespace of pid {pid}: "
                            f"{type(e).__name__}: {e}")
     return out["sock"]
 
@@ -154,7 +161,7 @@ class ProxyRelay:
 
     def __init__(self, target_host: str, target_port: int, max_connections: int = MAX_RELAY_CONNECTIONS):
         if max_connections < 1:
-            raise SandboxError(f"the sandbox relay needs max_connections >= 1, not {max_connections}")
+            raise RelayError(f"the sandbox relay needs max_connections >= 1, not {max_connections}")
         self.target = (target_host, target_port)
         self.max_connections = max_connections
         self.server: asyncio.AbstractServer | None = None
