@@ -19,11 +19,11 @@ import logging
 import os
 import sys
 import time
-from collections import deque
 
 from gyre.coordinator import health, report, resume
-from gyre.coordinator.buffer import Execution, Group, TrajectoryBuffer
+from gyre.coordinator.buffer import TrajectoryBuffer
 from gyre.coordinator.config import CoordinatorConfig
+from gyre.coordinator.executions import Executions, InfraFailures
 from gyre.coordinator.gcpolicy import GcPolicy
 from gyre.coordinator.heldout import HeldOut, rounds_in
 from gyre.coordinator.launcher import Launcher, launch_spec, open_sandboxes
@@ -56,9 +56,6 @@ SWITCH_INTERVAL_S = 0.0005
 TICK_S = 0.1
 
 
-class InfraFailures(GyreError):
-    """Executions keep failing before the agent's work could be assessed: the run stops."""
-
 class Coordinator:
     def __init__(self, config: CoordinatorConfig, *, on_step=None, resume: bool = False, workers=None):
         """`workers`: with `workers = "inproc"`, the workers to run in this process
@@ -80,31 +77,25 @@ class Coordinator:
         self.spec = POLICIES[config.policy]
         self.wl = Waterlevel()
         self.buffer = TrajectoryBuffer(config.min_valid)
-        self.queue: deque[Execution] = deque()
-        self.runs: dict[str, asyncio.Task] = {}
         self.roles = list(self.spec.initial_roles(config.cells, config.async_training_cells))
         self.version = 0  # published policy version
         self.trainer_version = 0
         self.steps_done = 0
         self.steps_in_burst = 0
         self.publications = 0
-        self.groups_dispatched = 0
-        self.replacements = 0  # groups dispatched for dropped ones, beyond the boundary schedule
+        # The run's executions: queue, tasks, statuses, dispatch, closes (executions.py).
+        self.executions = Executions(config, self.wl, self.buffer, self.tasks, self.heldout, lambda: self.version)
         self.step_task: asyncio.Task | None = None
         self.batch: Batch | None = None
         self.side_task: asyncio.Task | None = None  # a publication or a rejoin: weights on the move
         self.switch_tasks: dict[int, asyncio.Task] = {}  # per cell: its role change (the last one)
         self.join_tasks: dict[int, asyncio.Task] = {}  # cells joining the batch in flight
-        self.changed = asyncio.Event()  # a run closed (the streaming packer waits on it)
-        self.infra_streak = 0  # executions in a row that ended aborted_infra
         self.fatal: Exception | None = None  # raised by the next tick: the run cannot go on
-        self.status_counts: dict[str, int] = {}
         self.train_busy_s: dict[int, float] = {}  # per cell: seconds in micro-steps and updates
         self.reports: list[StepReport] = []
         self.on_step = on_step
         self.metrics: Metrics | None = None
         self.should_exit = False  # set by SIGINT/SIGTERM: stop at the next tick, gracefully
-        self.stopping = False  # _shutdown began: what it cancels is the stop's, not an outcome
         self.role_history: list[list[tuple[float, str]]] = [[(0.0, r)] for r in self.roles]  # per cell
         self.role_switches: list[dict] = []
         self.rates = Rates()
@@ -124,7 +115,6 @@ class Coordinator:
         self.sandboxes = None  # the sandbox host pool (launcher.open_sandboxes)
         self.launcher: Launcher | None = None
         self._checkpoint_dir = self._state = self._journal = None  # resume: what resume.latest found
-        self.held: deque[dict] = deque()  # resume: journaled groups to dispatch again later (resume.py)
         self.checkpointed_step: int | None = None  # the step of the newest checkpoint, None before one
         self.stop_signal: int | None = None  # the signal that stopped the run (SIGINT, SIGTERM)
         self.peak_rss: list[int | None] = []  # per cell, read from the workers at shutdown
@@ -152,7 +142,7 @@ class Coordinator:
             t0 = time.monotonic() - self._journal[2]  # times continue from the journal's last
         (c.run_dir / "config.json").write_text(json.dumps(c.to_json(), indent=2))
         trackers = Trackers(c.trackers, c.tracker_options, c.run_dir, c.to_json()) if c.trackers else None
-        self.metrics = Metrics(c.run_dir / "metrics.jsonl", t0=t0, trackers=trackers)
+        self.metrics = self.executions.metrics = Metrics(c.run_dir / "metrics.jsonl", t0=t0, trackers=trackers)
         cluster = LocalCluster(c.model_dir, cells=c.cells, roles=tuple(self.roles), address=c.address,
                                trainer={"lr": c.lr, "temperature": c.rollout_temperature,
                                         "micro_step_tokens": c.micro_step_tokens, **c.trainer_options},
@@ -178,7 +168,7 @@ class Coordinator:
                         await asyncio.sleep(TICK_S)
                     ended = True
                 finally:
-                    await self._shutdown(save=ended or isinstance(self.fatal, InfraFailures))
+                    await self._shutdown(save=ended or isinstance(self.fatal or self.executions.fatal, InfraFailures))
                     report.summary(self)
         finally:
             self.metrics.close()  # also on a failed run: held events written, trackers closed
@@ -230,6 +220,7 @@ class Coordinator:
         self.launcher = Launcher(self.proxy, c.run_dir, launch_spec(c), default_evaluator={"type": "similarity"},
                                  pool=self.sandboxes.pool, owner=self.sandboxes.owner,
                                  remote_relay=self._remote_relay)
+        self.executions.launcher = self.launcher
         for task in [*self.tasks.tasks, *(self.heldout.tasks if self.heldout else ())]:
             self.launcher.check_task(task)  # a task this sandbox cannot run fails the start, named
         # Gradient reduction: every cell joins one gloo world with prebuilt prefix groups.
@@ -247,7 +238,7 @@ class Coordinator:
         if self.resume:
             await resume.restore(self)
         else:
-            self._dispatch(c.initial_groups)
+            self.executions.dispatch(c.initial_groups)
             if self.heldout is not None:  # the base model's score, to compare the trained one's with
                 self.heldout.dispatch(step=0, version=0)
         # Packing and evaluators run in threads; each time the loop wakes while one holds the
@@ -260,18 +251,12 @@ class Coordinator:
     async def _shutdown(self, save: bool) -> None:
         """Stop everything; with `save` (the run ended, or was stopped by a signal or by
         failing sandboxes, its workers fine) the trained steps not yet checkpointed are."""
-        self.stopping = True
         await self.probe.stop()
         await self.gc.stop()
         await self._settle_step()
         if self.side_task is not None and not self.side_task.done():
             self.side_task.cancel()  # a publication: the next start loads the checkpoint's weights everywhere
-        for task in list(self.runs.values()):
-            task.cancel()
-        await asyncio.gather(*self.runs.values(), return_exceptions=True)
-        for run in self.heldout.cancel_queued() if self.heldout else ():  # their rounds end, marked incomplete
-            run.status, run.valid = "cancelled", False
-            self._close(run)
+        await self.executions.cancel_all()
         if save:
             await resume.final_checkpoint(self)
         if self.sandboxes is not None:
@@ -338,15 +323,15 @@ class Coordinator:
     async def tick(self) -> bool:
         """One pass: the scheduler's decisions (schedule.py) for what the coordinator holds
         now, carried out; returns True when the run is finished."""
-        if self.fatal is not None:
-            raise self.fatal
+        if self.fatal is not None or self.executions.fatal is not None:
+            raise self.fatal or self.executions.fatal
         if self.should_exit:
             return True
         # The workers' health first: a task failed by a worker's death (a send to a dead node
         # fails at once) ends the run as that death, journaled and named, not as the bare error.
         self._watch_workers()
         for task in (self.step_task, self.side_task, *self.switch_tasks.values(), *self.join_tasks.values(),
-                     *self.runs.values()):
+                     *self.executions.runs.values()):
             if task is not None and task.done() and not task.cancelled() and task.exception():
                 raise task.exception()  # a failed step, switch, publication or launch ends the run
         routes = self.table.routes.values()
@@ -354,8 +339,8 @@ class Coordinator:
                           prefill_tokens=sum(r.prefilled for r in routes))
         health.start_rejoin(self)
         d = decide(self.schedule_state())
-        self._launch(d.launch)
-        self._launch_eval(d.launch_eval)
+        self.executions.launch(d.launch)
+        self.executions.launch_eval(d.launch_eval)
         if d.publish:
             self.side_task = asyncio.create_task(self._publish(), name="gyre-publish")
         for cell, role in d.switches:
@@ -393,118 +378,6 @@ class Coordinator:
         """The cell holds its role: no switch of it is under way (a batch claims only then)."""
         task = self.switch_tasks.get(cell)
         return task is None or task.done()
-
-    # 1) launch
-    def _launch(self, n: int) -> None:
-        waiting: list[Execution] = []  # their task's image is still building: no slot is taken for that
-        while self.queue and n > 0:
-            run = self.queue.popleft()
-            if self.launcher.image_state(run.task) == "building":
-                waiting.append(run)
-                continue
-            self.wl.launch(run.tracked)
-            self.runs[run.id] = asyncio.create_task(self._execute(run), name=f"gyre-exec-{run.id}")
-            n -= 1
-        self.queue.extendleft(reversed(waiting))
-
-    def _launch_eval(self, n: int) -> None:
-        queue = self.heldout.queue if self.heldout is not None else ()
-        for _ in range(min(n, len(queue))):
-            run = queue.popleft()
-            self.heldout.launched(run)
-            self.runs[run.id] = asyncio.create_task(self._execute(run), name=f"gyre-eval-{run.id}")
-
-    async def _execute(self, run: Execution) -> None:
-        try:
-            await self.launcher.run(run)
-        except asyncio.CancelledError:
-            run.status = run.status or "cancelled"
-            run.reward, run.valid = None, False
-            self._close(run)
-            raise
-        except Exception as e:  # noqa: BLE001 - an infrastructure failure, recorded as such
-            log.exception("execution %s failed", run.id)
-            run.status, run.reward, run.valid, run.ref = "aborted_infra", None, False, f"{type(e).__name__}: {e}"
-        self._close(run)
-
-    def _close(self, run: Execution) -> None:
-        if run.closed:
-            return
-        run.t_end = run.t_end or time.time()
-        if run.group < 0:  # a held-out evaluation: recorded, scored, never trained
-            self._close_eval(run)
-            return
-        self.wl.terminate(run.tracked)
-        self.runs.pop(run.id, None)
-        self.status_counts[run.status] = self.status_counts.get(run.status, 0) + 1
-        if run.status == "aborted_infra":
-            self.infra_streak += 1
-            limit = self.c.infra_failures_in_row
-            if limit and self.infra_streak >= limit and self.fatal is None:
-                self.fatal = InfraFailures(
-                    f"{self.infra_streak} executions in a row ended aborted_infra (infra_failures_in_row = {limit}); "
-                    f"the last: {run.ref[:300]}")
-        elif run.status != "cancelled":
-            self.infra_streak = 0
-        self.metrics.emit("execution", id=run.id, group=run.group, status=run.status, reward=run.reward,
-                          valid=run.valid, version_dispatched=run.version_dispatched,
-                          t_start=self.metrics.since_start(run.t_start), t_end=self.metrics.since_start(run.t_end),
-                          ref=run.ref[:200], eval_attempts=run.eval_attempts, copy_out_error=run.copy_out_error)
-        if self.stopping and run.status == "cancelled":
-            # The stop's, not an outcome: the group neither settles nor is replaced; it stays
-            # pending, and a resume dispatches this execution again.
-            return
-        for surplus in self.buffer.on_closed(run):
-            surplus.status = "cancelled"
-            task = self.runs.get(surplus.id)
-            if task is not None:
-                task.cancel()
-        group = self.buffer.groups[run.group]
-        if group.state == "dropped":
-            log.warning("group %d dropped (%d valid of %d); dispatching a replacement",
-                        group.id, len(group.valid_runs), len(group.runs))
-            self.replacements += 1
-            self._dispatch(1)
-        self.changed.set()
-
-    def _close_eval(self, run: Execution) -> None:
-        self.runs.pop(run.id, None)
-        r = self.heldout.round_of(run)
-        self.metrics.emit("execution", id=run.id, group=None, eval=r.number, task=run.task.id, status=run.status,
-                          reward=run.reward, valid=run.valid, version_dispatched=run.version_dispatched,
-                          t_start=self.metrics.since_start(run.t_start), t_end=self.metrics.since_start(run.t_end),
-                          ref=run.ref[:200])
-        event = self.heldout.close(run)
-        if event is not None:
-            self.metrics.emit("eval", **event)
-            log.info("held-out eval %d (step %d, version %d): pass@%d %s, pass@1 %s over %d tasks",
-                     event["round"], event["step"], event["version"], event["k"], _fmt(event["pass_at_k"]),
-                     _fmt(event["pass_at_1"]), event["scored_tasks"])
-
-    def _dispatch(self, n_groups: int) -> None:
-        c = self.c
-        while n_groups > 0:
-            n_groups -= 1
-            if self.held:  # resume: a group of a lost stretch, dispatched again where it first was
-                group, _, _ = resume.release(self, self.held.popleft())
-                if group.state == "dropped":  # it was when it first ran: its replacement too
-                    self.replacements += 1
-                    n_groups += 1
-                continue
-            task = self.tasks.next_task()
-            gid = self.groups_dispatched
-            self.groups_dispatched += 1
-            group = Group(gid, task, self.version, c.group_size)
-            for i, tracked in enumerate(self.wl.dispatch(c.group_size + c.oversample)):
-                run = Execution(f"g{gid:05d}-{i:02d}", gid, i, task, tracked, self.version)
-                group.runs.append(run)
-                self.queue.append(run)
-            self.buffer.add(group)
-            self._journal_group(group)
-
-    def _journal_group(self, group: Group) -> None:
-        self.metrics.emit("dispatch", group=group.id, task=group.task.id, version=group.version,
-                          runs=[r.id for r in group.runs])
 
     # 2) placement: every switch its own task, cells in parallel
     async def _switch(self, cell: int, new: str) -> None:
@@ -549,7 +422,8 @@ class Coordinator:
 
     # 3) training
     def _new_batch(self, cells: list[int]) -> Batch:
-        return Batch(cells, link=self.link, nodes=self.nodes, buffer=self.buffer, config=self.c, changed=self.changed,
+        return Batch(cells, link=self.link, nodes=self.nodes, buffer=self.buffer, config=self.c,
+                     changed=self.executions.changed,
                      trains=self._trains, step=self.steps_done, train_busy_s=self.train_busy_s)
 
     def _trains(self, cell: int) -> bool:
@@ -592,12 +466,8 @@ class Coordinator:
                           or self.c.weight_transfer,
                           memcpy_seconds=round(memcpy_seconds(nbytes), 5) if nbytes else None)
         if self.steps_done < self.c.steps:
-            self._dispatch(topup(self.c.phi, self.c.mu, self.c.groups_per_step, self.publications))
+            self.executions.dispatch(topup(self.c.phi, self.c.mu, self.c.groups_per_step, self.publications))
         if self.heldout is not None and self.steps_done % self.c.eval_every == 0:
             self.heldout.dispatch(step=self.steps_done, version=version)  # the version just published
         if self.c.checkpoint_every and self.steps_done % self.c.checkpoint_every == 0 and self.steps_done:
             await resume.checkpoint(self)
-
-
-def _fmt(v: float | None) -> str:
-    return "n/a" if v is None else f"{v:.3f}"

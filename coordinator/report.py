@@ -59,7 +59,7 @@ def step(coord, groups, executions, results, version_before, n_cells, seconds, p
                        else round(cached / (prefill + cached), 4),
                        waterlevel=coord.wl.c.waterlevel,
                        counters={"d": coord.wl.c.d, "p": coord.wl.c.p, "f": coord.wl.c.f},
-                       statuses=dict(coord.status_counts))
+                       statuses=dict(coord.executions.status_counts))
     if coord.on_step is not None:
         coord.on_step(rep)
 
@@ -77,9 +77,9 @@ def summary(coord) -> None:
                       "rollout_tokens": route.tokens if route else 0,
                       "peak_rss_mb": None if rss is None else round(rss / 2**20, 1),
                       "idle_frac": round(max(0.0, 1 - (rollout_busy + train_busy) / wall), 4) if wall else None})
-    coord.metrics.emit("summary", steps=coord.steps_done, wall_s=wall, statuses=dict(coord.status_counts),
+    coord.metrics.emit("summary", steps=coord.steps_done, wall_s=wall, statuses=dict(coord.executions.status_counts),
                        pending_groups=sorted([*(g.id for g in coord.buffer.groups.values() if g.state != "consumed"),
-                                             *(ev["group"] for ev in coord.held)]),
+                                             *(ev["group"] for ev in coord.executions.held)]),
                        dropped_groups=sorted(g.id for g in coord.buffer.groups.values() if g.state == "dropped"),
                        dead_cells=sorted(coord.dead), rejoined_cells=sorted(coord.no_reducer),
                        counters={"d": coord.wl.c.d, "p": coord.wl.c.p, "f": coord.wl.c.f},

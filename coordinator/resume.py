@@ -43,9 +43,7 @@ from typing import Any
 
 import orjson
 
-from gyre.coordinator.buffer import Execution, Group
-from gyre.coordinator.evaluator import valid_reward
-from gyre.proxy.records import JournalError, RecordsError, load_execution
+from gyre.proxy.records import JournalError
 from gyre.workerd import wire
 from gyre.workerd.checkpointio import named
 from gyre.workerd.wire import GyreError
@@ -313,11 +311,11 @@ def _discard(folder: Path) -> None:
 def _write_state(coord, folder: Path) -> None:
     write_state(coord.c.run_dir, coord.steps_done, {
         "step": coord.steps_done, "version": coord.version, "publications": coord.publications,
-        "steps_in_burst": coord.steps_in_burst, "groups_dispatched": coord.groups_dispatched,
-        "replacements": coord.replacements,
+        "steps_in_burst": coord.steps_in_burst, "groups_dispatched": coord.executions.groups_dispatched,
+        "replacements": coord.executions.replacements,
         "consumed": sorted(g.id for g in coord.buffer.groups.values() if g.state == "consumed"),
         # Groups of a lost stretch not dispatched again yet (see restore): still held.
-        "held": [ev["group"] for ev in coord.held],
+        "held": [ev["group"] for ev in coord.executions.held],
         "tasks": task_order_state(coord.tasks), "tokens_trained": coord.tokens_trained})
 
 
@@ -382,10 +380,6 @@ async def restore(coord) -> None:
         # weights into every engine below is that publication (its dispatch follows).
         coord.publications += 1
         coord.steps_in_burst = 0
-    coord.status_counts = {}
-    for out in outcomes.values():  # every closed execution of the run, before and after the checkpoint
-        if out.get("eval") is None:  # held-out evaluations are not the run's executions
-            coord.status_counts[out["status"]] = coord.status_counts.get(out["status"], 0) + 1
     coord.tokens_trained = st.get("tokens_trained", 0)
     coord.weights.forget(coord.version)
     if folder is not None:
@@ -393,116 +387,29 @@ async def restore(coord) -> None:
         await coord.weights.push(list(range(1, len(coord.nodes))), engine=True, version=coord.version)
     if st["tasks"] is not None:  # else the task source is at its start, as the run was
         restore_task_order(coord.tasks, st["tasks"])
-    tasks = {t.id: t for t in coord.tasks.tasks}
+    ex = coord.executions
+    restored, redone = ex.restore(st, dispatches, outcomes)
     consumed, held = set(st["consumed"]), set(st.get("held", ()))
-    restored = redone = 0
-    for gid in sorted(dispatches):
-        ev = dispatches[gid]
-        if ev["task"] not in tasks:
-            raise ResumeError(f"group {gid}: task {ev['task']!r} is no longer in the task set")
-        if gid >= st["groups_dispatched"]:
-            coord.tasks.next_task()  # dispatched after the checkpoint: keep the task order aligned
-        if gid >= st["groups_dispatched"] or gid in held:
-            coord.held.append(ev)
-            continue
-        # A group dispatched after the checkpoint carries a version the restored model
-        # does not have yet: clamp it, so staleness never reads negative.
-        group = Group(gid, tasks[ev["task"]], min(ev["version"], coord.version), coord.c.group_size)
-        if gid in consumed:
-            coord.buffer.add(group)
-            group.state = "consumed"
-            continue
-        k, r = _rebuild(coord, group, ev, outcomes)
-        restored, redone = restored + k, redone + r
-    # New groups take ids after every id the journal holds; the held ones keep theirs.
-    coord.groups_dispatched = max([st["groups_dispatched"], *(g + 1 for g in dispatches)])
     # Up to what the run had dispatched by this publication, held groups first: a run with
     # no checkpoint yet (its initial fill), one stopped before its burst's publication, or
     # one checkpointed at its last step and extended with `--steps` dispatches its next
     # groups now, or it would wait for groups forever.
-    coord.replacements = st.get("replacements", 0)
-    scheduled = st["groups_dispatched"] - len(held) - coord.replacements  # boundary dispatches so far
+    scheduled = st["groups_dispatched"] - len(held) - ex.replacements  # boundary dispatches so far
     short = coord.c.dispatch_target(coord.publications) - scheduled if coord.steps_done < coord.c.steps else 0
-    while short > 0 and coord.held:
-        group, k, r = release(coord, coord.held.popleft())
+    while short > 0 and ex.held:
+        group, k, r = ex.release(ex.held.popleft())
         restored, redone = restored + k, redone + r
         if group.state == "dropped":  # as when it first ran: its replacement follows
-            coord.replacements += 1
+            ex.replacements += 1
         else:
             short -= 1
     coord.metrics.emit("resume", step=coord.steps_done, version=coord.version,
                        checkpoint=str(folder) if folder is not None else None,
                        executions_restored=restored, executions_redispatched=redone,
-                       groups=len(dispatches) - len(consumed & set(dispatches)), groups_held=len(coord.held))
+                       groups=len(dispatches) - len(consumed & set(dispatches)), groups_held=len(ex.held))
     log.info("resumed at step %d (version %d, %s): %d closed executions restored, %d dispatched again%s",
              coord.steps_done, coord.version,
              folder.name if folder is not None else "no checkpoint yet: from the start",
-             restored, redone, f", {len(coord.held)} groups held for later publications" if coord.held else "")
+             restored, redone, f", {len(ex.held)} groups held for later publications" if ex.held else "")
     if short > 0:
-        coord._dispatch(short)
-
-
-def release(coord, ev: dict) -> tuple[Group, int, int]:
-    """A held group (see restore) dispatched again now, at the version published now: its
-    closed executions restored, the others run under new ids. (group, restored, queued);
-    a group that settles dropped at once was dropped when it first ran, and the caller
-    releases its replacement too."""
-    tasks = {t.id: t for t in coord.tasks.tasks}
-    group = Group(ev["group"], tasks[ev["task"]], coord.version, coord.c.group_size)
-    restored, queued = _rebuild(coord, group, ev, coord._journal[1])
-    if not any(r.id not in ev["runs"] for r in group.runs):
-        coord._journal_group(group)  # its version now, for a later resume
-    return group, restored, queued
-
-
-def _rebuild(coord, group: Group, ev: dict, outcomes: dict[str, dict]) -> tuple[int, int]:
-    """A journaled group back in the buffer: closed executions with their recorded trees,
-    the rest queued again under new ids (surplus ones cancelled). (restored, queued)."""
-    coord.buffer.add(group)
-    closed: list[Execution] = []
-    restored = redone = 0
-    for i, run_id in enumerate(ev["runs"]):  # every run first: the group settles on all of them
-        out = outcomes.get(run_id)
-        tracked = coord.wl.dispatch(1)[0]
-        recorder = None
-        folder_ex = coord.c.run_dir / "executions" / run_id
-        if out is not None and out["status"] != "cancelled" and folder_ex.is_dir():
-            try:
-                recorder = load_execution(folder_ex)
-            except RecordsError as e:  # its tree is damaged: it cannot train; run it again instead
-                log.warning("execution %s: its records cannot be read (%s); dispatching it again", run_id, e)
-                out = None
-        if out is not None and out["status"] != "cancelled":
-            status, reward, valid, ref = out["status"], out["reward"], out["valid"], out.get("ref", "")
-            why = valid_reward(reward, tuple(coord.c.reward_range)) if valid else None
-            if why is not None:  # journaled before rewards were checked: never trained, never a crash
-                status, reward, valid, ref = "evaluator_error", None, False, f"invalid reward: {why}"
-            run = Execution(run_id, group.id, i, group.task, tracked, group.version, status=status,
-                            reward=reward, valid=valid, ref=ref)
-            run.recorder = recorder
-            coord.wl.launch(tracked)
-            coord.wl.terminate(tracked)
-            closed.append(run)
-            restored += 1
-        else:
-            run = Execution(redo_id(coord.c.run_dir, run_id), group.id, i, group.task, tracked, group.version)
-        group.runs.append(run)
-    surplus: set[str] = set()
-    for run in closed:
-        for extra in coord.buffer.on_closed(run):  # enough valid outcomes: the rest is surplus
-            surplus.add(extra.id)
-    for run in group.runs:
-        if run.closed:
-            continue
-        if run.id in surplus or group.state != "open":
-            run.status, run.valid = "cancelled", False
-            coord.wl.launch(run.tracked)
-            coord.wl.terminate(run.tracked)
-        else:
-            coord.queue.append(run)
-            redone += 1
-    if surplus and group.state == "open":
-        coord.buffer.on_closed(closed[-1])  # all closed now: settle (ready)
-    if any(r.id not in ev["runs"] for r in group.runs):
-        coord._journal_group(group)  # the new ids, for a later resume
-    return restored, redone
+        ex.dispatch(short)

@@ -109,7 +109,7 @@ def snapshot(coord) -> dict:
         if coord.probe.samples else None,
         # The cycle collector: freezes so far, collections and the longest pause per generation.
         "gc": coord.gc.status(),
-        "statuses": dict(coord.status_counts),
+        "statuses": dict(coord.executions.status_counts),
         "cells": cells,
         # Which engine serves which execution: decisions so far, the load bound, every home.
         "routing": coord.table.status() if coord.table else None,

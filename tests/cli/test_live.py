@@ -192,7 +192,7 @@ class Coordinator:
         self.batch = self.step_task = self.link = self.proxy = self.launcher = None
         self.roles, self.nodes = ["rollout", "rollout"], ["a", "b"]
         self.role_history = [[(0.0, "rollout")], [(0.0, "rollout")]]
-        self.reports, self.role_switches, self.status_counts = [], [], {}
+        self.reports, self.role_switches, self.executions = [], [], NS(status_counts={})
         self.should_exit, self.steps_done, self.version, self.trainer_version = False, 0, 0, 0
         self.steps_in_burst = self.publications = 0
         self.buffer, self.probe, self.gc = NS(ready_count=0), NS(samples=[]), NS(status=lambda: {})

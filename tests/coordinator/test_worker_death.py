@@ -148,7 +148,7 @@ async def test_external_workers_started_by_hand(tiny_dir, tmp_path):
 def test_external_workers_need_a_fixed_address(tiny_dir, tmp_path):
     with pytest.raises(ValueError, match="needs a fixed address"):
         config(tiny_dir, tmp_path, workers="external")
-    with pytest.raises(ValueError, match="workers must be one of local, external"):
+    with pytest.raises(ValueError, match="workers must be one of local, inproc, external"):
         config(tiny_dir, tmp_path, workers="remote")
 
 

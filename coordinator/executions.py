@@ -1,0 +1,290 @@
+"""executions.py: `Executions`, the owner of a run's executions.
+
+It holds the dispatch queue, each running execution's task, the count of closed ones by
+status, the run of infrastructure failures in a row, the groups dispatched and replaced so
+far, and the groups a resume holds back for later publications. It dispatches groups
+(journaled in metrics.jsonl as `dispatch` events), launches queued executions when the
+scheduler gives it slots, closes each one exactly once (its `execution` event, its group
+settled in the buffer, a replacement for a dropped group), and restores itself from the
+journal on a resume. Not the scheduler (schedule.py says how many to launch), not the
+sandbox (launcher.py runs one) and not the buffer's rules (buffer.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from gyre.coordinator.buffer import Execution, Group, TrajectoryBuffer
+from gyre.coordinator.config import CoordinatorConfig
+from gyre.coordinator.evaluator import valid_reward
+from gyre.coordinator.heldout import HeldOut
+from gyre.coordinator.resume import ResumeError, redo_id
+from gyre.coordinator.tasks import TaskSource
+from gyre.coordinator.waterlevel import Waterlevel
+from gyre.proxy.records import RecordsError, load_execution
+from gyre.workerd.wire import GyreError
+
+log = logging.getLogger("gyre.coordinator")
+
+
+class InfraFailures(GyreError):
+    """Executions keep failing before the agent's work could be assessed: the run stops."""
+
+
+class Executions:
+    def __init__(self, config: CoordinatorConfig, wl: Waterlevel, buffer: TrajectoryBuffer, tasks: TaskSource,
+                 heldout: HeldOut | None, version: Callable[[], int]):
+        self.c = config
+        self.wl, self.buffer, self.tasks, self.heldout = wl, buffer, tasks, heldout
+        self.version = version  # the published policy version, read at each dispatch
+        self.queue: deque[Execution] = deque()
+        self.runs: dict[str, asyncio.Task] = {}  # running: id -> its task
+        self.status_counts: dict[str, int] = {}
+        self.infra_streak = 0  # executions in a row that ended aborted_infra
+        self.fatal: InfraFailures | None = None  # too many of them: the next tick ends the run
+        self.groups_dispatched = 0
+        self.replacements = 0  # groups dispatched for dropped ones, beyond the boundary schedule
+        self.held: deque[dict] = deque()  # resume: journaled groups to dispatch again later
+        self.outcomes: dict[str, dict] = {}  # resume: the journal's closed executions, by id
+        self.changed = asyncio.Event()  # an execution closed (the streaming packer waits on it)
+        self.stopping = False  # the run's stop began: a cancelled execution is not an outcome
+        self.launcher: Any = None  # set at start-up (launcher.Launcher)
+        self.metrics: Any = None  # set when the run starts (metrics.Metrics)
+
+    # --- dispatch and launch ------------------------------------------------------------
+
+    def dispatch(self, n_groups: int) -> None:
+        c = self.c
+        while n_groups > 0:
+            n_groups -= 1
+            if self.held:  # resume: a group of a lost stretch, dispatched again where it first was
+                group, _, _ = self.release(self.held.popleft())
+                if group.state == "dropped":  # it was when it first ran: its replacement too
+                    self.replacements += 1
+                    n_groups += 1
+                continue
+            task = self.tasks.next_task()
+            gid = self.groups_dispatched
+            self.groups_dispatched += 1
+            group = Group(gid, task, self.version(), c.group_size)
+            for i, tracked in enumerate(self.wl.dispatch(c.group_size + c.oversample)):
+                run = Execution(f"g{gid:05d}-{i:02d}", gid, i, task, tracked, group.version)
+                group.runs.append(run)
+                self.queue.append(run)
+            self.buffer.add(group)
+            self.journal(group)
+
+    def journal(self, group: Group) -> None:
+        self.metrics.emit("dispatch", group=group.id, task=group.task.id, version=group.version,
+                          runs=[r.id for r in group.runs])
+
+    def launch(self, n: int) -> None:
+        waiting: list[Execution] = []  # their task's image is still building: no slot is taken for that
+        while self.queue and n > 0:
+            run = self.queue.popleft()
+            if self.launcher.image_state(run.task) == "building":
+                waiting.append(run)
+                continue
+            self.wl.launch(run.tracked)
+            self.runs[run.id] = asyncio.create_task(self._execute(run), name=f"gyre-exec-{run.id}")
+            n -= 1
+        self.queue.extendleft(reversed(waiting))
+
+    def launch_eval(self, n: int) -> None:
+        queue = self.heldout.queue if self.heldout is not None else ()
+        for _ in range(min(n, len(queue))):
+            run = queue.popleft()
+            self.heldout.launched(run)
+            self.runs[run.id] = asyncio.create_task(self._execute(run), name=f"gyre-eval-{run.id}")
+
+    async def _execute(self, run: Execution) -> None:
+        try:
+            await self.launcher.run(run)
+        except asyncio.CancelledError:
+            run.status = run.status or "cancelled"
+            run.reward, run.valid = None, False
+            self.close(run)
+            raise
+        except Exception as e:  # noqa: BLE001 - an infrastructure failure, recorded as such
+            log.exception("execution %s failed", run.id)
+            run.status, run.reward, run.valid, run.ref = "aborted_infra", None, False, f"{type(e).__name__}: {e}"
+        self.close(run)
+
+    async def cancel_all(self) -> None:
+        """The stop: every running execution cancelled (closed as such), the queued held-out
+        ones closed too (their rounds end, marked incomplete)."""
+        self.stopping = True
+        for task in list(self.runs.values()):
+            task.cancel()
+        await asyncio.gather(*self.runs.values(), return_exceptions=True)
+        for run in self.heldout.cancel_queued() if self.heldout else ():
+            run.status, run.valid = "cancelled", False
+            self.close(run)
+
+    # --- closing ------------------------------------------------------------------------
+
+    def close(self, run: Execution) -> None:
+        if run.closed:
+            return
+        run.t_end = run.t_end or time.time()
+        if run.group < 0:  # a held-out evaluation: recorded, scored, never trained
+            self._close_eval(run)
+            return
+        self.wl.terminate(run.tracked)
+        self.runs.pop(run.id, None)
+        self.status_counts[run.status] = self.status_counts.get(run.status, 0) + 1
+        if run.status == "aborted_infra":
+            self.infra_streak += 1
+            limit = self.c.infra_failures_in_row
+            if limit and self.infra_streak >= limit and self.fatal is None:
+                self.fatal = InfraFailures(
+                    f"{self.infra_streak} executions in a row ended aborted_infra (infra_failures_in_row = {limit}); "
+                    f"the last: {run.ref[:300]}")
+        elif run.status != "cancelled":
+            self.infra_streak = 0
+        self.metrics.emit("execution", id=run.id, group=run.group, status=run.status, reward=run.reward,
+                          valid=run.valid, version_dispatched=run.version_dispatched,
+                          t_start=self.metrics.since_start(run.t_start), t_end=self.metrics.since_start(run.t_end),
+                          ref=run.ref[:200], eval_attempts=run.eval_attempts, copy_out_error=run.copy_out_error)
+        if self.stopping and run.status == "cancelled":
+            # The stop's, not an outcome: the group neither settles nor is replaced; it stays
+            # pending, and a resume dispatches this execution again.
+            return
+        for surplus in self.buffer.on_closed(run):
+            surplus.status = "cancelled"
+            task = self.runs.get(surplus.id)
+            if task is not None:
+                task.cancel()
+        group = self.buffer.groups[run.group]
+        if group.state == "dropped":
+            log.warning("group %d dropped (%d valid of %d); dispatching a replacement",
+                        group.id, len(group.valid_runs), len(group.runs))
+            self.replacements += 1
+            self.dispatch(1)
+        self.changed.set()
+
+    def _close_eval(self, run: Execution) -> None:
+        self.runs.pop(run.id, None)
+        r = self.heldout.round_of(run)
+        self.metrics.emit("execution", id=run.id, group=None, eval=r.number, task=run.task.id, status=run.status,
+                          reward=run.reward, valid=run.valid, version_dispatched=run.version_dispatched,
+                          t_start=self.metrics.since_start(run.t_start), t_end=self.metrics.since_start(run.t_end),
+                          ref=run.ref[:200])
+        event = self.heldout.close(run)
+        if event is not None:
+            self.metrics.emit("eval", **event)
+            log.info("held-out eval %d (step %d, version %d): pass@%d %s, pass@1 %s over %d tasks",
+                     event["round"], event["step"], event["version"], event["k"], _fmt(event["pass_at_k"]),
+                     _fmt(event["pass_at_1"]), event["scored_tasks"])
+
+    # --- resume -------------------------------------------------------------------------
+
+    def restore(self, state: dict, dispatches: dict[int, dict], outcomes: dict[str, dict]) -> tuple[int, int]:
+        """The journal's groups back (resume.restore has loaded the checkpoint: `version()` is
+        its version). Groups consumed by a checkpointed step stay consumed; groups dispatched
+        after the checkpoint, or held at it, are held for the publications that first
+        dispatched them; every other group's closed executions come back with their records,
+        the rest queued again under new ids. (restored, queued)."""
+        self.outcomes = outcomes
+        self.status_counts = {}
+        for out in outcomes.values():  # every closed execution of the run, before and after the checkpoint
+            if out.get("eval") is None:  # held-out evaluations are not the run's executions
+                self.status_counts[out["status"]] = self.status_counts.get(out["status"], 0) + 1
+        tasks = {t.id: t for t in self.tasks.tasks}
+        consumed, held = set(state["consumed"]), set(state.get("held", ()))
+        restored = redone = 0
+        for gid in sorted(dispatches):
+            ev = dispatches[gid]
+            if ev["task"] not in tasks:
+                raise ResumeError(f"group {gid}: task {ev['task']!r} is no longer in the task set")
+            if gid >= state["groups_dispatched"]:
+                self.tasks.next_task()  # dispatched after the checkpoint: keep the task order aligned
+            if gid >= state["groups_dispatched"] or gid in held:
+                self.held.append(ev)
+                continue
+            # A group dispatched after the checkpoint carries a version the restored model
+            # does not have yet: clamp it, so staleness never reads negative.
+            group = Group(gid, tasks[ev["task"]], min(ev["version"], self.version()), self.c.group_size)
+            if gid in consumed:
+                self.buffer.add(group)
+                group.state = "consumed"
+                continue
+            k, r = self._rebuild(group, ev)
+            restored, redone = restored + k, redone + r
+        # New groups take ids after every id the journal holds; the held ones keep theirs.
+        self.groups_dispatched = max([state["groups_dispatched"], *(g + 1 for g in dispatches)])
+        self.replacements = state.get("replacements", 0)
+        return restored, redone
+
+    def release(self, ev: dict) -> tuple[Group, int, int]:
+        """A held group (see restore) dispatched again now, at the version published now: its
+        closed executions restored, the others run under new ids. (group, restored, queued);
+        a group that settles dropped at once was dropped when it first ran, and the caller
+        releases its replacement too."""
+        tasks = {t.id: t for t in self.tasks.tasks}
+        group = Group(ev["group"], tasks[ev["task"]], self.version(), self.c.group_size)
+        restored, queued = self._rebuild(group, ev)
+        if not any(r.id not in ev["runs"] for r in group.runs):
+            self.journal(group)  # its version now, for a later resume
+        return group, restored, queued
+
+    def _rebuild(self, group: Group, ev: dict) -> tuple[int, int]:
+        """A journaled group back in the buffer: closed executions with their recorded trees,
+        the rest queued again under new ids (surplus ones cancelled). (restored, queued)."""
+        self.buffer.add(group)
+        closed: list[Execution] = []
+        restored = redone = 0
+        for i, run_id in enumerate(ev["runs"]):  # every run first: the group settles on all of them
+            out = self.outcomes.get(run_id)
+            tracked = self.wl.dispatch(1)[0]
+            recorder = None
+            folder_ex = self.c.run_dir / "executions" / run_id
+            if out is not None and out["status"] != "cancelled" and folder_ex.is_dir():
+                try:
+                    recorder = load_execution(folder_ex)
+                except RecordsError as e:  # its tree is damaged: it cannot train; run it again instead
+                    log.warning("execution %s: its records cannot be read (%s); dispatching it again", run_id, e)
+                    out = None
+            if out is not None and out["status"] != "cancelled":
+                status, reward, valid, ref = out["status"], out["reward"], out["valid"], out.get("ref", "")
+                why = valid_reward(reward, tuple(self.c.reward_range)) if valid else None
+                if why is not None:  # journaled before rewards were checked: never trained, never a crash
+                    status, reward, valid, ref = "evaluator_error", None, False, f"invalid reward: {why}"
+                run = Execution(run_id, group.id, i, group.task, tracked, group.version, status=status,
+                                reward=reward, valid=valid, ref=ref)
+                run.recorder = recorder
+                self.wl.launch(tracked)
+                self.wl.terminate(tracked)
+                closed.append(run)
+                restored += 1
+            else:
+                run = Execution(redo_id(self.c.run_dir, run_id), group.id, i, group.task, tracked, group.version)
+            group.runs.append(run)
+        surplus: set[str] = set()
+        for run in closed:
+            for extra in self.buffer.on_closed(run):  # enough valid outcomes: the rest is surplus
+                surplus.add(extra.id)
+        for run in group.runs:
+            if run.closed:
+                continue
+            if run.id in surplus or group.state != "open":
+                run.status, run.valid = "cancelled", False
+                self.wl.launch(run.tracked)
+                self.wl.terminate(run.tracked)
+            else:
+                self.queue.append(run)
+                redone += 1
+        if surplus and group.state == "open":
+            self.buffer.on_closed(closed[-1])  # all closed now: settle (ready)
+        if any(r.id not in ev["runs"] for r in group.runs):
+            self.journal(group)  # the new ids, for a later resume
+        return restored, redone
+
+
+def _fmt(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.3f}"
