@@ -45,7 +45,7 @@ from gyre.workerd.modeldir import init_tiny
 from gyre.workerd.tensors import from_frames
 from gyre.workerd.trainers.base import MicroBatch
 from gyre.workerd.trainers.cpu import CpuTrainer
-from gyre.workerd.trainers.tree import from_wire
+from gyre.workerd.trainers.treebatch import from_wire
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "tests" / "fixtures" / "claude_code_compaction"

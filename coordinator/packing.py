@@ -7,7 +7,7 @@ Per execution: the proxy's admission (J_max, role priority, each target once). T
   shared prefix is sent, and computed, once. On the wire: the ids of the unique tokens, per
   segment its length, parent, execution and whether it is a target, the behaviour log-probs
   of the targets only, and per execution its advantage and loss weight 1/L_i; the worker
-  rebuilds positions, ancestry and per-token fields (trainers/tree.py `TreeBatch.from_wire`).
+  rebuilds positions, ancestry and per-token fields (trainers/treebatch.py `from_wire`).
   Executions are packed whole into micro-steps under the per-rank token budget (unique
   tokens); one larger than the budget is split by trajectories, each part keeping the
   execution's 1/L_i.

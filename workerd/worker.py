@@ -269,7 +269,7 @@ class Worker:
         trainer = self._need_trainer(training=True)
         named = from_frames(tensors)
         if wire.TREE_INPUT_IDS in named:  # the tree form: each unique token once
-            from gyre.workerd.trainers.tree import from_wire
+            from gyre.workerd.trainers.treebatch import from_wire
 
             batch = from_wire(named)
         else:

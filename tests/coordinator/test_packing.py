@@ -24,7 +24,7 @@ from gyre.workerd.model import load_model
 from gyre.workerd.tensors import from_frames
 from gyre.workerd.trainers.base import MicroBatch
 from gyre.workerd.trainers.cpu import CpuTrainer
-from gyre.workerd.trainers.tree import from_wire
+from gyre.workerd.trainers.treebatch import from_wire
 from tests.workerd.test_tree_training import GRAD_ATOL, GRAD_RTOL, LOSS_ATOL
 
 

@@ -7,7 +7,7 @@ import torch
 
 from gyre.workerd.modeldir import load_config
 from gyre.workerd.trainers.tp import TensorParallelTrainer
-from gyre.workerd.trainers.tree import TreeBatch
+from gyre.workerd.trainers.treebatch import TreeBatch
 
 model_dir, batch_path, out = sys.argv[1:4]
 if __name__ == "__main__":

@@ -421,7 +421,7 @@ def agent_tree_batch():
 
     from gyre.proxy.admission import admit
     from gyre.proxy.tree import Tree
-    from gyre.workerd.trainers.tree import tree_batch
+    from tests.workerd.treebuild import tree_batch
 
     rng = random.Random(3)
     tree = Tree(vocab_size=272)

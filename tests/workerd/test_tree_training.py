@@ -1,4 +1,4 @@
-"""Tree-form micro-steps (trainers/tree.py, CausalLM.tree_hidden) against the path-expanded
+"""Tree-form micro-steps (trainers/treebatch.py, CausalLM.tree_hidden) against the path-expanded
 rows of the same admitted trajectories, on the tiny model and real proxy trees: the same
 per-token log-probs, loss and gradients, each shared token forwarded once."""
 
@@ -19,13 +19,8 @@ from gyre.workerd.loss import chunked_logprobs, tree_logprobs
 from gyre.workerd.model import load_model
 from gyre.workerd.trainers.base import MicroBatch
 from gyre.workerd.trainers.cpu import CpuTrainer
-from gyre.workerd.trainers.tree import (
-    TREE_STEP_TENSORS,
-    TreeBatch,
-    concat_tree_batches,
-    from_segments,
-    tree_batch,
-)
+from gyre.workerd.trainers.treebatch import TREE_STEP_TENSORS, TreeBatch
+from tests.workerd.treebuild import concat_tree_batches, from_segments, tree_batch
 
 LOGP_ATOL = 1e-5
 LOSS_ATOL = 1e-5

@@ -2,7 +2,7 @@
 
 A micro-step is a set of right-padded token rows with per-token arrays aligned to the
 input positions: `target_mask[r, t]` says token `input_ids[r, t]` is a trained target
-(predicted from position t-1). A trainer may also take the tree form of trainers/tree.py
+(predicted from position t-1). A trainer may also take the tree form of trainers/treebatch.py
 (`TreeBatch`: each shared token once, flat [N] arrays). Not a packer: the coordinator
 builds micro-steps.
 """
@@ -20,7 +20,7 @@ import torch
 from gyre.workerd import wire
 
 if TYPE_CHECKING:
-    from gyre.workerd.trainers.tree import TreeBatch
+    from gyre.workerd.trainers.treebatch import TreeBatch
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,7 +1,7 @@
 """trainers/cpu.py: the embedded trainer, plain torch on CPU over the shared `CausalLM`.
 
 Accumulates the GSPO loss's gradients over micro-steps (padded rows, or a tree of shared
-segments: trainers/tree.py), reduces them over a gloo prefix group when cells train
+segments: trainers/treebatch.py), reduces them over a gloo prefix group when cells train
 together, and applies one AdamW update per step with DESIGN.md's settings. Not the packer
 and not the reducer's owner: both are handed in.
 """
@@ -25,7 +25,7 @@ from gyre.workerd.trainers.base import (
     step_or_drop,
     sum_and_normalise,
 )
-from gyre.workerd.trainers.tree import TreeBatch
+from gyre.workerd.trainers.treebatch import TreeBatch
 
 
 class CpuTrainer(Trainer):

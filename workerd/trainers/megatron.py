@@ -71,7 +71,7 @@ from gyre.workerd.trainers.megatron_model import (
 )
 from gyre.workerd.trainers.megatron_tree import tree_logprobs
 from gyre.workerd.trainers.pipeline import GPipe
-from gyre.workerd.trainers.tree import TreeBatch
+from gyre.workerd.trainers.treebatch import TreeBatch
 from gyre.workerd.weightfiles import iter_weights
 
 

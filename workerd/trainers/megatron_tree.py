@@ -1,4 +1,4 @@
-"""trainers/megatron_tree.py: a tree micro-step (trainers/tree.py `TreeBatch`) through a
+"""trainers/megatron_tree.py: a tree micro-step (trainers/treebatch.py `TreeBatch`) through a
 megatron-core GPTModel, each shared token computed once.
 
 GPTModel's forward cannot take a tree: with `position_embedding_type="rope"` its
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from gyre.workerd.trainers.tree import TreeBatch
+from gyre.workerd.trainers.treebatch import TreeBatch
 
 
 def ancestor_mask(batch: TreeBatch) -> torch.Tensor:

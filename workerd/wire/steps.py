@@ -19,7 +19,7 @@ MICRO_STEP_TENSORS: dict[str, str] = {
     ADVANTAGES: "float32", LOSS_WEIGHTS: "float32", EXEC_IDS: "int64",
 }
 # A micro-step in tree form (packing = "tree"): each unique token once, with the structure
-# the worker rebuilds positions, ancestry and per-token fields from (trainers/tree.py).
+# the worker rebuilds positions, ancestry and per-token fields from (trainers/treebatch.py).
 TREE_INPUT_IDS = "tree.ids"  # [N] the unique tokens, segment after segment (uint16 where the vocabulary fits)
 TREE_SEG_LEN = "tree.seg_len"  # [S] tokens of each segment (a tree node)
 TREE_SEG_PARENT = "tree.seg_parent"  # [S] its parent segment, before it (-1: a root)
