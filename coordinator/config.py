@@ -12,7 +12,7 @@ from pathlib import Path
 from gyre.coordinator.policies import POLICIES
 from gyre.coordinator.schedule import dispatch_target
 from gyre.proxy.admission import J_MAX
-from gyre.workerd.wire import ENGINE_BACKENDS, TRAINER_BACKENDS
+from gyre.workerd.wire import ENGINE_BACKENDS, TRAINER_BACKENDS, EngineSpec, TrainerSpec
 
 # (field, bound, strict): value > bound (strict) or >= bound; None passes (optional fields).
 _RANGES = [
@@ -223,12 +223,31 @@ class CoordinatorConfig:
         if POLICIES[self.policy].fixed_split and not 1 <= self.async_training_cells < self.cells:
             raise ValueError(f"{self.policy} needs 1 <= async_training_cells < cells ({self.cells}); "
                              f"got {self.async_training_cells}")
+        for name, spec in (("engine_options", self.engine_spec), ("trainer_options", self.trainer_spec)):
+            try:
+                spec()
+            except TypeError as e:  # a gyre option of the wrong type, named
+                raise ValueError(f"{name}: {e}") from None
         from gyre.workerd.keys import on_loopback
 
         if self.keys_dir is None and not on_loopback(self.address) and not self.allow_unauthenticated_link:
             raise ValueError(f"address {self.address} is not on loopback and keys_dir is unset: any process that "
                              f"reaches it could pose as a worker; run `gyre keys init DIR` and set keys_dir = DIR, "
                              f"or set allow_unauthenticated_link = true to bind it without keys")
+
+    def engine_spec(self) -> EngineSpec:
+        """What each cell's engine is welcomed with: this run's settings, then engine_options
+        (gyre's option names over them, the rest the backend's own options)."""
+        return EngineSpec.from_options({"seed": self.seed, "max_running": self.engine_max_running,
+                                        "prefix_cache_mb": self.prefix_cache_mb, **self.engine_options})
+
+    def trainer_spec(self) -> TrainerSpec:
+        """What each cell's trainer is welcomed with, as engine_spec; lr as resolved
+        (runconfig.with_model_defaults), the wire's default while it is unset."""
+        own = {"temperature": self.rollout_temperature, "micro_step_tokens": self.micro_step_tokens}
+        if self.lr is not None:
+            own["lr"] = self.lr
+        return TrainerSpec.from_options({**own, **self.trainer_options})
 
     def preset(self):
         from gyre.coordinator.harnesses import resolve

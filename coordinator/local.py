@@ -15,7 +15,7 @@ import os
 import sys
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +47,10 @@ class LocalCluster:
     model_dir: Path
     cells: int = 2
     roles: tuple[str, ...] = ()  # per cell; default: cell 0 rollout, others training
-    engine: dict = field(default_factory=dict)
-    trainer: dict = field(default_factory=dict)
+    # What every cell is welcomed with: the wire's specs, or a dict of gyre's option names (a
+    # spec's fields) and the backend's own, which become the spec's `options`.
+    engine: wire.EngineSpec | dict = field(default_factory=dict)
+    trainer: wire.TrainerSpec | dict = field(default_factory=dict)
     address: str = "tcp://127.0.0.1:0"
     start_timeout_s: float = 120.0
     heartbeat_s: float = 0.5
@@ -63,8 +65,12 @@ class LocalCluster:
     workers: Any = None
 
     def __post_init__(self) -> None:
-        # One cell per core at most: oversubscribed torch threads spin and crawl.
-        self.engine = {"threads": max(1, (os.cpu_count() or 1) // self.cells), **self.engine}
+        if isinstance(self.engine, dict):
+            self.engine = wire.EngineSpec.from_options(self.engine)
+        if isinstance(self.trainer, dict):
+            self.trainer = wire.TrainerSpec.from_options(self.trainer)
+        if self.engine.threads is None:  # one cell per core at most: oversubscribed torch threads spin and crawl
+            self.engine = replace(self.engine, threads=max(1, (os.cpu_count() or 1) // self.cells))
         self.link = WorkerLink(self.address, on_event=self._on_event, keys_dir=self.keys_dir,
                                call_timeout_s=self.call_timeout_s, transport=self.workers)
         self.link.describe = self.describe
@@ -79,11 +85,11 @@ class LocalCluster:
         self.on_rejoin: Callable[[int, str], None] | None = None  # (cell, node) ready after start-up
         self._reregistering: set[str] = set()  # nodes asked to register again, not yet registered
 
-    def _engine_of(self, cell: int) -> dict:
-        """The engine options for `cell`: its own sampling seed. With one seed for all, the
+    def _engine_of(self, cell: int) -> wire.EngineSpec:
+        """The engine spec for `cell`: its own sampling seed. With one seed for all, the
         executions of a group (one prompt, one per cell) sampled the same text on every cell,
         and a group of equal rewards has no advantage to train on."""
-        return {**self.engine, "seed": int(self.engine.get("seed", 0)) * 1009 + cell}
+        return replace(self.engine, seed=self.engine.seed * 1009 + cell)
 
     def describe(self, node: str) -> str:
         info = self.nodes.get(node)

@@ -4,26 +4,26 @@ The one place that maps backend names to classes, so worker.py never imports a h
 library it does not use. Engines: cpu, sglang; trainers: cpu, megatron. Selecting a
 backend whose package is missing says which package to install.
 
-Options come from the coordinator's Welcome (`engine` / `trainer` dicts): the CPU
-backends read threads, seed, max_running, version, prefix_cache_mb (the CPU engine's cache
-of finished requests' KV, in MiB: 512 unless given, 0 turns it off; SGLang keeps its own
-radix cache), lr, weight_decay, grad_clip, temperature (the rollout temperature: trainers
-compute log-probs of the distribution engines sample), checkpoint_layers (the CPU trainer
-recomputes each layer's activations in the backward pass; unset, it does when a micro-step's
-activations would pass ~2 GiB), micro_step_tokens; the GPU backends take theirs on top
-(sglang: `server` = SGLang ServerArgs fields such as tp_size, mem_fraction_static; megatron:
-tp and pp (a cell of tp x pp ranks, ranks 1.. as child processes, trainers/tp.py),
-microbatches (pipeline chunks per micro-step), offload).
+Options come from the coordinator's Welcome: its `engine` (wire.EngineSpec: threads, seed,
+max_running, version, prefix_cache_mb, the CPU engine's cache of finished requests' KV,
+0 turns it off; SGLang keeps its own radix cache) and `trainer` (wire.TrainerSpec: lr,
+weight_decay, grad_clip, temperature, the rollout temperature, for trainers compute
+log-probs of the distribution engines sample; checkpoint_layers, the CPU trainer recomputing
+each layer's activations in the backward pass, when unset as soon as a micro-step's
+activations would pass ~2 GiB; micro_step_tokens), their defaults written there once. The
+GPU backends take theirs from the specs' `options` (sglang: `server` = SGLang ServerArgs
+fields such as tp_size, mem_fraction_static; megatron: tp and pp (a cell of tp x pp ranks,
+ranks 1.. as child processes, trainers/tp.py), microbatches (pipeline chunks per
+micro-step), offload).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
 
 # BackendError lives in wire/, below the engines that raise it too (engines/sglang.py's
 # options); it stays importable from here.
-from gyre.workerd.wire import ENGINE_BACKENDS, TRAINER_BACKENDS, BackendError
+from gyre.workerd.wire import ENGINE_BACKENDS, TRAINER_BACKENDS, BackendError, EngineSpec, TrainerSpec
 
 ENGINES = {"cpu": None, "sglang": ("sglang", "sglang>=0.5.23")}
 TRAINERS = {"cpu": None, "megatron": ("megatron.core", "megatron-core>=0.16.1")}
@@ -50,20 +50,19 @@ ACTIVATION_BYTES_PER_TOKEN_PER_HIDDEN_PER_LAYER = 80  # float32, measured: 11.6 
 RECOMPUTE_ABOVE = 2 << 30
 
 
-def checkpoint_layers(config, trainer_options: dict[str, Any]) -> bool:
+def checkpoint_layers(config, spec: TrainerSpec) -> bool:
     """The CPU trainer's activation recomputation: as asked, else on when a full micro-step
-    (`micro_step_tokens`, 8192 unless given) would hold more than ~2 GiB of activations
-    (SmolLM2-135M at 8,192 tokens: 11.6 GiB without, 3.8 GiB with; the tiny model: 0.5)."""
-    given = trainer_options.get("checkpoint_layers")
-    if given is not None:
-        return bool(given)
-    tokens = int(trainer_options.get("micro_step_tokens", 8192))
-    estimate = tokens * config.hidden_size * config.num_hidden_layers * ACTIVATION_BYTES_PER_TOKEN_PER_HIDDEN_PER_LAYER
+    (`micro_step_tokens`) would hold more than ~2 GiB of activations (SmolLM2-135M at 8,192
+    tokens: 11.6 GiB without, 3.8 GiB with; the tiny model: 0.5)."""
+    if spec.checkpoint_layers is not None:
+        return spec.checkpoint_layers
+    estimate = (spec.micro_step_tokens * config.hidden_size * config.num_hidden_layers
+                * ACTIVATION_BYTES_PER_TOKEN_PER_HIDDEN_PER_LAYER)
     return estimate > RECOMPUTE_ABOVE
 
 
-def build_backends(model_dir: str, *, engine: str, trainer: str,
-                   engine_options: dict[str, Any], trainer_options: dict[str, Any]):
+def build_backends(model_dir: str, *, engine: str, trainer: str, engine_spec: EngineSpec,
+                   trainer_spec: TrainerSpec):
     """Returns (engine, trainer, parameter count), the engine's memory released (the worker
     resumes it for a rollout cell). Engine and trainer hold separate copies of the weights,
     as SGLang and Megatron do on a GPU node."""
@@ -72,16 +71,15 @@ def build_backends(model_dir: str, *, engine: str, trainer: str,
 
     from gyre.workerd.modeldir import load_config
 
-    torch.set_num_threads(int(engine_options.get("threads", torch.get_num_threads())))
+    if engine_spec.threads is not None:
+        torch.set_num_threads(engine_spec.threads)
     config = load_config(model_dir)
-    version = int(engine_options.get("version", 0))
-    seed = int(engine_options.get("seed", 0))
-    max_running = int(engine_options.get("max_running", 64))
+    version, seed, max_running = engine_spec.version, engine_spec.seed, engine_spec.max_running
     if engine == "sglang":
         from gyre.workerd.engines.sglang import SglangEngine
         from gyre.workerd.weightfiles import weight_files
 
-        server = dict(engine_options.get("server", {}))
+        server = dict(engine_spec.options.get("server", {}))
         if server.get("load_format") != "dummy":
             weight_files(model_dir)  # a missing shard is our error, naming the path, before SGLang starts
         # The directory is the whole model spec: SGLang and transformers never reach for a hub.
@@ -90,25 +88,23 @@ def build_backends(model_dir: str, *, engine: str, trainer: str,
         eng = SglangEngine(model_dir, version=version, max_running=max_running, seed=seed,
                            options=server)
     else:
-        from gyre.workerd.engines.cpu import PREFIX_CACHE_BYTES, CpuEngine
+        from gyre.workerd.engines.cpu import CpuEngine
         from gyre.workerd.model import load_model
 
-        cache_mb = int(engine_options.get("prefix_cache_mb", PREFIX_CACHE_BYTES >> 20))
         eng = CpuEngine(load_model(model_dir, config), version=version, max_running=max_running, seed=seed,
-                        prefix_cache_bytes=cache_mb << 20)
+                        prefix_cache_bytes=engine_spec.prefix_cache_mb << 20)
     eng.release_memory()  # the giving side frees first: the trainer is built into free memory
-    common = dict(lr=float(trainer_options.get("lr", 1e-5)),
-                  weight_decay=float(trainer_options.get("weight_decay", 0.01)),
-                  grad_clip=float(trainer_options.get("grad_clip", 1.0)), version=version,
-                  temperature=float(trainer_options.get("temperature", 1.0)))
+    common = dict(lr=trainer_spec.lr, weight_decay=trainer_spec.weight_decay, grad_clip=trainer_spec.grad_clip,
+                  version=version, temperature=trainer_spec.temperature)
     if trainer == "megatron":
         from gyre.workerd.trainers.megatron import MegatronTrainer
 
-        offload = trainer_options.get("offload")
-        tp, pp = int(trainer_options.get("tp", 1)), int(trainer_options.get("pp", 1))
+        own = trainer_spec.options
+        offload = own.get("offload")
+        tp, pp = int(own.get("tp", 1)), int(own.get("pp", 1))
         options = dict(seed=seed, offload=None if offload is None else bool(offload), **common)
-        if trainer_options.get("microbatches") is not None:
-            options["microbatches"] = int(trainer_options["microbatches"])
+        if own.get("microbatches") is not None:
+            options["microbatches"] = int(own["microbatches"])
         if tp * pp > 1:  # ranks 1.. in child processes of this workerd
             from gyre.workerd.trainers.tp import TensorParallelTrainer
 
@@ -121,6 +117,6 @@ def build_backends(model_dir: str, *, engine: str, trainer: str,
         from gyre.workerd.trainers.cpu import CpuTrainer
 
         model = load_model(model_dir, config)
-        tr = CpuTrainer(model, checkpoint_layers=checkpoint_layers(config, trainer_options), **common)
+        tr = CpuTrainer(model, checkpoint_layers=checkpoint_layers(config, trainer_spec), **common)
         params = num_params(model)
     return eng, tr, params

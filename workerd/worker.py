@@ -162,7 +162,7 @@ class Worker:
         self.cell = msg.cell
         self.engine, self.trainer, params = build_backends(
             msg.model_dir, engine=self.config.engine_backend, trainer=self.config.trainer_backend,
-            engine_options=msg.engine, trainer_options=msg.trainer,
+            engine_spec=msg.engine, trainer_spec=msg.trainer,
         )
         # build_backends leaves the engine released (built, then freed before the trainer is
         # built, so the two never hold the device together); a rollout cell takes it back.

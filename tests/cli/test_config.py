@@ -60,6 +60,8 @@ def test_bad_sets_name_the_field(sets, message):
     ({"policy": "warp"}, "policy must be one of elastic, colocate, async, async-streaming, got 'warp'"),
     ({"harness": "nope"}, "unknown harness 'nope'"),
     ({"min_valid": 99}, r"min_valid must be in \[1, group_size=8\]"),
+    ({"trainer_options": {"weight_decay": "none"}}, "trainer_options: TrainerSpec.weight_decay must be float"),
+    ({"engine_options": {"max_running": 1.5}}, "engine_options: EngineSpec.max_running must be int"),
 ])
 def test_bad_values_name_the_field_and_the_allowed(tmp_path, values, message):
     with pytest.raises(ConfigError, match=message):
@@ -152,3 +154,21 @@ async def test_the_proxy_cuts_output_to_the_cap_and_the_context(chat_tokenizer):
     assert limit(ProxyConfig(default_max_tokens=16), None, 5000) == 16
     assert limit(ProxyConfig(max_tokens_cap=64), 32000, 5000) == 64  # Claude Code's 32,000, cut
     assert limit(ProxyConfig(), 32000, 700) == 700  # never past the context
+
+
+def test_the_workers_are_welcomed_with_the_runs_settings_and_the_wires_defaults(tmp_path, tiny_dir):
+    """The run's engine and trainer settings become the Welcome's typed specs (engine_options and
+    trainer_options over them: gyre's names as fields, the rest the backend's own options);
+    each setting's default is the wire spec's, lr's the one a real model's run resolves to."""
+    from gyre.coordinator.config import CoordinatorConfig
+    from gyre.coordinator.runconfig import REAL_MODEL_LR, with_model_defaults
+    from gyre.workerd.wire import EngineSpec, TrainerSpec
+
+    c = CoordinatorConfig(run_dir=tmp_path, model_dir=tiny_dir)
+    assert c.engine_spec() == EngineSpec() and c.trainer_spec() == TrainerSpec()  # the same defaults
+    assert TrainerSpec().lr == REAL_MODEL_LR
+    c = with_model_defaults(CoordinatorConfig(
+        run_dir=tmp_path, model_dir=tiny_dir, seed=3, micro_step_tokens=512,
+        engine_options={"max_running": 4, "server": {"tp_size": 2}}, trainer_options={"weight_decay": 0, "tp": 2}))
+    assert c.engine_spec() == EngineSpec(seed=3, max_running=4, options={"server": {"tp_size": 2}})
+    assert c.trainer_spec() == TrainerSpec(lr=3e-3, micro_step_tokens=512, weight_decay=0.0, options={"tp": 2})

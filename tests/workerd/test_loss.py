@@ -195,10 +195,11 @@ def test_activation_recomputation_is_on_where_activations_would_not_fit(tiny_dir
 
     from gyre.workerd.backends import checkpoint_layers
     from gyre.workerd.modeldir import load_config
+    from gyre.workerd.wire import TrainerSpec
 
     tiny = load_config(tiny_dir)
     smollm2 = dataclasses.replace(tiny, hidden_size=576, num_hidden_layers=30)  # its shape
-    assert not checkpoint_layers(tiny, {}) and checkpoint_layers(smollm2, {})
-    assert not checkpoint_layers(smollm2, {"micro_step_tokens": 1024})
-    assert checkpoint_layers(tiny, {"checkpoint_layers": True})
-    assert not checkpoint_layers(smollm2, {"checkpoint_layers": False})
+    assert not checkpoint_layers(tiny, TrainerSpec()) and checkpoint_layers(smollm2, TrainerSpec())
+    assert not checkpoint_layers(smollm2, TrainerSpec(micro_step_tokens=1024))
+    assert checkpoint_layers(tiny, TrainerSpec(checkpoint_layers=True))
+    assert not checkpoint_layers(smollm2, TrainerSpec(checkpoint_layers=False))

@@ -348,11 +348,12 @@ def test_worker_chunks_carry_cached_tokens(tiny_model):
 
 @pytest.mark.parametrize("mb, expected", [(None, 512 << 20), (0, None), (3, 3 << 20)])
 def test_prefix_cache_mb_engine_option(tiny_dir, mb, expected):
+    from gyre.workerd import wire
     from gyre.workerd.backends import build_backends
 
-    options = {} if mb is None else {"prefix_cache_mb": mb}
-    engine, _, _ = build_backends(str(tiny_dir), engine="cpu", trainer="cpu", engine_options=options,
-                                  trainer_options={})
+    spec = wire.EngineSpec() if mb is None else wire.EngineSpec(prefix_cache_mb=mb)
+    engine, _, _ = build_backends(str(tiny_dir), engine="cpu", trainer="cpu", engine_spec=spec,
+                                  trainer_spec=wire.TrainerSpec())
     assert (None if engine.prefix_cache is None else engine.prefix_cache.budget_bytes) == expected
 
 

@@ -611,7 +611,7 @@ def test_welcome_never_holds_engine_and_trainer_memory_together(make, monkeypatc
     monkeypatch.setattr(cpu, "CpuTrainer", Trainer)
     worker = Worker(WorkerConfig(coordinator="tcp://127.0.0.1:1", node_id="n0", engine_backend="sglang"))
     (ready, _), = worker.welcome(wire.Welcome(req_id=1, node_id="n0", cell=0, role=role, model_dir=str(tiny_dir),
-                                              engine={"server": {"device": "cpu"}}), [])
+                                              engine=wire.EngineSpec(options={"server": {"device": "cpu"}})), [])
     fake = built[0]
     try:
         start = ["flush_cache", "release_memory_occupation", "trainer.build"]

@@ -16,6 +16,8 @@ SAMPLES = {int: 7, float: 0.5, str: "x", bool: True}
 
 
 def _sample(tp):
+    if dataclasses.is_dataclass(tp):  # Welcome's option specs, each field set
+        return _instance(tp)
     origin = typing.get_origin(tp)
     union = getattr(__import__("types"), "UnionType", None)
     if origin is typing.Union or str(tp).startswith("int | None") or origin is union:
@@ -40,6 +42,36 @@ def test_every_type_round_trips(cls):
     msg = _instance(cls)
     decoded, tensors = wire.decode(wire.encode(msg))
     assert decoded == msg and type(decoded) is cls and tensors == []
+
+
+def test_welcome_options_round_trip_as_typed_specs():
+    """A Welcome's engine and trainer options are the wire's specs on both sides: gyre's
+    options typed, the backend's own passed through; decoding rebuilds them from the JSON."""
+    engine = wire.EngineSpec(seed=5, threads=2, options={"server": {"tp_size": 2, "dtype": "bfloat16"}})
+    trainer = wire.TrainerSpec.from_options({"lr": 1, "checkpoint_layers": True, "tp": 2, "offload": False})
+    assert trainer == wire.TrainerSpec(lr=1.0, checkpoint_layers=True, options={"tp": 2, "offload": False})
+    assert type(trainer.lr) is float  # an int given for a float is one
+    msg = wire.Welcome(req_id=1, node_id="n", cell=1, role="training", model_dir="/m", engine=engine, trainer=trainer)
+    decoded, _ = wire.decode(wire.encode(msg))
+    assert decoded == msg and type(decoded.engine) is wire.EngineSpec and type(decoded.trainer) is wire.TrainerSpec
+    bare, _ = wire.decode(wire.encode(wire.Welcome(req_id=2, node_id="n", cell=0, role="rollout", model_dir="/m")))
+    assert (bare.engine, bare.trainer) == (wire.EngineSpec(), wire.TrainerSpec())
+
+
+@pytest.mark.parametrize("payload, match", [
+    ({"engine": {"server": {}}}, "unexpected keyword argument 'server'"),  # a backend option is under options
+    ({"trainer": {"lr": "1e-5"}}, "TrainerSpec.lr must be float, not '1e-5'"),
+    ({"engine": {"max_running": True}}, "EngineSpec.max_running must be int"),
+    ({"engine": {"seed": None}}, "EngineSpec.seed must be int, not None"),
+    ({"trainer": {"options": []}}, "TrainerSpec.options must be dict"),
+    ({"trainer": [1]}, "Welcome.trainer must be a TrainerSpec, not list"),
+])
+def test_bad_welcome_options_are_wire_errors(payload, match):
+    import orjson
+
+    body = {"req_id": 1, "node_id": "n", "cell": 0, "role": "rollout", "model_dir": "/m", **payload}
+    with pytest.raises(wire.WireError, match=match):
+        wire.decode([b"Welcome", orjson.dumps(body)])
 
 
 def test_tensor_frames_round_trip():

@@ -18,8 +18,9 @@ import torch
 from gyre.workerd.engines.base import RolloutEngine, SamplingParams, TokenOutput
 from gyre.workerd.engines.prefix_cache import PrefixCache, copy_prefix
 from gyre.workerd.model import CausalLM, SeqCache
+from gyre.workerd.wire import EngineSpec
 
-PREFIX_CACHE_BYTES = 512 << 20
+_DEFAULT = EngineSpec()  # the options' defaults, written once (wire/messages.py)
 
 
 class EngineReleased(RuntimeError):
@@ -43,8 +44,8 @@ class _Request:
 class CpuEngine(RolloutEngine):
     """Rollout engine over a `CausalLM` on CPU; see engines/base.py for the contract."""
 
-    def __init__(self, model: CausalLM, *, version: int = 0, max_running: int = 64, seed: int = 0,
-                 prefix_cache_bytes: int = PREFIX_CACHE_BYTES):
+    def __init__(self, model: CausalLM, *, version: int = 0, max_running: int = _DEFAULT.max_running,
+                 seed: int = _DEFAULT.seed, prefix_cache_bytes: int = _DEFAULT.prefix_cache_mb << 20):
         """`prefix_cache_bytes`: the prefix cache's budget; 0 turns it off."""
         self.model = model.eval()
         self.version = version

@@ -23,9 +23,10 @@ import torch
 
 from gyre.workerd.engines.base import RolloutEngine, SamplingParams, TokenOutput
 from gyre.workerd.engines.cpu import EngineReleased
-from gyre.workerd.wire import BackendError
+from gyre.workerd.wire import BackendError, EngineSpec
 
 log = logging.getLogger("gyre.workerd")
+_DEFAULT = EngineSpec()  # the options' defaults, written once (wire/messages.py)
 
 # ServerArgs fields an operator may set through `options`, each checked against SGLang
 # 0.5.23 (srt/arg_groups/fields/). Left out on purpose: incremental_streaming_output (step()
@@ -96,9 +97,9 @@ class SglangEngine(RolloutEngine):
     """Rollout engine over an in-process `sglang.Engine`; see engines/base.py for the
     contract. Built by backends.py; driven only by the workerd's main thread."""
 
-    def __init__(self, model_dir, *, version: int = 0, max_running: int = 64, seed: int = 0,
-                 options: dict[str, Any] | None = None, engine_factory: Callable[..., Any] | None = None,
-                 io_struct: Any = None):
+    def __init__(self, model_dir, *, version: int = 0, max_running: int = _DEFAULT.max_running,
+                 seed: int = _DEFAULT.seed, options: dict[str, Any] | None = None,
+                 engine_factory: Callable[..., Any] | None = None, io_struct: Any = None):
         """`engine_factory` (default `sglang.Engine`) and `io_struct` (default
         `sglang.srt.managers.io_struct`, for the pause/continue request types) are where
         tests put their fakes."""

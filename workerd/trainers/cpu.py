@@ -26,11 +26,14 @@ from gyre.workerd.trainers.base import (
     sum_and_normalise,
 )
 from gyre.workerd.trainers.treebatch import TreeBatch
+from gyre.workerd.wire import TrainerSpec
+
+_DEFAULT = TrainerSpec()  # the options' defaults, written once (wire/messages.py)
 
 
 class CpuTrainer(Trainer):
-    def __init__(self, model: CausalLM, *, lr: float = 1e-5, weight_decay: float = 0.01,
-                 grad_clip: float = 1.0, version: int = 0, temperature: float = 1.0,
+    def __init__(self, model: CausalLM, *, lr: float = _DEFAULT.lr, weight_decay: float = _DEFAULT.weight_decay,
+                 grad_clip: float = _DEFAULT.grad_clip, version: int = 0, temperature: float = _DEFAULT.temperature,
                  checkpoint_layers: bool = False):
         self.model = model.train()
         model.checkpoint_layers = checkpoint_layers  # recompute activations: long micro-steps fit

@@ -73,6 +73,9 @@ from gyre.workerd.trainers.megatron_tree import tree_logprobs
 from gyre.workerd.trainers.pipeline import GPipe
 from gyre.workerd.trainers.treebatch import TreeBatch
 from gyre.workerd.weightfiles import iter_weights
+from gyre.workerd.wire import EngineSpec, TrainerSpec
+
+_ENGINE, _TRAINER = EngineSpec(), TrainerSpec()  # the options' defaults, written once (wire/messages.py)
 
 
 def _scale_logits(temperature: float):
@@ -84,10 +87,10 @@ def _scale_logits(temperature: float):
 
 
 class MegatronTrainer(Trainer):
-    def __init__(self, model_dir: str, config: ModelConfig, *, lr: float = 1e-5,
-                 weight_decay: float = 0.01, grad_clip: float = 1.0, version: int = 0,
+    def __init__(self, model_dir: str, config: ModelConfig, *, lr: float = _TRAINER.lr,
+                 weight_decay: float = _TRAINER.weight_decay, grad_clip: float = _TRAINER.grad_clip, version: int = 0,
                  tp: int = 1, pp: int = 1, microbatches: int | None = None, offload: bool | None = None,
-                 seed: int = 0, temperature: float = 1.0):
+                 seed: int = _ENGINE.seed, temperature: float = _TRAINER.temperature):
         check_tp(config, tp)
         check_pp(config, pp)
         setup_parallel(tp, pp, seed=seed)

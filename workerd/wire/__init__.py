@@ -25,6 +25,7 @@ from gyre.workerd.wire.messages import (  # noqa: F401 - re-exported: wire.X is 
     CloseRelay,
     Deregister,
     Done,
+    EngineSpec,
     Error,
     ExportWeights,
     Generate,
@@ -48,6 +49,7 @@ from gyre.workerd.wire.messages import (  # noqa: F401 - re-exported: wire.X is 
     Shutdown,
     Stats,
     StepResult,
+    TrainerSpec,
     TrainMicroStep,
     TrainResult,
     Weights,
@@ -140,6 +142,9 @@ REPLIES: dict[type, type] = {
     InitBroadcast: BroadcastJoined, WeightSpecs: TensorSpecs, PrepareBroadcast: Done,
     BroadcastWeights: WeightsSent, ReceiveWeights: WeightsReceived,
 }
+
+# Welcome's typed options: fields of a message, never sent alone (not in WIRE_TYPES).
+OPTION_SPECS: tuple[type, ...] = (EngineSpec, TrainerSpec)
 
 WIRE_TYPES: dict[bytes, type] = {
     cls.__name__.encode(): cls

@@ -6,7 +6,7 @@ Each is a frozen keyword-only dataclass, sent as its class name and orjson paylo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 
@@ -72,6 +72,73 @@ class WorkerDead:
 # --- coordinator -> workerd: commands ---------------------------------------------------
 
 
+# A Welcome's options: gyre's own as typed fields, each default written here once (the
+# backends and their constructors take theirs from these), and `options`, the backend's own
+# passed through untouched (the run config's engine_options / trainer_options beyond gyre's:
+# sglang's `server`; megatron's tp, pp, microbatches, offload). Not messages: fields of one.
+
+
+class _Spec:
+    __slots__ = ()
+
+    def __post_init__(self) -> None:
+        """Each typed field holds its type (an int given for a float becomes one), else
+        TypeError naming it: decode answers that with a WireError."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            kind, _, optional = f.type.partition(" | ")
+            if f.name == "options":
+                ok = isinstance(value, dict)
+            elif value is None:
+                ok = optional == "None"
+            elif kind == "bool":
+                ok = isinstance(value, bool)
+            elif kind == "int":
+                ok = isinstance(value, int) and not isinstance(value, bool)
+            else:
+                ok = isinstance(value, int | float) and not isinstance(value, bool)
+            if not ok:
+                raise TypeError(f"{type(self).__name__}.{f.name} must be {f.type}, not {value!r}")
+            if kind == "float" and value is not None:
+                object.__setattr__(self, f.name, float(value))
+
+    @classmethod
+    def from_options(cls, values: dict[str, Any]):
+        """Gyre's fields by name from one dict (a run's settings over its engine_options or
+        trainer_options), everything else the backend's `options`."""
+        own = {f.name for f in fields(cls)} - {"options"}
+        return cls(**{k: v for k, v in values.items() if k in own},
+                   options={k: v for k, v in values.items() if k not in own})
+
+
+@_msg
+class EngineSpec(_Spec):
+    """A cell's rollout engine: the run config's seed, engine_max_running, prefix_cache_mb."""
+
+    threads: int | None = None  # torch threads; None: torch's own (LocalCluster: cores / cells)
+    seed: int = 0  # sampling; LocalCluster gives each cell its own
+    max_running: int = 64  # requests batched at once
+    prefix_cache_mb: int = 512  # the CPU engine's cache of finished requests' KV; 0: off (SGLang: its own)
+    version: int = 0  # the weights' version at start
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@_msg
+class TrainerSpec(_Spec):
+    """A cell's trainer: the run config's lr, rollout_temperature, micro_step_tokens, plus
+    what its trainer_options set of these fields."""
+
+    # The run's: coordinator/runconfig.py resolves lr per model (its gyre.json, else
+    # REAL_MODEL_LR, 1e-6: SmolLM2 learned stably at it); a test keeps the two equal.
+    lr: float = 1e-6
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    temperature: float = 1.0  # the rollout temperature: log-probs of the distribution engines sample
+    micro_step_tokens: int = 8192  # a micro-step's token budget (sizes activation recomputation)
+    checkpoint_layers: bool | None = None  # CPU trainer: recompute activations; None: when they would pass ~2 GiB
+    options: dict[str, Any] = field(default_factory=dict)
+
+
 @_msg
 class Welcome:
     req_id: int
@@ -79,9 +146,18 @@ class Welcome:
     cell: int
     role: str  # "rollout" | "training"
     model_dir: str
-    engine: dict[str, Any] = field(default_factory=dict)  # opaque backend options
-    trainer: dict[str, Any] = field(default_factory=dict)
+    engine: EngineSpec = field(default_factory=EngineSpec)
+    trainer: TrainerSpec = field(default_factory=TrainerSpec)
     heartbeat_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        # Decoded, the specs arrive as dicts (a frame is the orjson of the whole message).
+        for name, cls in (("engine", EngineSpec), ("trainer", TrainerSpec)):
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                object.__setattr__(self, name, cls(**value))
+            elif not isinstance(value, cls):
+                raise TypeError(f"Welcome.{name} must be a {cls.__name__}, not {type(value).__name__}")
 
 
 PROMPT_FRAME = "prompt"  # a Generate's prompt ids, when prompt_in_frame
