@@ -59,7 +59,7 @@ def run_up(config: CoordinatorConfig, live: bool = False, resume: bool = False) 
 
 def inproc_workers(config: CoordinatorConfig):
     """The in-process workers `workers = "inproc"` asks for (the coordinator takes them from here:
-    it imports nothing of workerd's but its wire types), or None."""
+    of workerd it imports only the light modules tests/test_layering.py lists), or None."""
     if config.workers != "inproc":
         return None
     from gyre.workerd.inproc import InprocWorkers
