@@ -20,8 +20,9 @@ import os
 import sys
 import time
 
-from gyre.coordinator import health, report, resume
+from gyre.coordinator import report, resume
 from gyre.coordinator.buffer import TrajectoryBuffer
+from gyre.coordinator.cells import Cells
 from gyre.coordinator.config import CoordinatorConfig
 from gyre.coordinator.executions import Executions, InfraFailures
 from gyre.coordinator.gcpolicy import GcPolicy
@@ -59,7 +60,8 @@ TICK_S = 0.1
 class Coordinator:
     def __init__(self, config: CoordinatorConfig, *, on_step=None, resume: bool = False, workers=None):
         """`workers`: with `workers = "inproc"`, the workers to run in this process
-        (gyre.workerd.inproc.InprocWorkers(): the coordinator imports nothing of workerd's but wire)."""
+        (gyre.workerd.inproc.InprocWorkers(): of workerd the coordinator imports only the light modules
+        tests/test_layering.py lists)."""
         from gyre.coordinator.runconfig import with_model_defaults
 
         if (workers is not None) != (config.workers == "inproc"):
@@ -77,7 +79,9 @@ class Coordinator:
         self.spec = POLICIES[config.policy]
         self.wl = Waterlevel()
         self.buffer = TrajectoryBuffer(config.min_valid)
-        self.roles = list(self.spec.initial_roles(config.cells, config.async_training_cells))
+        # The cells: roles, nodes, deaths, rejoins, switches and the timeline (cells.py).
+        self.cells = Cells(list(self.spec.initial_roles(config.cells, config.async_training_cells)),
+                           now=lambda: self.metrics.now())
         self.version = 0  # published policy version
         self.trainer_version = 0
         self.steps_done = 0
@@ -88,7 +92,6 @@ class Coordinator:
         self.step_task: asyncio.Task | None = None
         self.batch: Batch | None = None
         self.side_task: asyncio.Task | None = None  # a publication or a rejoin: weights on the move
-        self.switch_tasks: dict[int, asyncio.Task] = {}  # per cell: its role change (the last one)
         self.join_tasks: dict[int, asyncio.Task] = {}  # cells joining the batch in flight
         self.fatal: Exception | None = None  # raised by the next tick: the run cannot go on
         self.train_busy_s: dict[int, float] = {}  # per cell: seconds in micro-steps and updates
@@ -96,20 +99,14 @@ class Coordinator:
         self.on_step = on_step
         self.metrics: Metrics | None = None
         self.should_exit = False  # set by SIGINT/SIGTERM: stop at the next tick, gracefully
-        self.role_history: list[list[tuple[float, str]]] = [[(0.0, r)] for r in self.roles]  # per cell
-        self.role_switches: list[dict] = []
         self.rates = Rates()
         self.probe = LoopProbe()  # the event loop's lateness: every harness call waits on it
         self.gc = GcPolicy(config.gc_freeze_every_s)  # long-lived objects out of full collections
         self.tokens_trained = 0
-        self.dead: set[int] = set()  # cells whose worker died; excluded until a worker re-registers
-        self.no_reducer: set[int] = set()  # rejoined cells: they roll out, they cannot reduce gradients
-        self._rejoins: dict[int, str] = {}  # dead cell -> the ready replacement node, not yet brought in
         self.cluster: LocalCluster | None = None
         # Set once the run starts (run, _startup): the workers, routes, proxy and sandboxes.
         self.link = None  # the cluster's WorkerLink
         self.weights: WeightPublisher | None = None  # the core's weights to the other cells
-        self.nodes: list[str] = []  # per cell: its node id
         self.table: RoutingTable | None = None
         self.proxy: ProxyServer | None = None
         self.sandboxes = None  # the sandbox host pool (launcher.open_sandboxes)
@@ -143,24 +140,22 @@ class Coordinator:
         (c.run_dir / "config.json").write_text(json.dumps(c.to_json(), indent=2))
         trackers = Trackers(c.trackers, c.tracker_options, c.run_dir, c.to_json()) if c.trackers else None
         self.metrics = self.executions.metrics = Metrics(c.run_dir / "metrics.jsonl", t0=t0, trackers=trackers)
-        cluster = LocalCluster(c.model_dir, cells=c.cells, roles=tuple(self.roles), address=c.address,
-                               trainer={"lr": c.lr, "temperature": c.rollout_temperature,
-                                        "micro_step_tokens": c.micro_step_tokens, **c.trainer_options},
-                               log_dir=c.run_dir / "logs",
-                               engine={"seed": c.seed, "max_running": c.engine_max_running,
-                                       "prefix_cache_mb": c.prefix_cache_mb, **c.engine_options},
+        cluster = LocalCluster(c.model_dir, cells=c.cells, roles=tuple(self.cells.roles), address=c.address,
+                               trainer=c.trainer_spec(), engine=c.engine_spec(), log_dir=c.run_dir / "logs",
                                backends=(c.engine_backend, c.trainer_backend),
                                keys_dir=c.keys_dir, spawn=c.workers != "external", workers=self._inproc,
                                call_timeout_s=c.worker_call_timeout_s,
                                start_timeout_s=c.topology_timeout_s if c.workers == "external" else 120.0)
         self._install_signal_handlers()
-        cluster.on_rejoin = self._on_rejoin
+        cluster.on_rejoin = self.cells.on_rejoin
         try:
             async with cluster:
                 self.cluster = cluster
                 self.link = cluster.link
-                self.nodes = [cluster.node_of_cell(i) for i in range(c.cells)]
-                self.weights = WeightPublisher(c, self.link, self.nodes, cluster, self.dead)
+                cells = self.cells
+                cells.nodes = [cluster.node_of_cell(i) for i in range(c.cells)]
+                self.weights = WeightPublisher(c, self.link, cells.nodes, cluster, cells.dead)
+                cells.link, cells.weights, cells.metrics = self.link, self.weights, self.metrics
                 await self._startup()
                 ended = False
                 try:
@@ -199,9 +194,10 @@ class Coordinator:
 
     async def _startup(self) -> None:
         c = self.c
-        self.table = RoutingTable(policy=c.routing, balance_abs=c.route_balance_abs, balance_rel=c.route_balance_rel)
-        self.table.set_nodes(self.nodes)
-        for node, role in zip(self.nodes, self.roles):
+        self.table = self.cells.table = RoutingTable(policy=c.routing, balance_abs=c.route_balance_abs,
+                                                     balance_rel=c.route_balance_rel)
+        self.table.set_nodes(self.cells.nodes)
+        for node, role in zip(self.cells.nodes, self.cells.roles):
             if role != "rollout":
                 self.table.close(node)
         proxy_cfg = ProxyConfig(host=c.proxy_host, port=c.proxy_port, default_max_tokens=c.default_max_tokens,
@@ -229,11 +225,11 @@ class Coordinator:
         if c.weight_transfer == "mooncake":  # fail at start-up, named, where Mooncake cannot run
             await asyncio.gather(*(link.request(n, wire.InitTransfer(
                 backend="mooncake", host=self.cluster.transfer_host(n, c.transfer_host)))
-                for n in self.nodes))
+                for n in self.cells.nodes))
         await asyncio.gather(*(link.request(n, wire.InitReducer(
             rank=i, world_size=c.cells, init_method=init))
-            for i, n in enumerate(self.nodes)))
-        if c.weight_transfer == "broadcast" and len(self.nodes) > 1:
+            for i, n in enumerate(self.cells.nodes)))
+        if c.weight_transfer == "broadcast" and len(self.cells.nodes) > 1:
             await self.weights.init_broadcast()
         if self.resume:
             await resume.restore(self)
@@ -264,7 +260,7 @@ class Coordinator:
         await self.proxy.stop()
         # Each live worker's peak memory, for the summary (a dead one has no answer: None).
         stats = await asyncio.gather(*(self.link.request(n, wire.Stats(), timeout=10)
-                                       for n in self.nodes), return_exceptions=True)
+                                       for n in self.cells.nodes), return_exceptions=True)
         self.peak_rss = [s.peak_rss_bytes if isinstance(s, wire.WorkerStats) else None for s in stats]
 
     async def _settle_step(self) -> None:
@@ -302,22 +298,6 @@ class Coordinator:
 
         return opened.port, close
 
-    # --- worker health ------------------------------------------------------------------
-
-    # --- worker health (health.py) ------------------------------------------------------
-
-    def _watch_workers(self) -> None:
-        health.watch(self)
-
-    def _on_rejoin(self, cell: int, node: str) -> None:
-        health.on_rejoin(self, cell, node)
-
-    def record_role(self, cell: int, old: str, new: str) -> None:
-        """A role change (or death, or rejoin) for the live view's timeline and switch list."""
-        t = self.metrics.now()
-        self.role_history[cell].append((t, new))
-        self.role_switches.append({"t": t, "cell": cell, "from": old, "to": new})
-
     # --- the tick -----------------------------------------------------------------------
 
     async def tick(self) -> bool:
@@ -329,22 +309,25 @@ class Coordinator:
             return True
         # The workers' health first: a task failed by a worker's death (a send to a dead node
         # fails at once) ends the run as that death, journaled and named, not as the bare error.
-        self._watch_workers()
-        for task in (self.step_task, self.side_task, *self.switch_tasks.values(), *self.join_tasks.values(),
+        self.cells.watch(self.c.worker_timeout_s, training=self._in_batch)
+        for task in (self.step_task, self.side_task, *self.cells.switch_tasks.values(), *self.join_tasks.values(),
                      *self.executions.runs.values()):
             if task is not None and task.done() and not task.cancelled() and task.exception():
                 raise task.exception()  # a failed step, switch, publication or launch ends the run
         routes = self.table.routes.values()
         self.rates.sample(self.metrics.now(), sum(r.tokens for r in routes), self.tokens_trained,
                           prefill_tokens=sum(r.prefilled for r in routes))
-        health.start_rejoin(self)
+        if self.cells.rejoins and self._idle(self.side_task) and self._idle(self.step_task):
+            cell, node = self.cells.rejoins.popitem()  # weights on the move: never beside a step or publication
+            self.side_task = asyncio.create_task(self.cells.rejoin(cell, node, self.trainer_version),
+                                                 name=f"gyre-rejoin-{cell}")
         d = decide(self.schedule_state())
         self.executions.launch(d.launch)
         self.executions.launch_eval(d.launch_eval)
         if d.publish:
             self.side_task = asyncio.create_task(self._publish(), name="gyre-publish")
         for cell, role in d.switches:
-            self.switch_tasks[cell] = asyncio.create_task(self._switch(cell, role), name=f"gyre-switch-{cell}")
+            self.cells.start_switch(cell, role, batch=lambda: self.batch)
         for cell in d.joins:
             self.join_tasks[cell] = asyncio.create_task(self._join(cell), name=f"gyre-join-{cell}")
         if d.start_step:
@@ -363,44 +346,20 @@ class Coordinator:
         if batch is not None:
             view = BatchView(members=(*batch.participants, *sorted(self.join_tasks)), window_open=batch.window_open,
                              unclaimed=batch.unclaimed, pending=bool(batch.pending), packing_done=batch.packing_done)
-        return State(policy=c.policy, roles=tuple(self.roles), capacity=(c.exec_slots_per_cell,) * c.cells,
+        return State(policy=c.policy, roles=tuple(self.cells.roles), capacity=(c.exec_slots_per_cell,) * c.cells,
                      queued=counters.queued, running=counters.running, ready_groups=self.buffer.ready_count,
                      groups_per_step=c.groups_per_step, mu=c.mu, steps=c.steps, steps_done=self.steps_done,
                      steps_in_burst=self.steps_in_burst, async_training_cells=c.async_training_cells,
-                     switching=frozenset(cell for cell, t in self.switch_tasks.items() if not t.done()),
+                     switching=self.cells.switching(),
                      busy=frozenset(batch.busy) if batch is not None else frozenset(),
-                     dead=frozenset(self.dead), no_reducer=frozenset(self.no_reducer), batch=view,
+                     dead=frozenset(self.cells.dead), no_reducer=frozenset(self.cells.no_reducer), batch=view,
                      transfer=not self._idle(self.side_task),
                      eval_queued=len(self.heldout.queue) if self.heldout else 0,
                      eval_running=len(self.heldout.running) if self.heldout else 0)
 
-    def settled(self, cell: int) -> bool:
-        """The cell holds its role: no switch of it is under way (a batch claims only then)."""
-        task = self.switch_tasks.get(cell)
-        return task is None or task.done()
-
-    # 2) placement: every switch its own task, cells in parallel
-    async def _switch(self, cell: int, new: str) -> None:
-        """One cell's role change; the role is its target from the start (the scheduler
-        holds the cell until this ends), routes close before and open after."""
-        old, node = self.roles[cell], self.nodes[cell]
-        self.roles[cell] = new
-        t0 = time.monotonic()
-        if new == "training":
-            self.table.close(node)  # no new requests, its executions re-homed; running ones are handed back
-        try:
-            reply = await self.link.request(node, wire.SetRole(role=new))
-        except WorkerDeadError as e:  # the health watch excludes the cell
-            log.warning("role change of cell %d to %s: %s", cell, new, e)
-            return
-        if new == "rollout":
-            self.table.open(node)  # every node has a route since start-up
-        if self.batch is not None:
-            async with self.batch.cond:
-                self.batch.cond.notify_all()  # a paused participant may claim again
-        self.record_role(cell, old, new)
-        self.metrics.emit("role", cell=cell, **{"from": old, "to": new}, seconds=round(time.monotonic() - t0, 4),
-                          worker_seconds=round(reply.seconds, 4))
+    def _in_batch(self, cell: int) -> bool:
+        """The cell trains in the step in flight now (its death stops the run)."""
+        return self.batch is not None and cell in self.batch.participants and not self._idle(self.step_task)
 
     async def _join(self, cell: int) -> None:
         """A training cell joins the batch in flight: the core's (fixed) weights first, if
@@ -408,7 +367,7 @@ class Coordinator:
         t0 = time.monotonic()
         try:
             nbytes = await self._level([cell])
-            if not self.link.nodes[self.nodes[cell]].alive:
+            if not self.link.nodes[self.cells.nodes[cell]].alive:
                 return  # died while pulling: never a participant
             joined = self.batch.join(cell)
             self.metrics.emit("join", cell=cell, joined=joined, seconds=round(time.monotonic() - t0, 4),
@@ -422,12 +381,12 @@ class Coordinator:
 
     # 3) training
     def _new_batch(self, cells: list[int]) -> Batch:
-        return Batch(cells, link=self.link, nodes=self.nodes, buffer=self.buffer, config=self.c,
+        return Batch(cells, link=self.link, nodes=self.cells.nodes, buffer=self.buffer, config=self.c,
                      changed=self.executions.changed,
                      trains=self._trains, step=self.steps_done, train_busy_s=self.train_busy_s)
 
     def _trains(self, cell: int) -> bool:
-        return self.roles[cell] == "training" and self.settled(cell)
+        return self.cells.roles[cell] == "training" and self.cells.settled(cell)
 
     async def _step(self, cells: list[int]) -> None:
         t0 = time.monotonic()
@@ -454,15 +413,15 @@ class Coordinator:
         cells get the core's export (engines and trainers, so a later join starts level)."""
         t0 = time.monotonic()
         version = self.trainer_version
-        core = self.nodes[0]
+        core = self.cells.nodes[0]
         await self.link.request(core, wire.LoadWeights(version=version))
-        others = [i for i in range(1, len(self.nodes)) if i not in self.dead]
+        others = [i for i in range(1, len(self.cells.nodes)) if i not in self.cells.dead]
         nbytes = await self.weights.push(others, engine=True, version=version)
         self.version = version
         self.steps_in_burst = 0
         self.publications += 1
         self.metrics.emit("publish", version=version, seconds=round(time.monotonic() - t0, 4), bytes=nbytes,
-                          engines=len(self.nodes), transfer=(self.weights.last_transfer if nbytes else None)
+                          engines=len(self.cells.nodes), transfer=(self.weights.last_transfer if nbytes else None)
                           or self.c.weight_transfer,
                           memcpy_seconds=round(memcpy_seconds(nbytes), 5) if nbytes else None)
         if self.steps_done < self.c.steps:

@@ -100,7 +100,7 @@ class WeightPublisher:
             specs = self.specs
             # The core exports first: receivers enter the collective only once the sender is ready.
             await link.request(nodes[0], wire.PrepareBroadcast(version=version))
-            if not self._covers(cells):  # a member died meanwhile (health.py gave the group up)
+            if not self._covers(cells):  # a member died meanwhile (cells.py gave the group up)
                 return await self._push(self._alive(cells), engine=engine, version=version)
             results = await asyncio.gather(
                 link.request(nodes[0], wire.BroadcastWeights(version=version)),

@@ -68,7 +68,7 @@ def summary(coord) -> None:
     """The closing `summary` event: statuses, pending and dropped groups, per-cell busy time and memory."""
     wall = coord.metrics.now()
     cells = []
-    for i, node in enumerate(coord.nodes):
+    for i, node in enumerate(coord.cells.nodes):
         route = coord.table.routes.get(node)
         rollout_busy = route.busy_s if route else 0.0
         train_busy = coord.train_busy_s.get(i, 0.0)
@@ -81,7 +81,7 @@ def summary(coord) -> None:
                        pending_groups=sorted([*(g.id for g in coord.buffer.groups.values() if g.state != "consumed"),
                                              *(ev["group"] for ev in coord.executions.held)]),
                        dropped_groups=sorted(g.id for g in coord.buffer.groups.values() if g.state == "dropped"),
-                       dead_cells=sorted(coord.dead), rejoined_cells=sorted(coord.no_reducer),
+                       dead_cells=sorted(coord.cells.dead), rejoined_cells=sorted(coord.cells.no_reducer),
                        counters={"d": coord.wl.c.d, "p": coord.wl.c.p, "f": coord.wl.c.f},
                        rollout_tokens=sum(c["rollout_tokens"] for c in cells),
                        tokens_trained=coord.tokens_trained, cells=cells)

@@ -266,7 +266,7 @@ async def checkpoint(coord) -> None:
     link = coord.link
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        await link.request(coord.nodes[0], wire.SaveCheckpoint(path=str(folder / "trainer.pt")),
+        await link.request(coord.cells.nodes[0], wire.SaveCheckpoint(path=str(folder / "trainer.pt")),
                            timeout=coord.c.checkpoint_timeout_s)
     except Exception as e:  # the worker's error names the errno (workerd/checkpointio.py)
         _discard(folder)
@@ -342,7 +342,7 @@ def release_done(coord) -> int:
 async def final_checkpoint(coord) -> None:
     """Every end keeps what was trained: a checkpoint of the last step, unless one exists
     (main.py's shutdown, after the step in flight was settled)."""
-    if not coord.steps_done or coord.checkpointed_step == coord.steps_done or 0 in coord.dead:
+    if not coord.steps_done or coord.checkpointed_step == coord.steps_done or 0 in coord.cells.dead:
         return
     try:
         await checkpoint(coord)
@@ -364,7 +364,7 @@ async def restore(coord) -> None:
     run asked for, and every later step would train groups that many versions stale."""
     st, folder = coord._state, coord._checkpoint_dir
     dispatches, outcomes, _ = coord._journal
-    core, link = coord.nodes[0], coord.link
+    core, link = coord.cells.nodes[0], coord.link
     if folder is not None:
         path = str(folder / "trainer.pt")
         loaded = await link.request(core, wire.LoadCheckpoint(path=path),
@@ -384,7 +384,7 @@ async def restore(coord) -> None:
     coord.weights.forget(coord.version)
     if folder is not None:
         await link.request(core, wire.LoadWeights(version=coord.version))
-        await coord.weights.push(list(range(1, len(coord.nodes))), engine=True, version=coord.version)
+        await coord.weights.push(list(range(1, len(coord.cells.nodes))), engine=True, version=coord.version)
     if st["tasks"] is not None:  # else the task source is at its start, as the run was
         restore_task_order(coord.tasks, st["tasks"])
     ex = coord.executions

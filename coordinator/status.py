@@ -55,14 +55,14 @@ def snapshot(coord) -> dict:
     routes = coord.table.routes if coord.table else {}
     links = coord.link.nodes if coord.link else {}
     cells = []
-    for i, role in enumerate(coord.roles):
-        node = coord.nodes[i] if i < len(coord.nodes) else None
+    for i, role in enumerate(coord.cells.roles):
+        node = coord.cells.nodes[i] if i < len(coord.cells.nodes) else None
         route = routes.get(node)
         link = links.get(node)
-        history = coord.role_history[i]
+        history = coord.cells.history[i]
         cells.append({
             "cell": i, "node": node, "nodes": 1, "role": role,  # while switching: the role it is moving to
-            "switching": not coord.settled(i),
+            "switching": not coord.cells.settled(i),
             "alive": None if link is None else link.alive,
             "running": route.inflight if route else 0,
             "accepting": route.accepting if route else False,
@@ -103,7 +103,7 @@ def snapshot(coord) -> dict:
         # Model calls at the engines now (executions `running` may be in harness code instead).
         "calls": {"in_flight": sum(r.inflight for r in routes.values()),
                   "awaiting_first_token": sum(r.awaiting for r in routes.values())},
-        "role_switches": coord.role_switches[-8:],
+        "role_switches": coord.cells.switches[-8:],
         # How late the event loop ran over the last window (ms): what a harness call waited.
         "loop_lag_ms": coord.probe.lag_ms(since=coord.probe.samples[-1][0] - WINDOW_S)
         if coord.probe.samples else None,

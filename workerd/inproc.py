@@ -93,7 +93,12 @@ class InprocWorker:
             self._exited.set_result(self.returncode)
 
     async def wait(self) -> int:
-        return await asyncio.shield(self._exited)
+        """The exit code, once the thread has ended (as a process's wait: nothing of it runs
+        after); a killed one is not waited for (see kill)."""
+        code = await asyncio.shield(self._exited)
+        if code != -9:
+            await asyncio.get_running_loop().run_in_executor(None, self.thread.join, 10.0)
+        return code
 
     def kill(self) -> None:
         """Ask the thread to stop at its next turn, and count it gone now: a thread cannot be

@@ -190,18 +190,15 @@ class Coordinator:
         self.wl = NS(c=Counters(d=16, p=16, f=0))
         self.metrics, self.rates, self.table = NS(now=lambda: 40.0), Rates(), table
         self.batch = self.step_task = self.link = self.proxy = self.launcher = None
-        self.roles, self.nodes = ["rollout", "rollout"], ["a", "b"]
-        self.role_history = [[(0.0, "rollout")], [(0.0, "rollout")]]
-        self.reports, self.role_switches, self.executions = [], [], NS(status_counts={})
+        self.cells = NS(roles=["rollout", "rollout"], nodes=["a", "b"], switches=[], settled=lambda cell: True,
+                        history=[[(0.0, "rollout")], [(0.0, "rollout")]])
+        self.reports, self.executions = [], NS(status_counts={})
         self.should_exit, self.steps_done, self.version, self.trainer_version = False, 0, 0, 0
         self.steps_in_burst = self.publications = 0
         self.buffer, self.probe, self.gc = NS(ready_count=0), NS(samples=[]), NS(status=lambda: {})
 
     def _idle(self, task) -> bool:
         return task is None
-
-    def settled(self, cell: int) -> bool:
-        return True
 
 
 async def test_a_call_in_prefill_is_in_flight_awaiting_and_counts_its_prefill_at_its_first_token():

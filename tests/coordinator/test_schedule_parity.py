@@ -42,9 +42,9 @@ def mirror(coord: Coordinator, s: State, pending: asyncio.Future) -> None:
         group = Group(gid, None, 0, 1)
         coord.buffer.add(group)
         coord.buffer._ready[gid] = group
-    coord.roles = list(s.roles)
-    coord.dead, coord.no_reducer = set(s.dead), set(s.no_reducer)
-    coord.switch_tasks = {c: pending for c in s.switching}
+    coord.cells.roles = list(s.roles)
+    coord.cells.dead, coord.cells.no_reducer = set(s.dead), set(s.no_reducer)
+    coord.cells.switch_tasks = {c: pending for c in s.switching}
     coord.steps_done, coord.steps_in_burst = s.steps_done, s.steps_in_burst
     coord.side_task = pending if s.transfer else None
     coord.batch, coord.step_task = None, None

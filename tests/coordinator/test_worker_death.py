@@ -38,7 +38,7 @@ def kill_cell_on_first_chunk(monkeypatch, coord: Coordinator, cell: int, after: 
     async def generate_and_kill(self, node, msg, tensors=None, on_frames=None):
         async for chunk in generate(self, node, msg, tensors, on_frames=on_frames):
             yield chunk
-            if not killed and node == coord.nodes[cell]:
+            if not killed and node == coord.cells.nodes[cell]:
                 killed.append(msg.rid)
                 os.kill(coord.cluster.procs[cell].pid, signal.SIGKILL)
                 after.set()
@@ -79,19 +79,16 @@ class Watched(Coordinator):
         super().__init__(*a, **kw)
         self.died, self.rejoined, self.spawned = asyncio.Event(), asyncio.Event(), []
 
-    def _watch_workers(self) -> None:
-        super()._watch_workers()
-        if 1 in self.dead and not self.died.is_set():
+    async def tick(self) -> bool:
+        done = await super().tick()  # its first act is the cells' health watch
+        if 1 in self.cells.dead and not self.died.is_set():
             self.died.set()
             self.spawned.append(asyncio.ensure_future(asyncio.create_subprocess_exec(
                 sys.executable, "-m", "gyre.cli", "workerd", "--coordinator", self.link.address, "--cell", "1",
                 "--node-id", "replacement-1", "--heartbeat", "0.5", "--parent-pid", str(os.getpid()),
                 stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)))
-        if self.died.is_set() and 1 not in self.dead:
+        if self.died.is_set() and 1 not in self.cells.dead:
             self.rejoined.set()
-
-    async def tick(self) -> bool:
-        done = await super().tick()
         return done and self.rejoined.is_set()
 
 
@@ -112,7 +109,7 @@ async def test_a_replacement_worker_rejoins_the_dead_cell(tiny_dir, tmp_path, mo
     assert rejoin["cell"] == 1 and rejoin["node"] == "replacement-1"
     (summary,) = [x for x in lines if x["event"] == "summary"]
     assert summary["dead_cells"] == [] and summary["rejoined_cells"] == [1]
-    assert coord.nodes[1] == "replacement-1" and coord.roles[1] == "rollout"
+    assert coord.cells.nodes[1] == "replacement-1" and coord.cells.roles[1] == "rollout"
     execs = [x for x in lines if x["event"] == "execution"]
     assert {e["status"] for e in execs} <= {"completed", "cancelled"}
 
@@ -160,17 +157,14 @@ class Stalled(Coordinator):
         super().__init__(*a, **kw)
         self.continued, self.rejoined = False, asyncio.Event()
 
-    def _watch_workers(self) -> None:
-        super()._watch_workers()
-        if 1 in self.dead and not self.continued:
-            self.continued = True
-            assert self.link.nodes[self.nodes[1]].alive is False
-            os.kill(self.cluster.procs[1].pid, signal.SIGCONT)
-        if self.continued and 1 not in self.dead:
-            self.rejoined.set()
-
     async def tick(self) -> bool:
-        done = await super().tick()
+        done = await super().tick()  # its first act is the cells' health watch
+        if 1 in self.cells.dead and not self.continued:
+            self.continued = True
+            assert self.link.nodes[self.cells.nodes[1]].alive is False
+            os.kill(self.cluster.procs[1].pid, signal.SIGCONT)
+        if self.continued and 1 not in self.cells.dead:
+            self.rejoined.set()
         return done and self.rejoined.is_set()
 
 
@@ -185,7 +179,7 @@ async def test_a_stalled_worker_is_declared_dead_and_rejoins_after_registering_a
     async def generate_and_stop(self, node, msg, tensors=None, on_frames=None):
         async for chunk in generate(self, node, msg, tensors, on_frames=on_frames):
             yield chunk
-            if not stopped and node == coord.nodes[1]:
+            if not stopped and node == coord.cells.nodes[1]:
                 stopped.append(msg.rid)
                 os.kill(coord.cluster.procs[1].pid, signal.SIGSTOP)
 

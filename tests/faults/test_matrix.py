@@ -634,7 +634,7 @@ async def test_the_core_killed_between_its_calls_is_reported_as_its_death(tiny_d
     async def send_after_killing_the_core(self, node, msg, tensors=None, force=False):
         step_call = isinstance(msg, (wire.ExportWeights, wire.TrainMicroStep, wire.SetParticipants,
                                      wire.OptimizerStep))
-        if step_call and not killed and node == coord.nodes[0]:
+        if step_call and not killed and node == coord.cells.nodes[0]:
             killed.append(type(msg).__name__)
             proc = coord.cluster.procs[0]
             proc.kill()
