@@ -111,7 +111,7 @@ class Coordinator:
         self.proxy: ProxyServer | None = None
         self.sandboxes = None  # the sandbox host pool (launcher.open_sandboxes)
         self.launcher: Launcher | None = None
-        self._checkpoint_dir = self._state = self._journal = None  # resume: what resume.latest found
+        self.restored: resume.Restored | None = None  # resume: what the run directory holds (resume.read)
         self.checkpointed_step: int | None = None  # the step of the newest checkpoint, None before one
         self.stop_signal: int | None = None  # the signal that stopped the run (SIGINT, SIGTERM)
         self.peak_rss: list[int | None] = []  # per cell, read from the workers at shutdown
@@ -134,9 +134,8 @@ class Coordinator:
         c.run_dir.mkdir(parents=True, exist_ok=True)
         t0 = None
         if self.resume:
-            self._checkpoint_dir, self._state = resume.latest(c.run_dir)  # fails before anything starts
-            self._journal = resume.read_journal(c.run_dir)
-            t0 = time.monotonic() - self._journal[2]  # times continue from the journal's last
+            self.restored = resume.read(c.run_dir)  # fails before anything starts
+            t0 = time.monotonic() - self.restored.last_t  # times continue from the journal's last
         (c.run_dir / "config.json").write_text(json.dumps(c.to_json(), indent=2))
         trackers = Trackers(c.trackers, c.tracker_options, c.run_dir, c.to_json()) if c.trackers else None
         self.metrics = self.executions.metrics = Metrics(c.run_dir / "metrics.jsonl", t0=t0, trackers=trackers)
@@ -338,10 +337,14 @@ class Coordinator:
     def _idle(task: asyncio.Task | None) -> bool:
         return task is None or task.done()
 
+    def batch_in_flight(self) -> Batch | None:
+        """The batch of the step under way, None between steps (the live view, release_done)."""
+        return self.batch if not self._idle(self.step_task) else None
+
     def schedule_state(self) -> State:
         """What the scheduler decides over, read from the coordinator's own objects."""
         c, counters = self.c, self.wl.c
-        batch = self.batch if not self._idle(self.step_task) else None
+        batch = self.batch_in_flight()
         view = None
         if batch is not None:
             view = BatchView(members=(*batch.participants, *sorted(self.join_tasks)), window_open=batch.window_open,
@@ -390,7 +393,7 @@ class Coordinator:
 
     async def _step(self, cells: list[int]) -> None:
         t0 = time.monotonic()
-        self._step_began = self.probe.now()
+        self.step_began = self.probe.now()
         if cells != list(range(len(cells))):
             raise RuntimeError(f"training cells {cells} are not a prefix 0..k-1 (prefix groups)")
         self.batch = self._new_batch(cells)

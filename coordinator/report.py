@@ -54,7 +54,7 @@ def step(coord, groups, executions, results, version_before, n_cells, seconds, p
                        packing=coord.c.packing, forward_tokens=packed.forward,
                        unique_admitted_tokens=packed.unique, expanded_tokens=packed.expanded,
                        trainer_seconds=round(sum(r.seconds for r in results), 4),
-                       loop_lag_ms=coord.probe.lag_ms(since=coord._step_began),
+                       loop_lag_ms=coord.probe.lag_ms(since=coord.step_began),
                        cache_hit_rate=None if prefill is None or not prefill + cached
                        else round(cached / (prefill + cached), 4),
                        waterlevel=coord.wl.c.waterlevel,

@@ -38,11 +38,12 @@ import re
 import shutil
 import time
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import orjson
 
+from gyre.coordinator.tasks import TaskError
 from gyre.proxy.records import JournalError
 from gyre.workerd import wire
 from gyre.workerd.checkpointio import named
@@ -208,6 +209,26 @@ def _torn(path: Path) -> str:
     return f"{past[0]} runs past its end, {size} bytes" if past else ""
 
 
+@dataclass(frozen=True)
+class Restored:
+    """What a resume starts from, read before anything starts: the newest intact checkpoint
+    (None: the run stopped before its first) and its state, and the journal's dispatches,
+    outcomes and last time stamp. Each owner restores itself from it (restore below)."""
+
+    checkpoint: Path | None
+    state: dict
+    dispatches: dict[int, dict]  # the dispatch event of each group, by id
+    outcomes: dict[str, dict]  # the last execution event of each execution, by id
+    last_t: float  # the journal's last time: the resumed run's clock continues from it
+
+
+def read(run_dir: Path) -> Restored:
+    """`latest` and `read_journal` of `run_dir`; ResumeError where it cannot be resumed."""
+    folder, state = latest(run_dir)
+    dispatches, outcomes, last_t = read_journal(run_dir)
+    return Restored(folder, state, dispatches, outcomes, last_t)
+
+
 def read_journal(run_dir: Path) -> tuple[dict[int, dict], dict[str, dict], float]:
     """(dispatch events by group, last execution event by id, last time stamp) from
     metrics.jsonl; a torn last line (the crash) is skipped."""
@@ -227,22 +248,6 @@ def read_journal(run_dir: Path) -> tuple[dict[int, dict], dict[str, dict], float
             elif ev.get("event") == "execution":
                 outcomes[ev["id"]] = ev
     return dispatches, outcomes, last_t
-
-
-def task_order_state(source) -> dict[str, Any]:
-    """The task source's position: its RNG state and the rest of the current pass."""
-    version, internal, gauss = source._rng.getstate()
-    return {"rng": [version, list(internal), gauss], "order": [t.id for t in source._order]}
-
-
-def restore_task_order(source, state: dict[str, Any]) -> None:
-    version, internal, gauss = state["rng"]
-    source._rng.setstate((version, tuple(internal), gauss))
-    by_id = {t.id: t for t in source.tasks}
-    missing = [i for i in state["order"] if i not in by_id]
-    if missing:
-        raise ResumeError(f"the task set changed since the checkpoint: task(s) {missing[:5]} are gone")
-    source._order = [by_id[i] for i in state["order"]]
 
 
 def redo_id(run_dir: Path, run_id: str) -> str:
@@ -316,7 +321,7 @@ def _write_state(coord, folder: Path) -> None:
         "consumed": sorted(g.id for g in coord.buffer.groups.values() if g.state == "consumed"),
         # Groups of a lost stretch not dispatched again yet (see restore): still held.
         "held": [ev["group"] for ev in coord.executions.held],
-        "tasks": task_order_state(coord.tasks), "tokens_trained": coord.tokens_trained})
+        "tasks": coord.tasks.state(), "tokens_trained": coord.tokens_trained})
 
 
 def release_done(coord) -> int:
@@ -324,7 +329,7 @@ def release_done(coord) -> int:
     records on disk: those of trained (consumed) and dropped groups, and of complete held-out
     rounds. Their trees and call records stayed in the proxy otherwise, for the whole run
     (bench/soak.py: the coordinator grew with every execution). Returns how many went."""
-    batch = coord.batch if not coord._idle(coord.step_task) else None
+    batch = coord.batch_in_flight()
     packing = {g.id for g in batch.taken} if batch is not None else set()  # a step in flight still reads them
     runs = [r for g in coord.buffer.groups.values()
             if g.state in ("consumed", "dropped") and g.id not in packing for r in g.runs]
@@ -362,8 +367,8 @@ async def restore(coord) -> None:
     publications that first dispatched them, with the version published then. Counting
     them in the pipeline at once would keep (phi + mu) * B more groups in flight than the
     run asked for, and every later step would train groups that many versions stale."""
-    st, folder = coord._state, coord._checkpoint_dir
-    dispatches, outcomes, _ = coord._journal
+    st, folder = coord.restored.state, coord.restored.checkpoint
+    dispatches, outcomes = coord.restored.dispatches, coord.restored.outcomes
     core, link = coord.cells.nodes[0], coord.link
     if folder is not None:
         path = str(folder / "trainer.pt")
@@ -386,7 +391,10 @@ async def restore(coord) -> None:
         await link.request(core, wire.LoadWeights(version=coord.version))
         await coord.weights.push(list(range(1, len(coord.cells.nodes))), engine=True, version=coord.version)
     if st["tasks"] is not None:  # else the task source is at its start, as the run was
-        restore_task_order(coord.tasks, st["tasks"])
+        try:
+            coord.tasks.restore(st["tasks"])
+        except TaskError as e:
+            raise ResumeError(str(e)) from None
     ex = coord.executions
     restored, redone = ex.restore(st, dispatches, outcomes)
     consumed, held = set(st["consumed"]), set(st.get("held", ()))

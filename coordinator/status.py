@@ -51,7 +51,7 @@ def snapshot(coord) -> dict:
     """Everything the live view shows, as plain data (times: seconds since the run started)."""
     c, wl = coord.c, coord.wl.c
     now = coord.metrics.now() if coord.metrics else 0.0
-    batch = coord.batch if not coord._idle(coord.step_task) else None
+    batch = coord.batch_in_flight()
     routes = coord.table.routes if coord.table else {}
     links = coord.link.nodes if coord.link else {}
     cells = []

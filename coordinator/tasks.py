@@ -326,3 +326,18 @@ class TaskSource:
     def evaluator_spec(self, task: Task) -> dict:
         """The spec to build `task`'s evaluator from: its own, else the source's default."""
         return task.evaluator or self.default_evaluator
+
+    def state(self) -> dict[str, Any]:
+        """Where the source is (a checkpoint's `tasks`): its RNG state and the rest of the pass."""
+        version, internal, gauss = self._rng.getstate()
+        return {"rng": [version, list(internal), gauss], "order": [t.id for t in self._order]}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Back to `state()`'s position; TaskError names the tasks it holds that the set lacks."""
+        by_id = {t.id: t for t in self.tasks}
+        missing = [i for i in state["order"] if i not in by_id]
+        if missing:
+            raise TaskError(f"the task set changed since the checkpoint: task(s) {missing[:5]} are gone")
+        version, internal, gauss = state["rng"]
+        self._rng.setstate((version, tuple(internal), gauss))
+        self._order = [by_id[i] for i in state["order"]]

@@ -197,8 +197,8 @@ class Coordinator:
         self.steps_in_burst = self.publications = 0
         self.buffer, self.probe, self.gc = NS(ready_count=0), NS(samples=[]), NS(status=lambda: {})
 
-    def _idle(self, task) -> bool:
-        return task is None
+    def batch_in_flight(self):
+        return None
 
 
 async def test_a_call_in_prefill_is_in_flight_awaiting_and_counts_its_prefill_at_its_first_token():
