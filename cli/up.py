@@ -44,14 +44,14 @@ def run_up(config: CoordinatorConfig, live: bool = False, resume: bool = False) 
     coord = Coordinator(config, on_step=_print_step(config.steps), resume=resume, workers=inproc_workers(config))
     reports = uvloop.run(_run_with_view(coord, live))
     rewards = " ".join("n/a" if r.reward_mean is None else f"{r.reward_mean:.3f}" for r in reports)
-    total = reports[-1].step if reports else coord.steps_done
+    total = reports[-1].step if reports else coord.steps.steps_done
     print(f"done: step {total}/{config.steps} ({len(reports)} this session); reward by step: {rewards or '(none)'}",
           flush=True)
     write_timeline(config.run_dir)
     _print_outputs(config.run_dir, coord)
     _print_lost(coord)
     if coord.stop_signal is not None:
-        print(f"stopped at step {coord.steps_done}/{config.steps}; continue with: "
+        print(f"stopped at step {coord.steps.steps_done}/{config.steps}; continue with: "
               f"gyre up --resume {shown(config.run_dir)}", flush=True)
         return 128 + coord.stop_signal
     return 0
@@ -80,10 +80,10 @@ def _print_lost(coord: Coordinator) -> None:
     red: a --resume starts after the last checkpoint, so they are trained again."""
     from rich.console import Console
 
-    saved = coord.checkpointed_step or 0
-    if coord.steps_done <= saved:
+    saved = coord.steps.checkpointed_step or 0
+    if coord.steps.steps_done <= saved:
         return
-    lost = f"step {saved + 1}" if coord.steps_done == saved + 1 else f"steps {saved + 1}-{coord.steps_done}"
+    lost = f"step {saved + 1}" if coord.steps.steps_done == saved + 1 else f"steps {saved + 1}-{coord.steps.steps_done}"
     Console(highlight=False, soft_wrap=True).print(
         f"lost: {lost} trained but not saved (the final checkpoint failed; its error is above); "
         f"a resume continues from {f'step {saved}' if saved else 'the start'}", style="bold red", markup=False)
@@ -93,9 +93,9 @@ def _print_outputs(run_dir: Path, coord: Coordinator) -> None:
     """Where the run's results are: the trained weights (the newest checkpoint) and the timeline."""
     from gyre.coordinator.resume import step_dir
 
-    if coord.checkpointed_step:
-        print(f"trained weights (step {coord.checkpointed_step}): "
-              f"{shown(step_dir(run_dir, coord.checkpointed_step) / 'trainer.pt')}", flush=True)
+    if coord.steps.checkpointed_step:
+        print(f"trained weights (step {coord.steps.checkpointed_step}): "
+              f"{shown(step_dir(run_dir, coord.steps.checkpointed_step) / 'trainer.pt')}", flush=True)
     print(f"role timeline: {shown(run_dir / 'timeline.svg')}; metrics: {shown(run_dir / 'metrics.jsonl')}",
           flush=True)
 

@@ -1,14 +1,14 @@
 """main.py: the coordinator: startup -> run (a 100 ms tick) -> shutdown, in one event loop.
 
-It owns the waterlevel counters, the dispatch queue, the trajectory buffer, the cells'
-roles and the proxy. Each tick reads them into a `schedule.State`, asks `schedule.decide`
-(the rules live there, shared with `gyre sim`) and carries the decisions out: launch
-queued executions, start a publication, start each cell's role switch (in parallel),
-let cells join the batch in flight, start a step; the run ends when the scheduler says
-it is done. Long operations run as tasks the tick starts and watches; an exception in
-any of them ends the run (a half-alive coordinator is worse than a restart). Not the
-scheduling rules, the workers' logic or the proxy's: all three are driven through their
-interfaces.
+The run's state has owners (executions.py: the executions; cells.py: the cells; steps.py:
+versions, steps, the batch in flight and publications); the Coordinator builds them, starts
+the workers, routes, proxy and sandboxes, and each tick reads the owners into a
+`schedule.State`, asks `schedule.decide` (the rules live there, shared with `gyre sim`) and
+hands each decision to its owner: launch queued executions, start a publication, start each
+cell's role switch (in parallel), let cells join the batch in flight, start a step; the run
+ends when the scheduler says it is done. Long operations run as tasks the tick watches; an
+exception in any of them ends the run (a half-alive coordinator is worse than a restart).
+Not the scheduling rules, the workers' logic or the proxy's.
 """
 
 from __future__ import annotations
@@ -34,16 +34,16 @@ from gyre.coordinator.loopprobe import LoopProbe
 from gyre.coordinator.metrics import Metrics
 from gyre.coordinator.policies import POLICIES
 from gyre.coordinator.preflight import start_proxy
-from gyre.coordinator.publisher import WeightPublisher, memcpy_seconds
+from gyre.coordinator.publisher import WeightPublisher
 from gyre.coordinator.report import StepReport
 from gyre.coordinator.routing import LinkBackend, RoutingTable
 from gyre.coordinator.sandbox import SandboxError
-from gyre.coordinator.schedule import BatchView, State, decide, topup
+from gyre.coordinator.schedule import BatchView, State, decide
 from gyre.coordinator.status import Rates, snapshot
+from gyre.coordinator.steps import Steps
 from gyre.coordinator.taskformats import load_task_source
 from gyre.coordinator.tasks import TaskSource, default_tasks
 from gyre.coordinator.trackers import Trackers
-from gyre.coordinator.training import Batch
 from gyre.coordinator.waterlevel import Waterlevel
 from gyre.proxy.chat import ChatTokenizer
 from gyre.proxy.server import ProxyConfig, ProxyServer
@@ -76,33 +76,24 @@ class Coordinator:
         self.heldout = HeldOut(load_task_source(config.eval_tasks_path), k=config.eval_k,
                                threshold=config.eval_pass_threshold,
                                first_round=rounds_in(config.run_dir) if resume else 0) if config.eval_every else None
-        self.spec = POLICIES[config.policy]
         self.wl = Waterlevel()
         self.buffer = TrajectoryBuffer(config.min_valid)
         # The cells: roles, nodes, deaths, rejoins, switches and the timeline (cells.py).
-        self.cells = Cells(list(self.spec.initial_roles(config.cells, config.async_training_cells)),
+        self.cells = Cells(list(POLICIES[config.policy].initial_roles(config.cells, config.async_training_cells)),
                            now=lambda: self.metrics.now())
-        self.version = 0  # published policy version
-        self.trainer_version = 0
-        self.steps_done = 0
-        self.steps_in_burst = 0
-        self.publications = 0
         # The run's executions: queue, tasks, statuses, dispatch, closes (executions.py).
-        self.executions = Executions(config, self.wl, self.buffer, self.tasks, self.heldout, lambda: self.version)
-        self.step_task: asyncio.Task | None = None
-        self.batch: Batch | None = None
+        self.executions = Executions(config, self.wl, self.buffer, self.tasks, self.heldout,
+                                     version=lambda: self.steps.version)
+        self.probe = LoopProbe()  # the event loop's lateness: every harness call waits on it
+        # Training's progress: versions, steps, the batch in flight, publications (steps.py).
+        self.steps = Steps(config, buffer=self.buffer, wl=self.wl, cells=self.cells, executions=self.executions,
+                           heldout=self.heldout, probe=self.probe, checkpoint=self._checkpoint,
+                           on_step=on_step)
         self.side_task: asyncio.Task | None = None  # a publication or a rejoin: weights on the move
-        self.join_tasks: dict[int, asyncio.Task] = {}  # cells joining the batch in flight
-        self.fatal: Exception | None = None  # raised by the next tick: the run cannot go on
-        self.train_busy_s: dict[int, float] = {}  # per cell: seconds in micro-steps and updates
-        self.reports: list[StepReport] = []
-        self.on_step = on_step
         self.metrics: Metrics | None = None
         self.should_exit = False  # set by SIGINT/SIGTERM: stop at the next tick, gracefully
         self.rates = Rates()
-        self.probe = LoopProbe()  # the event loop's lateness: every harness call waits on it
         self.gc = GcPolicy(config.gc_freeze_every_s)  # long-lived objects out of full collections
-        self.tokens_trained = 0
         self.cluster: LocalCluster | None = None
         # Set once the run starts (run, _startup): the workers, routes, proxy and sandboxes.
         self.link = None  # the cluster's WorkerLink
@@ -112,13 +103,15 @@ class Coordinator:
         self.sandboxes = None  # the sandbox host pool (launcher.open_sandboxes)
         self.launcher: Launcher | None = None
         self.restored: resume.Restored | None = None  # resume: what the run directory holds (resume.read)
-        self.checkpointed_step: int | None = None  # the step of the newest checkpoint, None before one
         self.stop_signal: int | None = None  # the signal that stopped the run (SIGINT, SIGTERM)
-        self.peak_rss: list[int | None] = []  # per cell, read from the workers at shutdown
 
     def status(self) -> dict:
         """The live view's data (GET /gyre/status, `gyre top`)."""
         return snapshot(self)
+
+    async def _checkpoint(self) -> None:
+        """A checkpoint of the whole run (resume.py): the core's trainer, then the state."""
+        await resume.checkpoint(self)
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -155,6 +148,7 @@ class Coordinator:
                 cells.nodes = [cluster.node_of_cell(i) for i in range(c.cells)]
                 self.weights = WeightPublisher(c, self.link, cells.nodes, cluster, cells.dead)
                 cells.link, cells.weights, cells.metrics = self.link, self.weights, self.metrics
+                self.steps.link, self.steps.weights, self.steps.metrics = self.link, self.weights, self.metrics
                 await self._startup()
                 ended = False
                 try:
@@ -162,11 +156,11 @@ class Coordinator:
                         await asyncio.sleep(TICK_S)
                     ended = True
                 finally:
-                    await self._shutdown(save=ended or isinstance(self.fatal or self.executions.fatal, InfraFailures))
-                    report.summary(self)
+                    peak_rss = await self._shutdown(save=ended or isinstance(self.executions.fatal, InfraFailures))
+                    report.summary(self, peak_rss)
         finally:
             self.metrics.close()  # also on a failed run: held events written, trackers closed
-        return self.reports
+        return self.steps.reports
 
     def _install_signal_handlers(self) -> None:
         """First SIGINT/SIGTERM: finish gracefully at the next tick. Second SIGINT: exit now."""
@@ -243,12 +237,13 @@ class Coordinator:
         self.probe.start()
         log.info("coordinator up: %d cells, policy %s, proxy %s", c.cells, c.policy, self.proxy.base_url)
 
-    async def _shutdown(self, save: bool) -> None:
+    async def _shutdown(self, save: bool) -> list[int | None]:
         """Stop everything; with `save` (the run ended, or was stopped by a signal or by
-        failing sandboxes, its workers fine) the trained steps not yet checkpointed are."""
+        failing sandboxes, its workers fine) the trained steps not yet checkpointed are.
+        Returns each cell's peak memory (None: a dead worker's), for the summary."""
         await self.probe.stop()
         await self.gc.stop()
-        await self._settle_step()
+        await self.steps.settle()
         if self.side_task is not None and not self.side_task.done():
             self.side_task.cancel()  # a publication: the next start loads the checkpoint's weights everywhere
         await self.executions.cancel_all()
@@ -260,25 +255,7 @@ class Coordinator:
         # Each live worker's peak memory, for the summary (a dead one has no answer: None).
         stats = await asyncio.gather(*(self.link.request(n, wire.Stats(), timeout=10)
                                        for n in self.cells.nodes), return_exceptions=True)
-        self.peak_rss = [s.peak_rss_bytes if isinstance(s, wire.WorkerStats) else None for s in stats]
-
-    async def _settle_step(self) -> None:
-        """The step in flight at shutdown: one whose optimizer update was sent completes (the
-        workers apply it whatever we do, so the count must follow); any other is cancelled and
-        its groups go back to the buffer, untrained."""
-        task, batch = self.step_task, self.batch
-        if task is None or task.done():
-            return
-        if batch is not None and batch.applying:
-            try:
-                await asyncio.wait_for(asyncio.shield(task), self.c.worker_call_timeout_s)
-                return
-            except Exception as e:  # noqa: BLE001 - reported; the run is ending either way
-                log.warning("the step in flight at shutdown did not complete: %s", e)
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        if batch is not None:
-            self.buffer.untake(batch.taken)
+        return [s.peak_rss_bytes if isinstance(s, wire.WorkerStats) else None for s in stats]
 
     async def _remote_relay(self, node: str, pid: int, proxy_port: int):
         """A proxy listener in a sandbox on `node`'s host, made by its workerd (relays.py):
@@ -302,134 +279,58 @@ class Coordinator:
     async def tick(self) -> bool:
         """One pass: the scheduler's decisions (schedule.py) for what the coordinator holds
         now, carried out; returns True when the run is finished."""
-        if self.fatal is not None or self.executions.fatal is not None:
-            raise self.fatal or self.executions.fatal
+        if self.executions.fatal is not None:  # too many infrastructure failures in a row
+            raise self.executions.fatal
         if self.should_exit:
             return True
         # The workers' health first: a task failed by a worker's death (a send to a dead node
         # fails at once) ends the run as that death, journaled and named, not as the bare error.
-        self.cells.watch(self.c.worker_timeout_s, training=self._in_batch)
-        for task in (self.step_task, self.side_task, *self.cells.switch_tasks.values(), *self.join_tasks.values(),
+        self.cells.watch(self.c.worker_timeout_s, training=self.steps.training)
+        for task in (self.steps.step_task, self.side_task, *self.cells.switch_tasks.values(),
+                     *self.steps.join_tasks.values(),
                      *self.executions.runs.values()):
             if task is not None and task.done() and not task.cancelled() and task.exception():
                 raise task.exception()  # a failed step, switch, publication or launch ends the run
         routes = self.table.routes.values()
-        self.rates.sample(self.metrics.now(), sum(r.tokens for r in routes), self.tokens_trained,
+        self.rates.sample(self.metrics.now(), sum(r.tokens for r in routes), self.steps.tokens_trained,
                           prefill_tokens=sum(r.prefilled for r in routes))
-        if self.cells.rejoins and self._idle(self.side_task) and self._idle(self.step_task):
+        if self.cells.rejoins and self._idle(self.side_task) and self._idle(self.steps.step_task):
             cell, node = self.cells.rejoins.popitem()  # weights on the move: never beside a step or publication
-            self.side_task = asyncio.create_task(self.cells.rejoin(cell, node, self.trainer_version),
+            self.side_task = asyncio.create_task(self.cells.rejoin(cell, node, self.steps.trainer_version),
                                                  name=f"gyre-rejoin-{cell}")
         d = decide(self.schedule_state())
         self.executions.launch(d.launch)
         self.executions.launch_eval(d.launch_eval)
         if d.publish:
-            self.side_task = asyncio.create_task(self._publish(), name="gyre-publish")
+            self.side_task = asyncio.create_task(self.steps.publish(), name="gyre-publish")
         for cell, role in d.switches:
-            self.cells.start_switch(cell, role, batch=lambda: self.batch)
+            self.cells.start_switch(cell, role, batch=lambda: self.steps.batch)
         for cell in d.joins:
-            self.join_tasks[cell] = asyncio.create_task(self._join(cell), name=f"gyre-join-{cell}")
+            self.steps.start_join(cell)
         if d.start_step:
-            self.step_task = asyncio.create_task(self._step(list(d.start_step)), name="gyre-step")
-        return d.done and not self.join_tasks
+            self.steps.start(list(d.start_step))
+        return d.done and not self.steps.join_tasks
 
     @staticmethod
     def _idle(task: asyncio.Task | None) -> bool:
         return task is None or task.done()
 
-    def batch_in_flight(self) -> Batch | None:
-        """The batch of the step under way, None between steps (the live view, release_done)."""
-        return self.batch if not self._idle(self.step_task) else None
-
     def schedule_state(self) -> State:
         """What the scheduler decides over, read from the coordinator's own objects."""
         c, counters = self.c, self.wl.c
-        batch = self.batch_in_flight()
+        steps = self.steps
+        batch = steps.in_flight()
         view = None
         if batch is not None:
-            view = BatchView(members=(*batch.participants, *sorted(self.join_tasks)), window_open=batch.window_open,
+            view = BatchView(members=(*batch.participants, *sorted(steps.join_tasks)), window_open=batch.window_open,
                              unclaimed=batch.unclaimed, pending=bool(batch.pending), packing_done=batch.packing_done)
         return State(policy=c.policy, roles=tuple(self.cells.roles), capacity=(c.exec_slots_per_cell,) * c.cells,
                      queued=counters.queued, running=counters.running, ready_groups=self.buffer.ready_count,
-                     groups_per_step=c.groups_per_step, mu=c.mu, steps=c.steps, steps_done=self.steps_done,
-                     steps_in_burst=self.steps_in_burst, async_training_cells=c.async_training_cells,
+                     groups_per_step=c.groups_per_step, mu=c.mu, steps=c.steps, steps_done=steps.steps_done,
+                     steps_in_burst=steps.steps_in_burst, async_training_cells=c.async_training_cells,
                      switching=self.cells.switching(),
                      busy=frozenset(batch.busy) if batch is not None else frozenset(),
                      dead=frozenset(self.cells.dead), no_reducer=frozenset(self.cells.no_reducer), batch=view,
                      transfer=not self._idle(self.side_task),
                      eval_queued=len(self.heldout.queue) if self.heldout else 0,
                      eval_running=len(self.heldout.running) if self.heldout else 0)
-
-    def _in_batch(self, cell: int) -> bool:
-        """The cell trains in the step in flight now (its death stops the run)."""
-        return self.batch is not None and cell in self.batch.participants and not self._idle(self.step_task)
-
-    async def _join(self, cell: int) -> None:
-        """A training cell joins the batch in flight: the core's (fixed) weights first, if
-        its trainer is behind, then it claims micro-steps."""
-        t0 = time.monotonic()
-        try:
-            nbytes = await self._level([cell])
-            if not self.link.nodes[self.cells.nodes[cell]].alive:
-                return  # died while pulling: never a participant
-            joined = self.batch.join(cell)
-            self.metrics.emit("join", cell=cell, joined=joined, seconds=round(time.monotonic() - t0, 4),
-                              bytes=nbytes, step=self.steps_done + 1)
-        finally:
-            self.join_tasks.pop(cell, None)
-
-    async def _level(self, cells: list[int]) -> int:
-        """The core's current weights to those of `cells` whose trainers are behind it."""
-        return await self.weights.level(cells, self.trainer_version)
-
-    # 3) training
-    def _new_batch(self, cells: list[int]) -> Batch:
-        return Batch(cells, link=self.link, nodes=self.cells.nodes, buffer=self.buffer, config=self.c,
-                     changed=self.executions.changed,
-                     trains=self._trains, step=self.steps_done, train_busy_s=self.train_busy_s)
-
-    def _trains(self, cell: int) -> bool:
-        return self.cells.roles[cell] == "training" and self.cells.settled(cell)
-
-    async def _step(self, cells: list[int]) -> None:
-        t0 = time.monotonic()
-        self.step_began = self.probe.now()
-        if cells != list(range(len(cells))):
-            raise RuntimeError(f"training cells {cells} are not a prefix 0..k-1 (prefix groups)")
-        self.batch = self._new_batch(cells)
-        await self._level(cells)  # a cell that trained no step of this burst yet starts level
-        await self.weights.prepare(self.trainer_version)  # while the core is idle: joins pull from there
-        res = await self.batch.run()
-        version_before = self.trainer_version
-        self.trainer_version = res.version
-        self.steps_done += 1
-        self.steps_in_burst += 1
-        satellites = [c for c in res.participants if c != 0]
-        if satellites and self.steps_in_burst < self.c.mu:  # they train the next step of the burst too
-            await self._level(satellites)
-        report.step(self, res.groups, res.executions, res.results, version_before, len(res.participants),
-                    time.monotonic() - t0, res.tokens)
-
-    # 4) publication
-    async def _publish(self) -> None:
-        """The core's weights to every engine: its own engine copies its trainer; the other
-        cells get the core's export (engines and trainers, so a later join starts level)."""
-        t0 = time.monotonic()
-        version = self.trainer_version
-        core = self.cells.nodes[0]
-        await self.link.request(core, wire.LoadWeights(version=version))
-        others = [i for i in range(1, len(self.cells.nodes)) if i not in self.cells.dead]
-        nbytes = await self.weights.push(others, engine=True, version=version)
-        self.version = version
-        self.steps_in_burst = 0
-        self.publications += 1
-        self.metrics.emit("publish", version=version, seconds=round(time.monotonic() - t0, 4), bytes=nbytes,
-                          engines=len(self.cells.nodes), transfer=(self.weights.last_transfer if nbytes else None)
-                          or self.c.weight_transfer,
-                          memcpy_seconds=round(memcpy_seconds(nbytes), 5) if nbytes else None)
-        if self.steps_done < self.c.steps:
-            self.executions.dispatch(topup(self.c.phi, self.c.mu, self.c.groups_per_step, self.publications))
-        if self.heldout is not None and self.steps_done % self.c.eval_every == 0:
-            self.heldout.dispatch(step=self.steps_done, version=version)  # the version just published
-        if self.c.checkpoint_every and self.steps_done % self.c.checkpoint_every == 0 and self.steps_done:
-            await resume.checkpoint(self)

@@ -265,7 +265,7 @@ async def checkpoint(coord) -> None:
     """The core's trainer, then the state: at a publication (no batch in flight), or at the
     end of a run (a batch in flight was cancelled and its groups given back, main.py)."""
     t0 = time.monotonic()
-    folder = step_dir(coord.c.run_dir, coord.steps_done)
+    folder = step_dir(coord.c.run_dir, coord.steps.steps_done)
     if folder.exists():  # of a stretch lost to a crash (or torn), written again now: never half old, half new
         _discard(folder)
     link = coord.link
@@ -276,7 +276,7 @@ async def checkpoint(coord) -> None:
     except Exception as e:  # the worker's error names the errno (workerd/checkpointio.py)
         _discard(folder)
         cause = named(Path(e.filename or folder), e) if isinstance(e, OSError) else e
-        raise CheckpointError(f"the checkpoint of step {coord.steps_done} failed, nothing of it kept "
+        raise CheckpointError(f"the checkpoint of step {coord.steps.steps_done} failed, nothing of it kept "
                               f"({_last_saved(coord)}): {cause}") from None
     try:  # the journal and the records the state will name, on disk (fsync) before the state says so
         coord.metrics.sync()
@@ -284,23 +284,23 @@ async def checkpoint(coord) -> None:
     except JournalError as e:
         _discard(folder)
         log.warning("checkpoint of step %d not completed: the journal cannot be synced (%s); the next one retries",
-                    coord.steps_done, e)
+                    coord.steps.steps_done, e)
         return
     try:
         _write_state(coord, folder)
     except OSError as e:
         _discard(folder)
-        raise CheckpointError(f"the checkpoint of step {coord.steps_done} failed, nothing of it kept "
+        raise CheckpointError(f"the checkpoint of step {coord.steps.steps_done} failed, nothing of it kept "
                               f"({_last_saved(coord)}): {named(Path(e.filename or folder), e)}") from None
-    coord.checkpointed_step = coord.steps_done
-    pruned = prune_checkpoints(coord.c.run_dir, coord.steps_done, coord.c.keep_checkpoints)
-    coord.metrics.emit("checkpoint", step=coord.steps_done, version=coord.version, path=str(folder),
+    coord.steps.checkpointed_step = coord.steps.steps_done
+    pruned = prune_checkpoints(coord.c.run_dir, coord.steps.steps_done, coord.c.keep_checkpoints)
+    coord.metrics.emit("checkpoint", step=coord.steps.steps_done, version=coord.steps.version, path=str(folder),
                        seconds=round(time.monotonic() - t0, 3), **({"deleted": pruned} if pruned else {}))
     release_done(coord)
 
 
 def _last_saved(coord) -> str:
-    return f"the last is step {coord.checkpointed_step}" if coord.checkpointed_step else "none saved yet"
+    return f"the last is step {coord.steps.checkpointed_step}" if coord.steps.checkpointed_step else "none saved yet"
 
 
 def _discard(folder: Path) -> None:
@@ -314,14 +314,14 @@ def _discard(folder: Path) -> None:
 
 
 def _write_state(coord, folder: Path) -> None:
-    write_state(coord.c.run_dir, coord.steps_done, {
-        "step": coord.steps_done, "version": coord.version, "publications": coord.publications,
-        "steps_in_burst": coord.steps_in_burst, "groups_dispatched": coord.executions.groups_dispatched,
+    write_state(coord.c.run_dir, coord.steps.steps_done, {
+        "step": coord.steps.steps_done, "version": coord.steps.version, "publications": coord.steps.publications,
+        "steps_in_burst": coord.steps.steps_in_burst, "groups_dispatched": coord.executions.groups_dispatched,
         "replacements": coord.executions.replacements,
         "consumed": sorted(g.id for g in coord.buffer.groups.values() if g.state == "consumed"),
         # Groups of a lost stretch not dispatched again yet (see restore): still held.
         "held": [ev["group"] for ev in coord.executions.held],
-        "tasks": coord.tasks.state(), "tokens_trained": coord.tokens_trained})
+        "tasks": coord.tasks.state(), "tokens_trained": coord.steps.tokens_trained})
 
 
 def release_done(coord) -> int:
@@ -329,7 +329,7 @@ def release_done(coord) -> int:
     records on disk: those of trained (consumed) and dropped groups, and of complete held-out
     rounds. Their trees and call records stayed in the proxy otherwise, for the whole run
     (bench/soak.py: the coordinator grew with every execution). Returns how many went."""
-    batch = coord.batch_in_flight()
+    batch = coord.steps.in_flight()
     packing = {g.id for g in batch.taken} if batch is not None else set()  # a step in flight still reads them
     runs = [r for g in coord.buffer.groups.values()
             if g.state in ("consumed", "dropped") and g.id not in packing for r in g.runs]
@@ -347,15 +347,15 @@ def release_done(coord) -> int:
 async def final_checkpoint(coord) -> None:
     """Every end keeps what was trained: a checkpoint of the last step, unless one exists
     (main.py's shutdown, after the step in flight was settled)."""
-    if not coord.steps_done or coord.checkpointed_step == coord.steps_done or 0 in coord.cells.dead:
+    if not coord.steps.steps_done or coord.steps.checkpointed_step == coord.steps.steps_done or 0 in coord.cells.dead:
         return
     try:
         await checkpoint(coord)
     except Exception as e:  # noqa: BLE001 - the run's own error (if any) matters more
-        log.error("the final checkpoint (step %d) failed: %s", coord.steps_done, e)
+        log.error("the final checkpoint (step %d) failed: %s", coord.steps.steps_done, e)
         return
-    log.info("checkpoint of step %d saved: %s", coord.steps_done,
-             step_dir(coord.c.run_dir, coord.steps_done) / "trainer.pt")
+    log.info("checkpoint of step %d saved: %s", coord.steps.steps_done,
+             step_dir(coord.c.run_dir, coord.steps.steps_done) / "trainer.pt")
 
 
 async def restore(coord) -> None:
@@ -374,22 +374,22 @@ async def restore(coord) -> None:
         path = str(folder / "trainer.pt")
         loaded = await link.request(core, wire.LoadCheckpoint(path=path),
                                     timeout=coord.c.checkpoint_timeout_s)
-        coord.trainer_version = coord.version = loaded.version
-        coord.checkpointed_step = st["step"]
+        coord.steps.trainer_version = coord.steps.version = loaded.version
+        coord.steps.checkpointed_step = st["step"]
     else:  # no checkpoint yet: the model directory's weights, which every cell loaded at start
-        coord.trainer_version = coord.version = 0
-    coord.steps_done, coord.publications = st["step"], st["publications"]
-    coord.steps_in_burst = st.get("steps_in_burst", 0)
-    if coord.steps_in_burst >= coord.c.mu:
+        coord.steps.trainer_version = coord.steps.version = 0
+    coord.steps.steps_done, coord.steps.publications = st["step"], st["publications"]
+    coord.steps.steps_in_burst = st.get("steps_in_burst", 0)
+    if coord.steps.steps_in_burst >= coord.c.mu:
         # Stopped after a burst's last step, before its publication: loading the trainer's
         # weights into every engine below is that publication (its dispatch follows).
-        coord.publications += 1
-        coord.steps_in_burst = 0
-    coord.tokens_trained = st.get("tokens_trained", 0)
-    coord.weights.forget(coord.version)
+        coord.steps.publications += 1
+        coord.steps.steps_in_burst = 0
+    coord.steps.tokens_trained = st.get("tokens_trained", 0)
+    coord.weights.forget(coord.steps.version)
     if folder is not None:
-        await link.request(core, wire.LoadWeights(version=coord.version))
-        await coord.weights.push(list(range(1, len(coord.cells.nodes))), engine=True, version=coord.version)
+        await link.request(core, wire.LoadWeights(version=coord.steps.version))
+        await coord.weights.push(list(range(1, len(coord.cells.nodes))), engine=True, version=coord.steps.version)
     if st["tasks"] is not None:  # else the task source is at its start, as the run was
         try:
             coord.tasks.restore(st["tasks"])
@@ -403,7 +403,8 @@ async def restore(coord) -> None:
     # one checkpointed at its last step and extended with `--steps` dispatches its next
     # groups now, or it would wait for groups forever.
     scheduled = st["groups_dispatched"] - len(held) - ex.replacements  # boundary dispatches so far
-    short = coord.c.dispatch_target(coord.publications) - scheduled if coord.steps_done < coord.c.steps else 0
+    steps = coord.steps
+    short = coord.c.dispatch_target(steps.publications) - scheduled if steps.steps_done < coord.c.steps else 0
     while short > 0 and ex.held:
         group, k, r = ex.release(ex.held.popleft())
         restored, redone = restored + k, redone + r
@@ -411,12 +412,12 @@ async def restore(coord) -> None:
             ex.replacements += 1
         else:
             short -= 1
-    coord.metrics.emit("resume", step=coord.steps_done, version=coord.version,
+    coord.metrics.emit("resume", step=coord.steps.steps_done, version=coord.steps.version,
                        checkpoint=str(folder) if folder is not None else None,
                        executions_restored=restored, executions_redispatched=redone,
                        groups=len(dispatches) - len(consumed & set(dispatches)), groups_held=len(ex.held))
     log.info("resumed at step %d (version %d, %s): %d closed executions restored, %d dispatched again%s",
-             coord.steps_done, coord.version,
+             coord.steps.steps_done, coord.steps.version,
              folder.name if folder is not None else "no checkpoint yet: from the start",
              restored, redone, f", {len(ex.held)} groups held for later publications" if ex.held else "")
     if short > 0:

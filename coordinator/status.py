@@ -51,7 +51,7 @@ def snapshot(coord) -> dict:
     """Everything the live view shows, as plain data (times: seconds since the run started)."""
     c, wl = coord.c, coord.wl.c
     now = coord.metrics.now() if coord.metrics else 0.0
-    batch = coord.batch_in_flight()
+    batch = coord.steps.in_flight()
     routes = coord.table.routes if coord.table else {}
     links = coord.link.nodes if coord.link else {}
     cells = []
@@ -80,14 +80,15 @@ def snapshot(coord) -> dict:
     rollout_tps, train_tps = coord.rates.per_second()
     # Prefill is unknown (None), not 0, until an engine has said what it reused.
     prefill_tps = coord.rates.prefill_per_second() if any(r.prefill_reports for r in routes.values()) else None
-    last = coord.reports[-1] if coord.reports else None
+    last = coord.steps.reports[-1] if coord.steps.reports else None
     return {
         "t": now, "wall": time.time(), "policy": c.policy, "run_dir": str(c.run_dir),
-        "state": "finishing" if coord.should_exit or coord.steps_done >= c.steps else "running",
+        "state": "finishing" if coord.should_exit or coord.steps.steps_done >= c.steps else "running",
         "proxy": coord.proxy.base_url if coord.proxy else None,
-        "steps": {"done": coord.steps_done, "target": c.steps},
-        "version": coord.version, "trainer_version": coord.trainer_version,
-        "burst": {"steps": coord.steps_in_burst, "mu": c.mu, "phi": c.phi, "publications": coord.publications},
+        "steps": {"done": coord.steps.steps_done, "target": c.steps},
+        "version": coord.steps.version, "trainer_version": coord.steps.trainer_version,
+        "burst": {"steps": coord.steps.steps_in_burst, "mu": c.mu, "phi": c.phi,
+                  "publications": coord.steps.publications},
         "waterlevel": {"queued": wl.queued, "running": wl.running, "finished": wl.f, "d": wl.d, "p": wl.p,
                        "f": wl.f, "level": wl.waterlevel},
         "ready_groups": coord.buffer.ready_count,

@@ -88,7 +88,7 @@ def test_up_takes_sandbox_and_tasks(tmp_path, monkeypatch):
 def test_a_step_of_equal_rewards_says_it_trained_nothing_and_why():
     from gyre.cli.up import _why_flat
     from gyre.coordinator.buffer import Execution, Group
-    from gyre.coordinator.report import StepReport, _equal_rewards
+    from gyre.coordinator.report import StepReport, equal_rewards
     from gyre.coordinator.waterlevel import Waterlevel
 
     wl = Waterlevel()
@@ -101,7 +101,7 @@ def test_a_step_of_equal_rewards_says_it_trained_nothing_and_why():
             g.runs.append(Execution(f"e{i}", 0, i, None, tracked, 0, status="completed", reward=r, valid=True))
         return g
 
-    assert _equal_rewards(group([0.25, 0.25, 0.25])) and not _equal_rewards(group([0.25, 0.3, 0.25]))
+    assert equal_rewards(group([0.25, 0.25, 0.25])) and not equal_rewards(group([0.25, 0.3, 0.25]))
     report = StepReport(step=1, version=1, reward_mean=0.25, reward_valid_frac=1.0, staleness_mean=0.0, groups=2,
                         executions=6, tokens_trained=0, cells_training=1, loss=0.0, seconds=1.0,
                         equal_reward_groups=2)

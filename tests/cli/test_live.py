@@ -189,16 +189,13 @@ class Coordinator:
         self.c = NS(policy="elastic", run_dir="runs/x", steps=3, mu=1, phi=0.0)
         self.wl = NS(c=Counters(d=16, p=16, f=0))
         self.metrics, self.rates, self.table = NS(now=lambda: 40.0), Rates(), table
-        self.batch = self.step_task = self.link = self.proxy = self.launcher = None
+        self.link = self.proxy = self.launcher = None
         self.cells = NS(roles=["rollout", "rollout"], nodes=["a", "b"], switches=[], settled=lambda cell: True,
                         history=[[(0.0, "rollout")], [(0.0, "rollout")]])
-        self.reports, self.executions = [], NS(status_counts={})
-        self.should_exit, self.steps_done, self.version, self.trainer_version = False, 0, 0, 0
-        self.steps_in_burst = self.publications = 0
+        self.steps = NS(reports=[], steps_done=0, version=0, trainer_version=0, steps_in_burst=0, publications=0,
+                        in_flight=lambda: None)
+        self.executions, self.should_exit = NS(status_counts={}), False
         self.buffer, self.probe, self.gc = NS(ready_count=0), NS(samples=[]), NS(status=lambda: {})
-
-    def batch_in_flight(self):
-        return None
 
 
 async def test_a_call_in_prefill_is_in_flight_awaiting_and_counts_its_prefill_at_its_first_token():

@@ -45,16 +45,17 @@ def mirror(coord: Coordinator, s: State, pending: asyncio.Future) -> None:
     coord.cells.roles = list(s.roles)
     coord.cells.dead, coord.cells.no_reducer = set(s.dead), set(s.no_reducer)
     coord.cells.switch_tasks = {c: pending for c in s.switching}
-    coord.steps_done, coord.steps_in_burst = s.steps_done, s.steps_in_burst
+    steps = coord.steps
+    steps.steps_done, steps.steps_in_burst = s.steps_done, s.steps_in_burst
     coord.side_task = pending if s.transfer else None
-    coord.batch, coord.step_task = None, None
+    steps.batch, steps.step_task = None, None
     if s.batch is not None:
         b = s.batch
-        batch = coord._new_batch(list(b.members))
+        batch = steps.new_batch(list(b.members))
         batch.packing_done = b.packing_done
         batch.pending = deque([None] * (b.unclaimed - (0 if b.packing_done else 1)))
         batch.busy = set(s.busy)
-        coord.batch, coord.step_task = batch, pending
+        steps.batch, steps.step_task = batch, pending
 
 
 @pytest.mark.parametrize("policy,phi,mu", [("elastic", 0.5, 3), ("elastic", 0.0, 1), ("colocate", 0.0, 2),
