@@ -65,7 +65,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.faults, pytest.mark.timeout(300)]
 
 
 def write_config(folder: Path, tiny_dir: Path, *, worker_timeout_s: float, steps: int,
-                 checkpoint_every: int = 1) -> Path:
+                 checkpoint_every: int = 1, workers: str = "local") -> Path:
     ev = {"type": "command", "argv": EVAL}
     tasks = folder / "tasks.jsonl"
     # Two tasks: every pass of the (shuffled) set is one step's two groups, so each step has
@@ -80,7 +80,7 @@ def write_config(folder: Path, tiny_dir: Path, *, worker_timeout_s: float, steps
                    f'checkpoint_every = {checkpoint_every}\n'
                    f'harness = {json.dumps(HARNESS)}\ntasks_path = "{tasks}"\nmodel_dir = "{tiny_dir}"\n'
                    f'default_max_tokens = 8\nworker_timeout_s = {worker_timeout_s}\n'
-                   f'reward_range = {list(REWARD_RANGE)}\n')
+                   f'reward_range = {list(REWARD_RANGE)}\nworkers = "{workers}"\n')
     return cfg
 
 
@@ -298,6 +298,7 @@ class Case:
     target: int | None = None  # the workerd's cell
     worker_timeout_s: float = 3.0
     checkpoint_every: int = 1  # 5 (the default) for Ctrl-C: step 1 is saved by the stop's final checkpoint or lost
+    workers: str = "local"  # inproc: the workers are threads of the coordinator, in its process group
     observed: dict = field(default_factory=dict)
 
     @property
@@ -339,8 +340,10 @@ CASES = [
     Case("coordinator-term", "publication", None, 10.0),
     Case("terminal-int", "rollout", checkpoint_every=5), Case("terminal-int", "training", checkpoint_every=5),
     Case("terminal-int", "publication", None, 10.0, checkpoint_every=5),
+    Case("terminal-int", "training", checkpoint_every=5, workers="inproc"),
 ]
-IDS = [f"{c.fault}-{c.phase}" + (f"-cell{c.target}" if c.target is not None else "") for c in CASES]
+IDS = [f"{c.fault}-{c.phase}" + (f"-cell{c.target}" if c.target is not None else "")
+       + (f"-{c.workers}" if c.workers != "local" else "") for c in CASES]
 
 
 def at_phase(case: Case, run: Path, up: Up) -> dict:
@@ -487,7 +490,7 @@ def one_line_error(up: Up, *words: str) -> str:
 def test_fault_matrix(case: Case, tiny_dir, tmp_path):
     run = tmp_path / "run"
     cfg = write_config(tmp_path, tiny_dir, worker_timeout_s=case.worker_timeout_s, steps=case.steps,
-                       checkpoint_every=case.checkpoint_every)
+                       checkpoint_every=case.checkpoint_every, workers=case.workers)
     up = Up([str(cfg), "--run-dir", str(run)])
     coordinators = [up.proc.pid]
     resumed: Up | None = None
