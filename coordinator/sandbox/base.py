@@ -26,6 +26,19 @@ from typing import BinaryIO
 
 from gyre.workerd.wire import GyreError
 
+OUTPUT_TAIL = 64 * 1024  # what of a command's output is kept when it goes to no log
+
+
+def keep_output(chunk: bytes, log: BinaryIO | None, tail: bytearray) -> None:
+    """One chunk of a command's output: into `log`, else into `tail`, of which the last
+    OUTPUT_TAIL bytes are kept (the engine's exec and the process backend alike)."""
+    if log is not None:
+        log.write(chunk)
+        log.flush()
+    else:
+        tail += chunk
+        del tail[:-OUTPUT_TAIL]
+
 LABEL_RUN = "gyre.run"  # the run's id (rundir.run_id): which run a sandbox belongs to
 LABEL_RUN_DIR = "gyre.run_dir"  # the run directory: the reaper asks whether its run is alive
 LABEL_OWNER = "gyre.owner"  # a token per coordinator process: sandboxes of an earlier process are orphans

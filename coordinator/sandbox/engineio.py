@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
-OUTPUT_TAIL = 64 * 1024  # what of a command's output is kept when it goes to no log
+from gyre.coordinator.sandbox.base import keep_output
 
 
 def api_error() -> tuple[type[BaseException], ...]:
@@ -65,12 +65,7 @@ def own_thread(fn, *args) -> asyncio.Future:
 def follow(stream, log: BinaryIO | None, tail: bytearray) -> None:
     """A command's output as it comes: into `log`, else its last OUTPUT_TAIL bytes into `tail`."""
     for chunk in stream:
-        if log is not None:
-            log.write(chunk)
-            log.flush()
-        else:
-            tail += chunk
-            del tail[:-OUTPUT_TAIL]
+        keep_output(chunk, log, tail)
 
 
 def tar_into(f: BinaryIO, src: Path, arcname: str, owners: Mapping[str, tuple[int, int]] | None,

@@ -36,11 +36,11 @@ from gyre.coordinator.sandbox.base import (
     SandboxBackend,
     SandboxError,
     SandboxSpec,
+    keep_output,
 )
 from gyre.coordinator.sandbox.files import copy_capped
 
 log = logging.getLogger("gyre.coordinator")
-OUTPUT_TAIL = 64 * 1024
 READ_GRACE_S = 5.0  # output still coming once the command has ended is read this long, then dropped
 KILL_ROUNDS = 100  # `cancel` sweeps for marked processes until one finds none, at most this often
 ENV_OWNER, ENV_RUN_DIR, ENV_PROCESS = "GYRE_SANDBOX_OWNER", "GYRE_SANDBOX_RUN_DIR", "GYRE_SANDBOX_PROCESS"
@@ -56,12 +56,7 @@ async def _read_tail(stream: asyncio.StreamReader | None, log: BinaryIO | None, 
     if stream is None:
         return
     while chunk := await stream.read(65536):
-        if log is not None:
-            log.write(chunk)
-            log.flush()
-        else:
-            tail += chunk
-            del tail[:-OUTPUT_TAIL]
+        keep_output(chunk, log, tail)
 
 
 def exit_of(pid: int) -> asyncio.Future:
