@@ -43,11 +43,10 @@ from gyre.proxy import api_openai
 from gyre.proxy.admission import admit
 from gyre.proxy.backend import GenParams
 from gyre.proxy.chat import ChatTokenizer
-from gyre.proxy.parser import OutputParser
 from gyre.proxy.recorder import Recorder
 from gyre.proxy.roles import GenericRule
 from gyre.proxy.server import ProxyConfig, ProxyServer
-from gyre.proxy.types import ChatRequest, ChatResult, Message, ToolCall, ToolSpec, Usage
+from gyre.proxy.types import ChatRequest, ChatResult, Message, ToolCall, ToolSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the in-process backend
 from tests.support import ThreadEngineBackend  # noqa: E402 - test scaffolding, not part of the package
@@ -277,17 +276,8 @@ async def part1(tok: ChatTokenizer, sizes: dict[str, tuple[int, int]], verbose: 
 
 
 def record(ex: Recorder, req: ChatRequest, text: str, tok: ChatTokenizer) -> ChatResult:
-    """Complete the call whose prompt was just prepared, as the server would."""
-    prep = ex.prepare(req, {})
-    ids = tok.encode(text) + [STOP]
-    parser = OutputParser(tok.decode, stop_token_ids=tok.stop_token_ids, tool_open=tok.tool_call_open,
-                          tool_close=tok.tool_call_close, new_call_id=api_openai.new_tool_call_id)
-    parser.feed(ids)
-    parser.finish()
-    result = ChatResult("r", "m", parser.content, parser.tool_calls, "stop", Usage(len(prep.prompt_ids), len(ids)))
-    ex.complete(prep, output_ids=ids, logprobs=[-0.5] * len(ids), versions=[0] * len(ids), finish_reason="stop",
-                status="ok", engine="bench", result=result, request=req)
-    return result
+    """Prepare the call and record `text` as its output, as the server would."""
+    return ex.record_reply(req, tok.encode(text) + [STOP], engine="bench")[0]
 
 
 def repeated_replies(tok: ChatTokenizer, calls: int) -> dict:

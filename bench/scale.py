@@ -6,7 +6,7 @@ every --gc-freeze-every-s, the preload standing for the hours before the window)
 scripted responder: every call is answered at once, in the loop, with one short tool call and
 its log-probs (no model). Before the timed window each execution is driven in-process through
 the public paths a call takes (api_openai.parse_request with the execution's memo,
-Recorder.prepare / complete, render_result) to a random point of its life: up to two earlier
+Recorder.record_reply, render_result) to a random point of its life: up to two earlier
 contexts compacted at 0.5-1x --max-context, a current main context uniform in
 [0, --max-context], up to five sub-agents. Its main history then goes to a client process that,
 over real HTTP, sends a few idle calls one at a time and then a fixed total call rate for
@@ -91,10 +91,8 @@ except ImportError:  # older code: CPython's default
 from gyre.proxy.admission import admit
 from gyre.proxy.backend import Chunk
 from gyre.proxy.chat import ChatTokenizer
-from gyre.proxy.parser import OutputParser
 from gyre.proxy.recorder import Recorder
 from gyre.proxy.server import ProxyConfig, ProxyServer
-from gyre.proxy.types import ChatResult, Usage
 from gyre.workerd import wire
 
 MODEL = "gyre-policy"
@@ -203,20 +201,10 @@ class Life:
         ex, tok = self.ex, self.tok
         req = api_openai.parse_request({"model": MODEL, "messages": list(msgs), "tools": TOOLS}, {},
                                        memo=ex.parse_memo)
-        prep = ex.prepare(req, {})
-        ids = tok.encode(output) + [self.stop]
-        parser = OutputParser(tok.decode, stop_token_ids=tok.stop_token_ids, tool_open=tok.tool_call_open,
-                              tool_close=tok.tool_call_close, new_call_id=api_openai.new_tool_call_id)
-        parser.feed(ids)
-        parser.finish()
-        finish = "tool_calls" if parser.tool_calls else "stop"
-        result = ChatResult(api_openai.new_response_id(), MODEL, parser.content, parser.tool_calls, finish,
-                            Usage(len(prep.prompt_ids), len(ids)))
-        ex.complete(prep, output_ids=ids, logprobs=[-0.5] * len(ids), versions=[0] * len(ids), finish_reason=finish,
-                    status="ok", engine="bench", result=result, request=req)
+        result, _ = ex.record_reply(req, tok.encode(output) + [self.stop], engine="bench")
         self.calls += 1
         reply = reserialise(api_openai.render_result(result, req)["choices"][0]["message"])
-        return reply, len(prep.prompt_ids) + len(ids)
+        return reply, result.usage.input_tokens + result.usage.output_tokens
 
     def tool_turn(self) -> str:
         rng = self.rng

@@ -23,10 +23,9 @@ from aiohttp import web
 from gyre.proxy import api_anthropic
 from gyre.proxy.backend import BackendUnavailable, EngineRefused, GenParams
 from gyre.proxy.connections import HttpError
-from gyre.proxy.parser import OutputParser
-from gyre.proxy.recorder import Prepared, Recorder
+from gyre.proxy.recorder import Prepared, Recorder, output_parser, parsed_result
 from gyre.proxy.records import JournalError
-from gyre.proxy.types import ChatRequest, ChatResult, Usage
+from gyre.proxy.types import ChatRequest, ChatResult
 
 if TYPE_CHECKING:
     from gyre.proxy.server import ProxyServer
@@ -44,9 +43,7 @@ class ProxiedCall:
         # The run's sampling, whatever the harness asked (its values go into the record).
         self.params = GenParams(max_new_tokens=max_new, temperature=server.config.temperature,
                                 top_p=server.config.top_p, stop_token_ids=tuple(sorted(tok.stop_token_ids)))
-        self.parser = OutputParser(tok.decode, stop_token_ids=tok.stop_token_ids, tool_open=tok.tool_call_open,
-                                   tool_close=tok.tool_call_close, new_call_id=api.new_tool_call_id,
-                                   stop_strings=req.stop)
+        self.parser = output_parser(tok, req, api.new_tool_call_id)
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
@@ -133,10 +130,7 @@ class ProxiedCall:
         return len(self.ids) if self.parser.kept is None else self.parser.kept
 
     def _result(self) -> ChatResult:
-        reason = "tool_calls" if self.parser.tool_calls else self.finish
-        return ChatResult(id=self.response_id, model=self.req.model, content=self.parser.content,
-                          tool_calls=list(self.parser.tool_calls), finish_reason=reason,
-                          usage=Usage(len(self.prep.prompt_ids), self.kept))
+        return parsed_result(self.parser, self.req, self.response_id, self.finish, len(self.prep.prompt_ids), self.kept)
 
     async def _stop_early(self) -> bool:
         """A stop string matched: abort generation; the output ends here."""

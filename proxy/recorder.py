@@ -4,10 +4,12 @@
 the matched prefix, fresh tokens only for new segments) and `complete()` records the
 model's output as a policy node with its behaviour log-probs and versions. Recorded
 outputs are found again by tool-call id (the harness may re-serialise the arguments) or
-by their text. A call's lines go to the files together or not at all (records.Journal):
-a write that fails (a full disk) takes back what the call added to the tree and raises
-JournalError, so memory and files always agree. Not HTTP and not the engine: server.py
-drives both.
+by their text. `record_reply()` does both halves for a whole output without the server
+(benches, tests), parsing and answering it with the pieces call.py uses, `output_parser()`
+and `parsed_result()`. A call's lines go to the files together or not at all
+(records.Journal): a write that fails (a full disk) takes back what the call added to the
+tree and raises JournalError, so memory and files always agree. Not HTTP and not the
+engine: server.py drives both.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import logging
 import random
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,15 +26,18 @@ from typing import Any
 import numpy as np
 import orjson
 
+from gyre.proxy import api_anthropic, api_openai, api_responses
 from gyre.proxy.admission import J_MAX, Rows, Trajectory, admit, materialise
 from gyre.proxy.chat import ChatTokenizer, Ref, display_key, token_chars
+from gyre.proxy.parser import OutputParser
 from gyre.proxy.records import Journal, JournalError, sync_dir
 from gyre.proxy.roles import CallInfo, RoleRule, delegation_prompt
 from gyre.proxy.segmenter import Segmenter
 from gyre.proxy.tree import Node, Tree
-from gyre.proxy.types import ChatRequest, ChatResult, ContextOverflow, ParseMemo
+from gyre.proxy.types import ChatRequest, ChatResult, ContextOverflow, ParseMemo, Usage
 
 log = logging.getLogger("gyre.proxy")
+APIS = {api.NAME: api for api in (api_openai, api_anthropic, api_responses)}  # ChatRequest.api -> its module
 
 
 @dataclass(slots=True)
@@ -310,6 +316,30 @@ class Recorder:
         self.calls.append(record)
         return record
 
+    def record_reply(self, req: ChatRequest, output_ids: list[int], *, prep: Prepared | None = None,
+                     finish: str = "stop", logprobs: list[float] | None = None, versions: list[int] | None = None,
+                     engine: str = "scripted", new_call_id: Callable[[], str] | None = None,
+                     sampling: dict | None = None, cached_tokens: int | None = None,
+                     prefill_tokens: int | None = None) -> tuple[ChatResult, dict]:
+        """Record `output_ids` as the model's whole output for `req` (prepared here, unless `prep`
+        is), as the server records a call that ended normally (`finish`: the engine's stop or
+        length): parsed by the server's parser (tool calls, stop strings; tool-call ids from
+        `new_call_id`, else the API's), only the tokens the answer kept. Log-probs -0.5 and
+        version 0 unless given. Returns what the harness is answered and the call's record."""
+        prep = prep if prep is not None else self.prepare(req, {})
+        api = APIS[req.api]
+        parser = output_parser(self.tokenizer, req, new_call_id or api.new_tool_call_id)
+        parser.feed(list(output_ids))
+        parser.finish()
+        n = len(output_ids) if parser.kept is None else parser.kept
+        result = parsed_result(parser, req, api.new_response_id(), finish, len(prep.prompt_ids), n)
+        record = self.complete(prep, output_ids=list(output_ids[:n]), logprobs=list(logprobs or [-0.5] * n)[:n],
+                               versions=list(versions or [0] * n)[:n], finish_reason=result.finish_reason,
+                               status="ok", engine=engine, result=result, request=req,
+                               invalid_tool_calls=parser.invalid_tool_calls, sampling=sampling,
+                               cached_tokens=cached_tokens, prefill_tokens=prefill_tokens)
+        return result, record
+
     def _call_record(self, prep: Prepared, request: ChatRequest, *, status: str, finish_reason: str, engine: str,
                      result: ChatResult | None, out_node: int | None, output_ids: list[int], versions: list[int],
                      invalid_tool_calls: int, cached_tokens: int | None, prefill_tokens: int | None,
@@ -426,6 +456,21 @@ class Recorder:
             log.warning("execution %s: its closing summary was not written: %s", self.id, e)
         for j in self._journals.values():
             j.close()  # kept: sync() still reaches the files
+
+
+def output_parser(tok: ChatTokenizer, req: ChatRequest, new_call_id: Callable[[], str]) -> OutputParser:
+    """A call's output parser as the server wires it: the tokenizer's stop tokens and tool-call
+    tags, the client's stop strings, tool-call ids from `new_call_id` (the API's)."""
+    return OutputParser(tok.decode, stop_token_ids=tok.stop_token_ids, tool_open=tok.tool_call_open,
+                        tool_close=tok.tool_call_close, new_call_id=new_call_id, stop_strings=req.stop)
+
+
+def parsed_result(parser: OutputParser, req: ChatRequest, response_id: str, finish: str, prompt_tokens: int,
+                  kept: int) -> ChatResult:
+    """A call's answer from its parsed output: finish_reason tool_calls when it made any, else
+    the engine's `finish`; `kept` the output tokens that count (OutputParser.kept)."""
+    return ChatResult(id=response_id, model=req.model, content=parser.content, tool_calls=list(parser.tool_calls),
+                      finish_reason="tool_calls" if parser.tool_calls else finish, usage=Usage(prompt_tokens, kept))
 
 
 def _dumps(obj: Any) -> bytes:

@@ -18,7 +18,7 @@ from gyre.coordinator.metrics import Metrics
 from gyre.proxy.recorder import Recorder
 from gyre.proxy.records import load_execution
 from gyre.proxy.roles import GenericRule
-from gyre.proxy.types import ChatRequest, ChatResult, Message, Usage
+from gyre.proxy.types import ChatRequest, Message
 
 runner = CliRunner()
 
@@ -45,12 +45,9 @@ def record(run: Path, tok, ex_id: str, turns: int) -> None:
         req = ChatRequest(api="openai", model="m", messages=list(messages))
         prep = ex.prepare(req, {})
         reply = f"turn {i} of {ex_id}"
-        ids = tok.encode(reply) + tok.encode("<|im_end|>")
-        result = ChatResult("r", "m", reply, [], "stop", Usage(len(prep.prompt_ids), len(ids)))
         new = prep.new_tokens  # what the engine computed; the rest it held from the previous turn
-        ex.complete(prep, output_ids=ids, logprobs=[-1.0] * len(ids), versions=[0] * len(ids), finish_reason="stop",
-                    status="ok", engine="t", result=result, request=req, cached_tokens=len(prep.prompt_ids) - new,
-                    prefill_tokens=new)
+        ex.record_reply(req, tok.encode(reply) + tok.encode("<|im_end|>"), prep=prep,
+                        cached_tokens=len(prep.prompt_ids) - new, prefill_tokens=new)
         messages += [Message("assistant", reply), Message("user", "Continue.")]
     ex.close()
 

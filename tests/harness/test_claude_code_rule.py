@@ -16,23 +16,24 @@ import pytest
 from gyre.proxy import api_anthropic
 from gyre.proxy.recorder import Recorder
 from gyre.proxy.roles import CallInfo, ClaudeCodeRule, GenericRule
-from gyre.proxy.types import ChatResult, ToolCall, Usage
+from gyre.proxy.types import ToolCall
+from tests.scripted import tool_call
 
 FIXTURES = json.loads((Path(__file__).parent / "fixtures" / "claude_code_requests.json").read_text())
 
 
-def replay(tokenizer, recorded: list[dict], *, rule=None, outputs: dict[int, ChatResult] | None = None):
-    """Prepare each request in turn (and complete it, with `outputs[i]` when given)."""
+def replay(tokenizer, recorded: list[dict], *, rule=None, outputs: dict[int, ToolCall] | None = None):
+    """Prepare each request in turn and complete it: the model's text for the tool call
+    `outputs[i]` (answered with its id) when given, else "ok"."""
     ex = Recorder("x", "k", tokenizer, rule or ClaudeCodeRule())
     roles = []
     for i, r in enumerate(recorded):
         req = api_anthropic.parse_request(r["body"], r["headers"])
         prep = ex.prepare(req, r["headers"])
         roles.append(prep.role)
-        result = (outputs or {}).get(i)
-        ids = tokenizer.encode(result.content or "ok" if result else "ok")
-        ex.complete(prep, output_ids=ids, logprobs=[0.0] * len(ids), versions=[0] * len(ids), finish_reason="stop",
-                    status="ok", engine="t", result=result, request=req)
+        call = (outputs or {}).get(i)
+        text = tool_call(call.name, **json.loads(call.arguments)) if call else "ok"
+        ex.record_reply(req, tokenizer.encode(text), prep=prep, new_call_id=lambda call=call: call.id)
     return ex, roles
 
 
@@ -59,10 +60,7 @@ def test_subagent_by_delegation_alone(chat_tokenizer):
         r["headers"].pop("x-claude-code-agent-id", None)
         for block in r["body"]["system"]:
             block["text"] = block["text"].replace(" cc_is_subagent=true;", "")
-    call = agent_call(recorded)
-    result = ChatResult(id="m", model="m", content="", tool_calls=[call], finish_reason="tool_calls",
-                        usage=Usage(0, 0))
-    ex, roles = replay(chat_tokenizer, recorded, outputs={0: result})
+    ex, roles = replay(chat_tokenizer, recorded, outputs={0: agent_call(recorded)})
     assert roles == ["main", "sub-agent", "sub-agent", "main"]
     assert [c.get("delegated_by") for c in ex.calls] == [None, "x-c00001", "x-c00001", None]
     # Without the Agent call on record there is nothing to match: main (a new root).

@@ -10,9 +10,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from gyre.proxy import api_openai
 from gyre.proxy.admission import admit, materialise
-from gyre.proxy.parser import OutputParser
 from gyre.proxy.recorder import Recorder
 from gyre.proxy.roles import PRIORITY, GenericRule
 from gyre.proxy.tree import Tree
@@ -64,19 +62,11 @@ def run_call(ex: Recorder, tok, h: Harness, out, rng: random.Random, checks: lis
         checks.append(prep.prompt_ids[: len(p) + len(o)].tolist() == p + o)
         checks.append(prep.path[: len(h.last_path)] == h.last_path)
     ids = tok.encode(model_text(out)) + tok.encode("<|im_end|>")
-    parser = OutputParser(tok.decode, stop_token_ids=tok.stop_token_ids, tool_open=tok.tool_call_open,
-                          tool_close=tok.tool_call_close, new_call_id=api_openai.new_tool_call_id)
-    parser.feed(ids)
-    parser.finish()
-    from gyre.proxy.types import ChatResult, Usage
-
-    result = ChatResult("r", "m", parser.content, parser.tool_calls, "stop", Usage(len(prep.prompt_ids), len(ids)))
-    ex.complete(prep, output_ids=ids, logprobs=[-1.0] * len(ids), versions=[0] * len(ids), finish_reason="stop",
-                status="ok", engine="t", result=result, request=req)
+    result, _ = ex.record_reply(req, ids, prep=prep)
     h.last = (prep.prompt_ids.tolist(), ids)
     h.last_path = [*prep.path, ex.calls[-1]["output_node"]]
-    calls = [ToolCall(c.id, c.name, reserialise(c.arguments, rng)) for c in parser.tool_calls]
-    h.messages.append(Message("assistant", parser.content, tool_calls=calls))
+    calls = [ToolCall(c.id, c.name, reserialise(c.arguments, rng)) for c in result.tool_calls]
+    h.messages.append(Message("assistant", result.content, tool_calls=calls))
     for c in calls:
         h.messages.append(Message("tool", f"result of {c.name}", tool_call_id=c.id))
     if not calls:

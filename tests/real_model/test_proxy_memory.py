@@ -19,10 +19,8 @@ import tracemalloc
 
 from gyre.proxy import api_openai
 from gyre.proxy.chat import ChatTokenizer
-from gyre.proxy.parser import OutputParser
 from gyre.proxy.recorder import Recorder
 from gyre.proxy.roles import GenericRule
-from gyre.proxy.types import ChatResult, Usage
 
 WORDS = ("the of and to in is for def return self value list dict import from class data path file line error "
          "test result config parser token node tree call request output write read assert raise None").split()
@@ -41,18 +39,9 @@ def drive(ex: Recorder, tok: ChatTokenizer, rng: random.Random, turns: int) -> N
     for t in range(turns):
         req = api_openai.parse_request({"model": "m", "messages": json.loads(json.dumps(msgs)), "tools": TOOLS}, {},
                                        memo=ex.parse_memo)  # off the wire: new objects every call
-        prep = ex.prepare(req, {})
         call = json.dumps({"name": "read_file", "arguments": {"path": f"f{t}.py"}})
         output = f"{prose(rng, 60)}<tool_call>\n{call}\n</tool_call>"
-        ids = tok.encode(output) + stop
-        parser = OutputParser(tok.decode, stop_token_ids=tok.stop_token_ids, tool_open=tok.tool_call_open,
-                              tool_close=tok.tool_call_close, new_call_id=api_openai.new_tool_call_id)
-        parser.feed(ids)
-        parser.finish()
-        result = ChatResult("r", "m", parser.content, parser.tool_calls, "tool_calls", Usage(len(prep.prompt_ids),
-                                                                                           len(ids)))
-        ex.complete(prep, output_ids=ids, logprobs=[-0.5] * len(ids), versions=[0] * len(ids),
-                    finish_reason="tool_calls", status="ok", engine="t", result=result, request=req)
+        result, _ = ex.record_reply(req, tok.encode(output) + stop)
         reply = api_openai.render_result(result, req)["choices"][0]["message"]
         msgs += [reply] + [{"role": "tool", "tool_call_id": c["id"], "content": prose(rng, 2000)}
                            for c in reply["tool_calls"]]
