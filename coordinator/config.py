@@ -12,23 +12,24 @@ from pathlib import Path
 from gyre.coordinator.policies import POLICIES
 from gyre.coordinator.schedule import dispatch_target
 from gyre.proxy.admission import J_MAX
+from gyre.proxy.serving import SERVING_FIELDS, ProxyConfig
 from gyre.workerd.wire import ENGINE_BACKENDS, TRAINER_BACKENDS, EngineSpec, TrainerSpec
 
 # (field, bound, strict): value > bound (strict) or >= bound; None passes (optional fields).
+# The serving fields' rules are ProxyConfig's (proxy/serving.py), applied by `serving()`.
 _RANGES = [
     ("steps", 1, False), ("mu", 1, False), ("groups_per_step", 1, False), ("group_size", 1, False),
     ("phi", 0, False), ("oversample", 0, False), ("cells", 1, False), ("async_training_cells", 0, False),
     ("exec_slots_per_cell", 1, False), ("engine_max_running", 1, False), ("execution_timeout_s", 0, True),
     ("eval_attempts", 1, False), ("eval_budget_s", 0, False), ("j_max", 1, False), ("micro_step_tokens", 1, False),
     ("lr", 0, True), ("topology_timeout_s", 0, True), ("checkpoint_every", 0, False), ("worker_timeout_s", 0, True),
-    ("worker_call_timeout_s", 0, True), ("checkpoint_timeout_s", 0, True), ("default_max_tokens", 1, False),
-    ("max_tokens_cap", 1, False),
-    ("max_context", 2, False), ("infra_failures_in_row", 0, False), ("rollout_temperature", 0, True),
-    ("transfer_port", 0, False), ("proxy_port", 0, False), ("route_balance_abs", 1, False),
+    ("worker_call_timeout_s", 0, True), ("checkpoint_timeout_s", 0, True), ("infra_failures_in_row", 0, False),
+    # Training's own rule beside serving's (>= 0): a policy sampled at temperature 0 has no
+    # distribution for the trainer to reproduce.
+    ("rollout_temperature", 0, True),
+    ("transfer_port", 0, False), ("route_balance_abs", 1, False),
     ("route_balance_rel", 1, False), ("prefix_cache_mb", 0, False), ("gc_freeze_every_s", 0, False),
     ("eval_every", 0, False), ("eval_k", 1, False), ("keep_checkpoints", 0, False),
-    ("max_calls_in_flight_per_execution", 0, False), ("max_tokens_per_minute_per_execution", 0, False),
-    ("budget_wait_s", 0, False),
 ]
 
 
@@ -169,8 +170,7 @@ class CoordinatorConfig:
 
         if self.routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
-        if not 0 < self.rollout_top_p <= 1:
-            raise ValueError(f"rollout_top_p must be in (0, 1], got {self.rollout_top_p}")
+        self.serving()  # the serving fields, by the proxy's rules (one set, shared with `gyre serve`)
         if self.rollout_top_p < 1 and not self.allow_rollout_top_p:
             raise ValueError(f"rollout_top_p = {self.rollout_top_p} truncates the distribution the engines sample, "
                              "which the trainer cannot reproduce (its log-probs would not match the behaviour's); "
@@ -234,6 +234,15 @@ class CoordinatorConfig:
             raise ValueError(f"address {self.address} is not on loopback and keys_dir is unset: any process that "
                              f"reaches it could pose as a worker; run `gyre keys init DIR` and set keys_dir = DIR, "
                              f"or set allow_unauthenticated_link = true to bind it without keys")
+
+    def serving(self) -> ProxyConfig:
+        """How the proxy serves this run's harnesses: the serving fields (proxy/serving.py
+        SERVING_FIELDS) as one validated ProxyConfig; max_context unset (before
+        runconfig.with_model_defaults resolves it for the model) is ProxyConfig's default."""
+        values = {name: getattr(self, name) for name in SERVING_FIELDS}
+        if values["max_context"] is None:
+            del values["max_context"]
+        return ProxyConfig.from_fields(values)
 
     def engine_spec(self) -> EngineSpec:
         """What each cell's engine is welcomed with: this run's settings, then engine_options

@@ -1,8 +1,9 @@
 """main.py: the coordinator: startup -> run (a 100 ms tick) -> shutdown, in one event loop.
 
 The run's state has owners (executions.py: the executions; cells.py: the cells; steps.py:
-versions, steps, the batch in flight and publications); the Coordinator builds them, starts
-the workers, routes, proxy and sandboxes, and each tick reads the owners into a
+versions, steps, the batch in flight and publications); the Coordinator builds them, enters
+the rollout and execution stacks (stack.py: workers, routes, proxy; sandboxes, launcher),
+and each tick reads the owners into a
 `schedule.State`, asks `schedule.decide` (the rules live there, shared with `gyre sim`) and
 hands each decision to its owner: launch queued executions, start a publication, start each
 cell's role switch (in parallel), let cells join the batch in flight, start a step; the run
@@ -27,26 +28,25 @@ from gyre.coordinator.config import CoordinatorConfig
 from gyre.coordinator.executions import Executions, InfraFailures
 from gyre.coordinator.gcpolicy import GcPolicy
 from gyre.coordinator.heldout import HeldOut, rounds_in
-from gyre.coordinator.launcher import Launcher, launch_spec, open_sandboxes
+from gyre.coordinator.launcher import Launcher, launch_spec
 from gyre.coordinator.link import WorkerCallTimeout, WorkerDeadError, WorkerError
 from gyre.coordinator.local import LocalCluster
 from gyre.coordinator.loopprobe import LoopProbe
 from gyre.coordinator.metrics import Metrics
 from gyre.coordinator.policies import POLICIES
-from gyre.coordinator.preflight import start_proxy
 from gyre.coordinator.publisher import WeightPublisher
 from gyre.coordinator.report import StepReport
-from gyre.coordinator.routing import LinkBackend, RoutingTable
+from gyre.coordinator.routing import RoutingTable
 from gyre.coordinator.sandbox import SandboxError
 from gyre.coordinator.schedule import BatchView, State, decide
+from gyre.coordinator.stack import execution_stack, rollout_stack, run_routes, run_workers
 from gyre.coordinator.status import Rates, snapshot
 from gyre.coordinator.steps import Steps
 from gyre.coordinator.taskformats import load_task_source
 from gyre.coordinator.tasks import TaskSource, default_tasks
 from gyre.coordinator.trackers import Trackers
 from gyre.coordinator.waterlevel import Waterlevel
-from gyre.proxy.chat import ChatTokenizer
-from gyre.proxy.server import ProxyConfig, ProxyServer
+from gyre.proxy.server import ProxyServer
 from gyre.workerd import wire
 from gyre.workerd.wire import GyreError
 
@@ -132,32 +132,32 @@ class Coordinator:
         (c.run_dir / "config.json").write_text(json.dumps(c.to_json(), indent=2))
         trackers = Trackers(c.trackers, c.tracker_options, c.run_dir, c.to_json()) if c.trackers else None
         self.metrics = self.executions.metrics = Metrics(c.run_dir / "metrics.jsonl", t0=t0, trackers=trackers)
-        cluster = LocalCluster(c.model_dir, cells=c.cells, roles=tuple(self.cells.roles), address=c.address,
-                               trainer=c.trainer_spec(), engine=c.engine_spec(), log_dir=c.run_dir / "logs",
-                               backends=(c.engine_backend, c.trainer_backend),
-                               keys_dir=c.keys_dir, spawn=c.workers != "external", workers=self._inproc,
-                               call_timeout_s=c.worker_call_timeout_s,
-                               start_timeout_s=c.topology_timeout_s if c.workers == "external" else 120.0)
-        self._install_signal_handlers()
+        cluster = run_workers(c, self.cells.roles, self._inproc)
         cluster.on_rejoin = self.cells.on_rejoin
+        self.table = self.cells.table = run_routes(c)
+        self._install_signal_handlers()
         try:
-            async with cluster:
-                self.cluster = cluster
-                self.link = cluster.link
+            async with rollout_stack(cluster, c.serving(), run_dir=c.run_dir, table=self.table) as rollout:
+                self.cluster, self.link, self.proxy = cluster, rollout.link, rollout.proxy
                 cells = self.cells
-                cells.nodes = [cluster.node_of_cell(i) for i in range(c.cells)]
+                cells.nodes = rollout.nodes
                 self.weights = WeightPublisher(c, self.link, cells.nodes, cluster, cells.dead)
                 cells.link, cells.weights, cells.metrics = self.link, self.weights, self.metrics
                 self.steps.link, self.steps.weights, self.steps.metrics = self.link, self.weights, self.metrics
-                await self._startup()
-                ended = False
-                try:
-                    while not await self.tick():
-                        await asyncio.sleep(TICK_S)
-                    ended = True
-                finally:
-                    peak_rss = await self._shutdown(save=ended or isinstance(self.executions.fatal, InfraFailures))
-                    report.summary(self, peak_rss)
+                async with execution_stack(self.proxy, launch_spec(c), run_dir=c.run_dir, config=c,
+                                           remote_relay=self._remote_relay) as executor:
+                    self.sandboxes, self.launcher = executor.sandboxes, executor.launcher
+                    self.executions.launcher = self.launcher
+                    await self._startup()
+                    ended = False
+                    try:
+                        while not await self.tick():
+                            await asyncio.sleep(TICK_S)
+                        ended = True
+                    finally:
+                        peak_rss = await self._shutdown(
+                            save=ended or isinstance(self.executions.fatal, InfraFailures))
+                        report.summary(self, peak_rss)
         finally:
             self.metrics.close()  # also on a failed run: held events written, trackers closed
         return self.steps.reports
@@ -186,30 +186,13 @@ class Coordinator:
                 return
 
     async def _startup(self) -> None:
+        """Inside the stacks (the workers ready, the proxy listening, the sandboxes open): the
+        status endpoint, the tasks checked, the reducer and transfers joined, then the first
+        dispatch or the resume."""
         c = self.c
-        self.table = self.cells.table = RoutingTable(policy=c.routing, balance_abs=c.route_balance_abs,
-                                                     balance_rel=c.route_balance_rel)
-        self.table.set_nodes(self.cells.nodes)
-        for node, role in zip(self.cells.nodes, self.cells.roles):
-            if role != "rollout":
-                self.table.close(node)
-        proxy_cfg = ProxyConfig(host=c.proxy_host, port=c.proxy_port, default_max_tokens=c.default_max_tokens,
-                                max_tokens_cap=c.max_tokens_cap, max_context=c.max_context,
-                                temperature=c.rollout_temperature, top_p=c.rollout_top_p,
-                                max_calls_in_flight_per_execution=c.max_calls_in_flight_per_execution,
-                                max_tokens_per_minute_per_execution=c.max_tokens_per_minute_per_execution,
-                                budget_wait_s=c.budget_wait_s)
-        self.proxy = ProxyServer(ChatTokenizer(c.model_dir), LinkBackend(self.link, self.table), proxy_cfg,
-                                 run_dir=c.run_dir)
-        await start_proxy(self.proxy)
         self.proxy.status_provider = self.status
         (c.run_dir / "coordinator.json").write_text(json.dumps({
             "status_url": f"{self.proxy.base_url}/gyre/status", "pid": os.getpid(), "started": time.time()}))
-        self.sandboxes = await open_sandboxes(c)  # orphans of dead runs reaped here
-        self.launcher = Launcher(self.proxy, c.run_dir, launch_spec(c), default_evaluator={"type": "similarity"},
-                                 pool=self.sandboxes.pool, owner=self.sandboxes.owner,
-                                 remote_relay=self._remote_relay)
-        self.executions.launcher = self.launcher
         for task in [*self.tasks.tasks, *(self.heldout.tasks if self.heldout else ())]:
             self.launcher.check_task(task)  # a task this sandbox cannot run fails the start, named
         # Gradient reduction: every cell joins one gloo world with prebuilt prefix groups.
@@ -238,8 +221,9 @@ class Coordinator:
         log.info("coordinator up: %d cells, policy %s, proxy %s", c.cells, c.policy, self.proxy.base_url)
 
     async def _shutdown(self, save: bool) -> list[int | None]:
-        """Stop everything; with `save` (the run ended, or was stopped by a signal or by
-        failing sandboxes, its workers fine) the trained steps not yet checkpointed are.
+        """Stop the run's own work (the stacks then stop the sandboxes, the proxy and the
+        workers); with `save` (the run ended, or was stopped by a signal or by failing
+        sandboxes, its workers fine) the trained steps not yet checkpointed are saved.
         Returns each cell's peak memory (None: a dead worker's), for the summary."""
         await self.probe.stop()
         await self.gc.stop()
@@ -249,9 +233,6 @@ class Coordinator:
         await self.executions.cancel_all()
         if save:
             await resume.final_checkpoint(self)
-        if self.sandboxes is not None:
-            await self.sandboxes.close()
-        await self.proxy.stop()
         # Each live worker's peak memory, for the summary (a dead one has no answer: None).
         stats = await asyncio.gather(*(self.link.request(n, wire.Stats(), timeout=10)
                                        for n in self.cells.nodes), return_exceptions=True)

@@ -1,4 +1,4 @@
-"""serve.py: `gyre serve`: the proxy plus one local workerd, recording one execution.
+"""serve.py: `gyre serve`: the rollout stack on one local workerd (stack.py), recording one execution.
 
 Without `--harness` it prints one JSON line (`base_url`, `api_key`, `api_keys` with
 `--executions N`: one key per execution, each recorded as its own, `run_dir`) so any
@@ -17,19 +17,18 @@ import json
 import signal
 import sys
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 from gyre.coordinator.buffer import Execution
 from gyre.coordinator.harnesses import HarnessPreset
-from gyre.coordinator.launcher import Launcher, LaunchSpec, open_sandboxes
-from gyre.coordinator.local import LocalCluster
-from gyre.coordinator.preflight import start_proxy
-from gyre.coordinator.routing import LinkBackend, RoutingTable
+from gyre.coordinator.launcher import LaunchSpec
 from gyre.coordinator.sandbox import Limits
+from gyre.coordinator.stack import execution_stack, rollout_stack, serving_worker
 from gyre.coordinator.tasks import Task
 from gyre.coordinator.waterlevel import Tracked
-from gyre.proxy.chat import ChatTokenizer
-from gyre.proxy.server import ProxyConfig, ProxyServer
+from gyre.proxy.server import ProxyServer
+from gyre.proxy.serving import SERVING_FIELDS, ProxyConfig
 
 
 async def run_harness_once(proxy: ProxyServer, preset: HarnessPreset, prompt: str, *, run_dir: Path,
@@ -38,16 +37,14 @@ async def run_harness_once(proxy: ProxyServer, preset: HarnessPreset, prompt: st
     """Run `preset` once against a started proxy, in a sandbox of `sandbox`; with `task` (a
     Harbor task, say) on that task, scored by its tests. The summary is also written to
     RUN_DIR/executions/<execution>/summary.json."""
-    sandboxes = await open_sandboxes(sandbox=sandbox, url=sandbox_url, run_dir=run_dir)
     spec = LaunchSpec(preset=preset, timeout_s=timeout_s, eval_attempts=1, eval_budget_s=600.0 if task else 0.0,
                       limits=Limits(pids=4096))
-    launcher = Launcher(proxy, run_dir, spec, default_evaluator={"type": "similarity"}, pool=sandboxes.pool,
-                        owner=sandboxes.owner)
     run = Execution(id=execution, group=0, index=0, task=task or Task(id=execution, prompt=prompt), tracked=Tracked(),
-              version_dispatched=0)
+                    version_dispatched=0)
     folder = run_dir / "executions" / execution
     scored: dict = {}
-    try:
+    async with execution_stack(proxy, spec, run_dir=run_dir, sandbox=sandbox, sandbox_url=sandbox_url) as executor:
+        launcher = executor.launcher
         if task is not None:
             launcher.check_task(task)
             await launcher.run(run)  # the whole lifecycle: image, harness, deadline, tests, score
@@ -57,9 +54,6 @@ async def run_harness_once(proxy: ProxyServer, preset: HarnessPreset, prompt: st
             code, timed_out, workspace = await launcher.execute(run)
             status = ("not_started" if code is None else "timed_out" if timed_out
                       else "completed" if code == 0 else "harness_error")
-    finally:
-        await launcher.stop_all()
-        await sandboxes.close()
     ex = run.recorder
     summary = {"execution": execution, "harness": preset.name, "sandbox": sandbox, "status": status,
                "exit_code": code, **scored, "calls": len(ex.calls) if ex else 0,
@@ -72,8 +66,9 @@ async def run_harness_once(proxy: ProxyServer, preset: HarnessPreset, prompt: st
     return summary
 
 
-SERVING_FIELDS = ("default_max_tokens", "max_tokens_cap", "max_context", "rollout_temperature", "rollout_top_p",
-                  "max_calls_in_flight_per_execution", "max_tokens_per_minute_per_execution", "budget_wait_s")
+# What `gyre serve`, `tasks run` and `eval` take of a run config's serving fields (--host and
+# --port are flags; tasks and eval listen on a free loopback port).
+SERVE_FIELDS = tuple(name for name in SERVING_FIELDS if name not in ("proxy_host", "proxy_port"))
 # The per-execution budgets when serving: none unless set (`gyre serve`'s one execution is often
 # a whole benchmark client; `gyre up` sets its own, config.py).
 SERVING_BUDGETS = {"max_calls_in_flight_per_execution": 0, "max_tokens_per_minute_per_execution": 0,
@@ -82,105 +77,93 @@ SERVING_BUDGETS = {"max_calls_in_flight_per_execution": 0, "max_tokens_per_minut
 
 def serve_fields(*, config: Path | None = None, sets: list[str] | None = None,
                  max_context: int | None = None) -> dict:
-    """The serving fields of a run config (file < --set < --max-context), checked: nothing
-    is resolved against a model yet, so a bad value is refused before anything is made.
-    Serving trains nothing, so rollout_top_p < 1 is allowed here."""
+    """The serving fields of a run config (file < --set < --max-context), checked by
+    ProxyConfig's rules (proxy/serving.py, as `gyre up`'s are): nothing is resolved against
+    a model yet, so a bad value is refused before anything is made. Serving trains
+    nothing, so a rollout_top_p < 1 or a rollout_temperature of 0 is allowed here."""
     from gyre.coordinator.runconfig import ConfigError, load_config_file, parse_sets
 
-    values = {k: v for k, v in (load_config_file(config) if config else {}).items() if k in SERVING_FIELDS}
+    values = {k: v for k, v in (load_config_file(config) if config else {}).items() if k in SERVE_FIELDS}
     for name, value in parse_sets(sets or []).items():
-        if name not in SERVING_FIELDS:
-            raise ConfigError(f"--set {name}: gyre serve takes only {', '.join(SERVING_FIELDS)}")
+        if name not in SERVE_FIELDS:
+            raise ConfigError(f"--set {name}: gyre serve takes only {', '.join(SERVE_FIELDS)}")
         values[name] = value
     if max_context is not None:
         values["max_context"] = max_context
-    for name in ("default_max_tokens", "max_tokens_cap", "max_context"):
-        v = values.get(name)
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-            raise ConfigError(f"field {name}: expected a positive int, got {v!r}")
-    for name in ("max_calls_in_flight_per_execution", "max_tokens_per_minute_per_execution"):
-        v = values.get(name)
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-            raise ConfigError(f"field {name}: expected an int >= 0 (0: unlimited), got {v!r}")
-    wait = values.get("budget_wait_s")
-    if wait is not None and (isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait < 1e6):
-        raise ConfigError(f"field budget_wait_s: expected seconds >= 0, got {wait!r}")
-    temperature, top_p = values.get("rollout_temperature", 1.0), values.get("rollout_top_p", 1.0)
-    if not isinstance(temperature, (int, float)) or temperature < 0:
-        raise ConfigError(f"field rollout_temperature: expected a number >= 0, got {temperature!r}")
-    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-        raise ConfigError(f"field rollout_top_p: expected a number in (0, 1], got {top_p!r}")
-    return {**values, "rollout_temperature": float(temperature), "rollout_top_p": float(top_p)}
+    try:
+        ProxyConfig.from_fields(values)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return values
 
 
-def serve_settings(*, model_dir: Path, fields: dict | None = None) -> dict:
-    """The ProxyConfig settings of `serve_fields`, resolved for the model as `gyre up`
-    resolves them: output limits from gyre.json or the remaining context, the context
-    clamped to the model's."""
+def serve_settings(*, model_dir: Path, fields: dict | None = None) -> ProxyConfig:
+    """The ProxyConfig of `serve_fields`, resolved for the model as `gyre up` resolves it:
+    output limits from gyre.json or the remaining context, the context clamped to the
+    model's; the budgets SERVING_BUDGETS unless set."""
     from gyre.coordinator.runconfig import model_defaults
 
-    f = fields if fields is not None else serve_fields()
+    f = {**SERVING_BUDGETS, **(fields if fields is not None else serve_fields())}
     limits = model_defaults(model_dir, lr=0.0, default_max_tokens=f.get("default_max_tokens"),
                             max_tokens_cap=f.get("max_tokens_cap"), max_context=f.get("max_context"))
-    return {"default_max_tokens": limits["default_max_tokens"], "max_tokens_cap": limits["max_tokens_cap"],
-            "max_context": limits["max_context"], "temperature": f.get("rollout_temperature", 1.0),
-            "top_p": f.get("rollout_top_p", 1.0), **{k: f.get(k, v) for k, v in SERVING_BUDGETS.items()}}
+    del limits["lr"]
+    return ProxyConfig.from_fields({**f, **limits})
 
 
 async def serve(*, model_dir: Path, run_dir: Path, host: str, port: int, execution: str = "serve",
                 ready_file: Path | None = None, preset: HarnessPreset | None = None, task: str | None = None,
-                timeout_s: float = 600.0, settings: dict | None = None, executions: int = 1,
+                timeout_s: float = 600.0, settings: ProxyConfig | None = None, executions: int = 1,
                 task_obj: Task | None = None, sandbox: str = "process", sandbox_url: str | None = None) -> int:
     loop = asyncio.get_running_loop()
     settings = settings if settings is not None else serve_settings(model_dir=model_dir)
-    async with LocalCluster(model_dir, cells=1, roles=("rollout",), log_dir=run_dir / "logs") as cluster:
-        table = RoutingTable()
-        table.set_nodes([cluster.node_of_cell(0)])
-        tokenizer = ChatTokenizer(model_dir)
-        config = ProxyConfig(host=host, port=port, **settings)
-        proxy = ProxyServer(tokenizer, LinkBackend(cluster.link, table), config, run_dir=run_dir)
-        base_url = await start_proxy(proxy)
-        try:
-            if preset is not None:
-                job = asyncio.ensure_future(run_harness_once(
-                    proxy, preset, task or "", run_dir=run_dir, execution=execution, timeout_s=timeout_s,
-                    task=task_obj, sandbox=sandbox, sandbox_url=sandbox_url))
-                for sig in (signal.SIGINT, signal.SIGTERM):
-                    loop.add_signal_handler(sig, job.cancel)
-                try:
-                    summary = await job
-                except asyncio.CancelledError:
-                    print(json.dumps({"event": "interrupted", "execution": execution}), file=sys.stderr)
-                    return 130
-                print(json.dumps(summary), flush=True)
-                return 0 if summary["status"] == "completed" else 1
-            stop = asyncio.Event()
+    settings = replace(settings, host=host, port=port)
+    async with rollout_stack(serving_worker(model_dir, run_dir), settings, run_dir=run_dir) as rollout:
+        proxy, base_url = rollout.proxy, rollout.proxy.base_url
+        if preset is not None:
+            job = asyncio.ensure_future(run_harness_once(
+                proxy, preset, task or "", run_dir=run_dir, execution=execution, timeout_s=timeout_s,
+                task=task_obj, sandbox=sandbox, sandbox_url=sandbox_url))
             for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, stop.set)
-            # One key per execution: each client's calls form their own tree (one key shared by
-            # concurrent harnesses would label their conversations sub-agents of each other).
-            names = [execution] if executions == 1 else [f"{execution}-{i + 1}" for i in range(executions)]
-            recorders = [proxy.register(name) for name in names]
-            info = {"base_url": base_url, "openai_base_url": f"{base_url}/v1", "api_key": recorders[0].key,
-                    "api_keys": [ex.key for ex in recorders], "execution": names[0], "executions": names,
-                    "run_dir": str(run_dir)}
-            print(json.dumps(info), flush=True)
-            if ready_file is not None:
-                ready_file.write_text(json.dumps(info))
+                loop.add_signal_handler(sig, job.cancel)
             try:
-                await stop.wait()
-            finally:
-                for name in names:
-                    proxy.revoke(name)
-            print(json.dumps({"event": "stopped", "calls": {ex.id: len(ex.calls) for ex in recorders},
-                              "trees": {ex.id: ex.tree.stats() for ex in recorders}}), file=sys.stderr)
-            return 0
+                summary = await job
+            except asyncio.CancelledError:
+                print(json.dumps({"event": "interrupted", "execution": execution}), file=sys.stderr)
+                return 130
+            print(json.dumps(summary), flush=True)
+            return 0 if summary["status"] == "completed" else 1
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        # One key per execution: each client's calls form their own tree (one key shared by
+        # concurrent harnesses would label their conversations sub-agents of each other).
+        names = [execution] if executions == 1 else [f"{execution}-{i + 1}" for i in range(executions)]
+        recorders = [proxy.register(name) for name in names]
+        info = {"base_url": base_url, "openai_base_url": f"{base_url}/v1", "api_key": recorders[0].key,
+                "api_keys": [ex.key for ex in recorders], "execution": names[0], "executions": names,
+                "run_dir": str(run_dir)}
+        print(json.dumps(info), flush=True)
+        if ready_file is not None:
+            ready_file.write_text(json.dumps(info))
+        try:
+            await stop.wait()
         finally:
-            await proxy.stop()
+            for name in names:
+                proxy.revoke(name)
+        print(json.dumps({"event": "stopped", "calls": {ex.id: len(ex.calls) for ex in recorders},
+                          "trees": {ex.id: ex.tree.stats() for ex in recorders}}), file=sys.stderr)
+        return 0
+
+
+def recorded(settings: ProxyConfig) -> dict:
+    """The serving settings a serve's or task run's config.json records."""
+    return {"default_max_tokens": settings.default_max_tokens, "max_tokens_cap": settings.max_tokens_cap,
+            "max_context": settings.max_context, "temperature": settings.temperature, "top_p": settings.top_p,
+            **{name: getattr(settings, name) for name in SERVING_BUDGETS}}
 
 
 def run_serve(*, model_dir: Path, run_dir: Path, host: str, port: int, preset: HarnessPreset | None = None,
-              task: str | None = None, timeout_s: float = 600.0, settings: dict | None = None,
+              task: str | None = None, timeout_s: float = 600.0, settings: ProxyConfig | None = None,
               executions: int = 1, task_obj: Task | None = None, sandbox: str = "process",
               sandbox_url: str | None = None) -> int:
     import uvloop
@@ -190,7 +173,7 @@ def run_serve(*, model_dir: Path, run_dir: Path, host: str, port: int, preset: H
         "command": "serve", "model": str(model_dir), "host": host, "port": port,
         "harness": None if preset is None else preset.name, "task": task, "timeout_s": timeout_s,
         "task_dir": None if task_obj is None else task_obj.id, "sandbox": sandbox,
-        **settings}, indent=2))
+        **recorded(settings)}, indent=2))
     return uvloop.run(serve(model_dir=model_dir, run_dir=run_dir, host=host, port=port, preset=preset, task=task,
                             timeout_s=timeout_s, settings=settings, executions=executions, task_obj=task_obj,
                             sandbox=sandbox, sandbox_url=sandbox_url))

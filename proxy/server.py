@@ -24,7 +24,6 @@ import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -41,45 +40,10 @@ from gyre.proxy.connections import RUNNER_OPTIONS, Connections, HttpError, Tally
 from gyre.proxy.recorder import Recorder, new_key
 from gyre.proxy.records import JournalError
 from gyre.proxy.roles import rule
+from gyre.proxy.serving import ProxyConfig
 from gyre.proxy.types import ChatRequest, ContextOverflow, RequestError
 
 log = logging.getLogger("gyre.proxy")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ProxyConfig:
-    host: str = "127.0.0.1"
-    port: int = 0
-    max_body_bytes: int = 32 * 1024 * 1024
-    default_max_tokens: int | None = None  # when a request sets no output limit; None: the remaining context
-    max_tokens_cap: int | None = None  # a request asking more gets this; None: the remaining context
-    max_context: int = 32768  # prompt + output tokens (callers pass the model's max_position_embeddings)
-    temperature: float = 1.0  # every call samples at this (the run's rollout_temperature) ...
-    top_p: float = 1.0  # ... and this; a harness's own values are recorded, not used
-    ping_interval_s: float = 5.0
-    role_rule: str = "generic"
-    served_model: str = "gyre-policy"
-    record_requests: bool = False  # also keep each raw request body (keys stripped) in requests.jsonl
-    # What one client can hold (slowloris): a connection's request line and headers must
-    # arrive within header_timeout_s of its opening, a body within body_timeout_s of its
-    # headers; an idle keep-alive connection closes after keepalive_timeout_s; connections
-    # past max_connections (clamped below the fd limit) are answered 503 and closed. None
-    # of these touches a response being streamed.
-    header_timeout_s: float = 30.0
-    body_timeout_s: float = 60.0
-    keepalive_timeout_s: float = 75.0
-    max_connections: int = 4096
-    # Below this many free bytes where records are written, model calls are answered 503
-    # (retry-after) before any byte instead of failing a record mid-call; 0: never.
-    min_free_disk_bytes: int = 16 * 1024 * 1024
-    # Each execution's share of the proxy (proxy/budget.py): at most this many model calls in
-    # flight (0: unlimited) and this many tokens a minute, prefilled and generated (0:
-    # unlimited); a call over either waits its turn at most budget_wait_s, then is answered
-    # 429 in the provider's shape with retry-after (harnesses retry it). Defaults: as
-    # CoordinatorConfig's, which says why 4.
-    max_calls_in_flight_per_execution: int = 4
-    max_tokens_per_minute_per_execution: int = 0
-    budget_wait_s: float = 60.0
 
 
 DISK_RETRY_AFTER_S = 10  # a full disk: harnesses retry after this

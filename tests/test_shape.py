@@ -41,3 +41,25 @@ def test_the_link_alone_assigns_request_ids():
     files = [p for folder in ("coordinator", "proxy", "cli") for p in (ROOT / folder).rglob("*.py")]
     callers = [str(p.relative_to(ROOT)) for p in files if re.search(r"new_req_id\(|req_id=\w+\.link\.", p.read_text())]
     assert callers == []
+
+
+# What a command's rollout and execution stacks are made of: built in coordinator/stack.py alone.
+STACK_PARTS = ("LocalCluster", "RoutingTable", "ProxyServer", "Launcher", "open_sandboxes")
+
+
+def test_the_rollout_stack_is_built_in_one_module():
+    """Workers, routes, proxy, sandboxes and launcher are constructed by stack.py alone, for
+    `gyre up`, `serve`, `serve --harness`, `tasks run` and `eval` (fails at 9e9320d:
+    main.py, serve.py and taskrun.py each built their own)."""
+    offenders = []
+    for folder in ("coordinator", "proxy", "workerd", "cli"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path == ROOT / "coordinator" / "stack.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Call):
+                    f = node.func
+                    name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+                    if name in STACK_PARTS:
+                        offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {name}(...)")
+    assert offenders == []

@@ -4,6 +4,7 @@ field, and `gyre config show` with each value's source."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -127,18 +128,43 @@ def test_per_model_defaults_and_the_context_clamp(tmp_path, tiny_dir, caplog):
     assert "clamped to 4096" in caplog.text
     assert with_model_defaults(c) is c  # idempotent
     s = serve_settings(model_dir=real, fields=serve_fields(sets=["max_tokens_cap=300"], max_context=9999))
-    assert (s["max_context"], s["default_max_tokens"], s["max_tokens_cap"]) == (4096, None, 300)
+    assert (s.max_context, s.default_max_tokens, s.max_tokens_cap) == (4096, None, 300)
     with pytest.raises(ConfigError, match="gyre serve takes only"):
         serve_fields(sets=["lr=1"])
     # Serving budgets nothing unless asked (its one execution may be a whole benchmark client).
-    assert (s["max_calls_in_flight_per_execution"], s["max_tokens_per_minute_per_execution"]) == (0, 0)
+    assert (s.max_calls_in_flight_per_execution, s.max_tokens_per_minute_per_execution) == (0, 0)
     s = serve_settings(model_dir=real, fields=serve_fields(sets=["max_calls_in_flight_per_execution=2",
                                                                  "budget_wait_s=5"]))
-    assert (s["max_calls_in_flight_per_execution"], s["budget_wait_s"]) == (2, 5)
-    from gyre.proxy.server import ProxyConfig
-    assert ProxyConfig(**s).max_calls_in_flight_per_execution == 2
-    with pytest.raises(ConfigError, match="max_calls_in_flight_per_execution: expected an int >= 0"):
+    assert (s.max_calls_in_flight_per_execution, s.budget_wait_s) == (2, 5)
+    with pytest.raises(ConfigError, match="max_calls_in_flight_per_execution must be an int >= 0, got -1"):
         serve_fields(sets=["max_calls_in_flight_per_execution=-1"])
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("default_max_tokens", 0, "default_max_tokens must be an int >= 1, got 0"),
+    ("max_context", 1, "max_context must be an int >= 2, got 1"),
+    ("rollout_top_p", 2.0, "rollout_top_p must be in (0, 1], got 2.0"),
+    ("max_tokens_per_minute_per_execution", -5, "max_tokens_per_minute_per_execution must be an int >= 0"),
+    ("budget_wait_s", -1, "budget_wait_s must be a number >= 0"),
+])
+def test_a_serving_field_has_one_rule_in_a_run_config_and_in_serve(tmp_path, field, value, says):
+    """The run config and `gyre serve`/`tasks run`/`eval` refuse a serving value with the
+    same words: both are the proxy's one ProxyConfig (proxy/serving.py), which validates
+    itself; the run config's proxy settings are its serving()."""
+    from gyre.coordinator.config import CoordinatorConfig
+    from gyre.coordinator.serve import serve_fields
+    from gyre.proxy.serving import ProxyConfig
+
+    with pytest.raises(ValueError, match=re.escape(says)):
+        CoordinatorConfig(run_dir=tmp_path, model_dir=tmp_path, **{field: value})
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        serve_fields(sets=[f"{field}={json.dumps(value)}"])
+    c = CoordinatorConfig(run_dir=tmp_path, model_dir=tmp_path, proxy_port=8123, rollout_temperature=0.5,
+                          max_calls_in_flight_per_execution=2)
+    assert (c.serving().port, c.serving().temperature, c.serving().max_calls_in_flight_per_execution) == (8123, 0.5, 2)
+    assert ProxyConfig.from_fields(c.serving().as_fields()) == c.serving()
+    with pytest.raises(ValueError, match=re.escape("max_tokens_cap must be an int >= 1, got True")):
+        ProxyConfig(max_tokens_cap=True)  # a bool is no count, though Python's bool is an int
 
 
 async def test_the_proxy_cuts_output_to_the_cap_and_the_context(chat_tokenizer):

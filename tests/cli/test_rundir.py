@@ -107,8 +107,8 @@ def test_a_refused_run_is_one_line_and_leaves_no_run_directory(tmp_path, monkeyp
 
 @pytest.mark.parametrize("args, says", [
     (["--set", "lr=1"], "gyre serve takes only"),
-    (["--set", "default_max_tokens=0"], "expected a positive int"),
-    (["--set", "rollout_top_p=2"], "rollout_top_p: expected a number in (0, 1]"),
+    (["--set", "default_max_tokens=0"], "default_max_tokens must be an int >= 1, got 0"),
+    (["--set", "rollout_top_p=2"], "rollout_top_p must be in (0, 1], got 2"),
 ])
 def test_a_refused_serve_leaves_no_run_directory(tmp_path, monkeypatch, args, says):
     monkeypatch.chdir(tmp_path)
