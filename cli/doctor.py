@@ -3,7 +3,8 @@
 One line per check: ok / warn / fail, what was checked and, for warn and fail, the fix. The
 installation (Python, torch, gyre's packages and extras, sandbox tools, harness binaries,
 disk, the open-file limit, loopback), here; given RUN_DIR, the run directory's checks
-(runchecks.py: config, model, state, lock, journal, checkpoint, records, containers).
+(runchecks.py: config, model, state, lock, journal, checkpoint, records, containers), both
+built of checks.py's Check, probe and guarded.
 Every probe is bounded (PROBE_S per subprocess, no podman service started) and nothing is
 written: the fixes are for the user to run. Not `gyre inspect` (what a run did), not the
 preflight `gyre up` runs (sandbox/preflight.py, whose checks are reused here).
@@ -21,20 +22,16 @@ import resource
 import shlex
 import shutil
 import socket
-import subprocess
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-OK, WARN, FAIL = "ok", "warn", "fail"
-PROBE_S = 3.0  # a `--version` style probe that takes longer is reported, not waited for
+from gyre.cli.checks import FAIL, OK, PROBE_S, WARN, Check, free_disk, guarded, probe, split_fix
+
 DOCKER_PING_S = 1.0
-GIB = 1 << 30
-# A SmolLM2-135M checkpoint (float32 weights and Adam moments) is about 1.6 GB; records grow per call.
-DISK_WARN, DISK_FAIL = 5 * GIB, 1 * GIB
 FDS_WARN = 4096  # every execution holds sockets, pipes and log files; a default 1024 runs out
 # Import names that differ from the distribution's (the rest: the name with - as _).
 MODULES = {"pyzmq": "zmq", "pyyaml": "yaml", "megatron-core": "megatron.core",
@@ -46,17 +43,6 @@ EXTRAS = (("models", "gyre init-model smollm2"),
 DoctorRunDirArg = Annotated[Path | None, typer.Argument(
     help="A run directory to check too: config, model, state, lock, metrics, checkpoint, records, sandboxes.")]
 DoctorJsonOpt = Annotated[bool, typer.Option("--json", help="Print a JSON list of {check, status, detail, fix}.")]
-
-
-@dataclass(frozen=True, slots=True)
-class Check:
-    check: str
-    status: str  # OK | WARN | FAIL
-    detail: str
-    fix: str = ""
-
-    def line(self) -> str:
-        return f"{self.status:<6}{self.check}: {self.detail}" + (f" — {self.fix}" if self.fix else "")
 
 
 def doctor(run_dir: DoctorRunDirArg = None, as_json: DoctorJsonOpt = False) -> None:
@@ -71,31 +57,6 @@ def doctor(run_dir: DoctorRunDirArg = None, as_json: DoctorJsonOpt = False) -> N
         for c in checks:
             typer.echo(c.line())
     raise typer.Exit(1 if any(c.status == FAIL for c in checks) else 0)
-
-
-def guarded(fn, *args) -> list[Check]:
-    """`fn`'s checks; a check that raises is itself one warn line (a doctor reports, it never crashes)."""
-    try:
-        got = fn(*args)
-    except Exception as e:  # noqa: BLE001 - any bug in a probe, reported as a line
-        name = fn.__name__.strip("_").replace("_", " ")
-        return [Check(name, WARN, f"the check itself failed: {type(e).__name__}: {e}", "report this line")]
-    return got if isinstance(got, list) else [got]
-
-
-def probe(argv: list[str], timeout: float = PROBE_S) -> str | None:
-    """`argv`'s stdout, None when it cannot run, fails or outlasts `timeout`."""
-    try:
-        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return p.stdout if p.returncode == 0 else None
-
-
-def split_fix(message: str) -> tuple[str, str]:
-    """A one-line gyre error "what is wrong; the fix" as (what, fix)."""
-    what, _, fix = message.partition("; ")
-    return what, fix
 
 
 # --- the installation --------------------------------------------------------------------
@@ -382,15 +343,6 @@ def _cache() -> Path:
 def _disks() -> list[Check]:
     return [free_disk("disk (runs)", Path.cwd(), "free space there, or give --run-dir on a roomier filesystem"),
             free_disk("disk (cache)", _cache(), "free space there, or point GYRE_CACHE at a roomier filesystem")]
-
-
-def free_disk(name: str, path: Path, fix: str) -> Check:
-    at = path
-    while not at.exists() and at != at.parent:  # a cache not made yet: the filesystem it will be on
-        at = at.parent
-    free = shutil.disk_usage(at).free
-    status = FAIL if free < DISK_FAIL else WARN if free < DISK_WARN else OK
-    return Check(name, status, f"{free / GIB:.1f} GiB free at {path}", fix if status != OK else "")
 
 
 def _fds() -> Check:

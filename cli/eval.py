@@ -22,6 +22,7 @@ from typing import Annotated
 
 import typer
 
+from gyre.cli.common import default_run_dir, fail, guard, harness_preset, model_or_tiny
 from gyre.cli.options import JsonOpt, ServeConfigOpt, ServeSetOpt
 from gyre.cli.tasks import SandboxUrlOpt, TaskHarnessOpt, TaskTimeoutOpt
 
@@ -67,7 +68,6 @@ def eval_cmd(tasks: EvalTasksOpt, model: EvalModelOpt = None, step: EvalStepOpt 
     task k times, one row per task, then pass@k, pass@1 and the reward mean."""
     import uvloop
 
-    from gyre.cli.main import _fail, _guard, _preset
     from gyre.coordinator.evalrun import evaluate
     from gyre.coordinator.rundir import absolute
     from gyre.coordinator.sandbox.preflight import check_sandbox
@@ -75,26 +75,26 @@ def eval_cmd(tasks: EvalTasksOpt, model: EvalModelOpt = None, step: EvalStepOpt 
     from gyre.coordinator.taskformats import load_task_source
 
     # 1) Everything checked before the run directory exists: a refused eval leaves nothing.
-    _guard(_check_flags, k=k, threshold=threshold, concurrency=concurrency, solution=solution, model=model,
-           step=step)
+    guard(_check_flags, k=k, threshold=threshold, concurrency=concurrency, solution=solution, model=model,
+          step=step)
     if not tasks.exists():
-        _fail(FileNotFoundError(f"--tasks {tasks}: no such file or directory"))
-    task_list = _guard(load_task_source, path=tasks)
-    preset = _preset(harness, config)  # an unknown or uninstalled harness is refused here
-    source = _guard(resolve_model, model=model, step=step)
-    fields = _guard(serve_fields, config=config, sets=set_ or [])
-    _guard(check_sandbox, backend=sandbox, url=sandbox_url, tasks=task_list)
+        fail(FileNotFoundError(f"--tasks {tasks}: no such file or directory"))
+    task_list = guard(load_task_source, path=tasks)
+    preset = harness_preset(harness, config)  # an unknown or uninstalled harness is refused here
+    source = guard(resolve_model, model=model, step=step)
+    fields = guard(serve_fields, config=config, sets=set_ or [])
+    guard(check_sandbox, backend=sandbox, url=sandbox_url, tasks=task_list)
     # 2) The run directory, the served model, the executions.
-    lock, made = _guard(_claim, run_dir=run_dir)
+    lock, made = guard(_claim, run_dir=run_dir)
     out = lock.run_dir
     try:
         try:
-            model_dir, about = _guard(_serve_model, source=source, run_dir=out)
+            model_dir, about = guard(_serve_model, source=source, run_dir=out)
             if solution:  # the tiny default serves, but nothing calls it
                 about["model"] = None
             about.update(harness="solution" if solution else preset.name, solution=solution, run_dir=str(out),
                          tasks_path=str(absolute(tasks)))
-            settings = _guard(_settings, model_dir=source.model_dir or model_dir, fields=fields)
+            settings = guard(_settings, model_dir=source.model_dir or model_dir, fields=fields)
         except BaseException:
             if made:
                 shutil.rmtree(out, ignore_errors=True)
@@ -108,7 +108,7 @@ def eval_cmd(tasks: EvalTasksOpt, model: EvalModelOpt = None, step: EvalStepOpt 
                 typer.echo(f"  {r['task']} #{r['sample']}: {r['status']} {reward}", err=True)
 
         try:
-            report = _guard(uvloop.run, main=evaluate(
+            report = guard(uvloop.run, main=evaluate(
                 task_list, k=k, threshold=threshold, run_dir=out, about=about, preset=preset, model_dir=model_dir,
                 sandbox=sandbox, sandbox_url=sandbox_url, solution=solution, concurrency=concurrency,
                 timeout_s=timeout or 600.0, settings=settings, on_result=progress))
@@ -184,11 +184,10 @@ def resolve_model(*, model: Path | None, step: int | None) -> ModelSource:
 def _claim(*, run_dir: Path | None):
     """(the run directory's lock, whether this made it): --run-dir as given, else a fresh
     runs/eval-<timestamp> (-2, -3, ... when taken)."""
-    from gyre.cli.main import _default_run_dir
     from gyre.coordinator.rundir import absolute, claim, fresh
 
     if run_dir is None:
-        return claim(fresh(_default_run_dir("eval")), command="serve"), True
+        return claim(fresh(default_run_dir("eval")), command="serve"), True
     made = not absolute(run_dir).exists()
     return claim(absolute(run_dir), command="serve"), made
 
@@ -196,10 +195,9 @@ def _claim(*, run_dir: Path | None):
 def _serve_model(*, source: ModelSource, run_dir: Path) -> tuple[Path, dict]:
     """(the directory the engine loads, the report's head: model, step, version)."""
     from gyre.cli.export import export_run
-    from gyre.cli.main import _model_dir
 
     if source.run_dir is None:  # a model directory as it is, or the tiny default in the run directory
-        served = _model_dir(source.path, run_dir, 0)
+        served = model_or_tiny(source.path, run_dir, 0)
         return served, {"model": str(served), "step": None, "version": None}
     done = export_run(run_dir=source.run_dir, out=run_dir / "model", step=source.step)
     shutil.copyfile(done.out / "README.md", run_dir / "model.md")

@@ -21,6 +21,7 @@ from typing import Annotated
 
 import typer
 
+from gyre.cli.common import guard, gyre_version
 from gyre.coordinator.resume import CHECKPOINTS, checkpoint_steps, intact, step_dir
 from gyre.workerd.export import ExportError
 
@@ -54,9 +55,7 @@ def export(run_dir: ExportRunDirArg, out: ExportOutArg, step: ExportStepOpt = No
            dtype: ExportDtypeOpt = None) -> None:
     """Write a run's checkpoint as a Hugging Face model directory: model.safetensors,
     config.json, the tokenizer and chat template, and a README naming the run and step."""
-    from gyre.cli.main import _guard
-
-    done = _guard(export_run, run_dir=run_dir, out=out, step=step, dtype=dtype)
+    done = guard(export_run, run_dir=run_dir, out=out, step=step, dtype=dtype)
     typer.echo(f"{done.out}: step {done.step} (version {done.version}) of {run_dir}, "
                f"{done.trainer} trainer, {done.dtype}")
     if done.rounding:
@@ -220,15 +219,13 @@ def _copy_model_files(model_dir: Path, tmp: Path, dtype: str) -> None:
 def readme(run_dir: Path, folder: Path, model_dir: Path, architecture: str, done: Exported) -> str:
     """What the directory is: the run, the step, the version; the source model's own notes
     on where its weights come from (SmolLM2's dequantised Q4_1 release) carried over."""
-    from gyre.cli.main import _version
-
     notes = []
     source = model_dir / "README.md"
     if source.is_file():  # paragraphs, not headings, that say where the weights come from
         notes = [p.strip() for p in source.read_text().split("\n\n")
                  if not p.lstrip().startswith("#") and ("Q4_1" in p or "dequantis" in p)]
     lines = [f"# {run_dir.name} at step {done.step} (gyre export)", "",
-             f"Exported by gyre {_version()} (`gyre export`) from the run directory `{run_dir}`, checkpoint "
+             f"Exported by gyre {gyre_version()} (`gyre export`) from the run directory `{run_dir}`, checkpoint "
              f"`{CHECKPOINTS}/{folder.name}`: step {done.step}, weight version {done.version}, trained by the "
              f"{done.trainer} trainer.", "",
              f"- Weights: `model.safetensors`, {done.dtype}" + (f" ({done.rounding})." if done.rounding else "."),

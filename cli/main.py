@@ -1,17 +1,28 @@
 """main.py: the `gyre` command (typer). Commands only build a config and call into the
-package; domain errors print as one `[error]` line (tracebacks with --debug)."""
+package; domain errors print as one `[error]` line (tracebacks with --debug), through
+common.py's fail and guard, which the command modules share."""
 
 from __future__ import annotations
 
 import logging
 import shutil
 import sys
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from gyre.cli import common
+from gyre.cli.common import (
+    check_installed,
+    check_model,
+    default_run_dir,
+    fail,
+    guard,
+    gyre_version,
+    harness_preset,
+    model_or_tiny,
+)
 from gyre.cli.options import (
     CellOpt,
     ConfigArg,
@@ -92,7 +103,7 @@ def keys_init(directory: KeysDirArg, worker: WorkerNamesOpt = None) -> None:
     """Write a coordinator key pair and worker key pairs (authorised) into DIRECTORY."""
     from gyre.workerd.keys import init_keys
 
-    files = _guard(init_keys, root=directory, workers=tuple(worker or ["worker"]))
+    files = guard(init_keys, root=directory, workers=tuple(worker or ["worker"]))
     for f in files:
         typer.echo(str(f))
 
@@ -102,7 +113,7 @@ def keys_add(directory: KeysDirArg, name: KeyNameArg) -> None:
     """Add (and authorise) one more worker key pair; restart the coordinator to accept it."""
     from gyre.workerd.keys import add_worker
 
-    typer.echo(str(_guard(add_worker, root=directory, name=name)))
+    typer.echo(str(guard(add_worker, root=directory, name=name)))
 
 
 config_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="The run config: see what a run would use.")
@@ -116,30 +127,22 @@ def config_show(config: ConfigArg = None, set_: SetOpt = None, steps: StepsOpt =
 
     from gyre.coordinator.runconfig import load_config_file, resolved, show_text, with_model_defaults
 
-    named = config is not None and "run_dir" in _guard(load_config_file, path=config)  # a run's own config.json
+    named = config is not None and "run_dir" in guard(load_config_file, path=config)  # a run's own config.json
     default = None if named else Path("runs") / "up-<timestamp>"
     cfg, file_values, overrides = _resolve_config(config, set_ or [], steps=steps, policy=policy,
                                                   run_dir=run_dir or default, model=model)
     if (cfg.model_dir / "config.json").exists():  # per-model defaults (lr, output limits, context) resolved
-        cfg = _guard(with_model_defaults, config=cfg)
+        cfg = guard(with_model_defaults, config=cfg)
     for key in ("run_dir", "model_dir"):  # not given as flags: from the file, else defaults
         if not (run_dir if key == "run_dir" else model):
             overrides.pop(key, None)
     rows = resolved(cfg, file_values, overrides)
     typer.echo(json.dumps(rows, indent=2) if as_json else show_text(rows))
-_debug = False
-
-
-def _version() -> str:
-    try:
-        return version("gyre")
-    except PackageNotFoundError:
-        return "0+unknown"
 
 
 def _on_version(value: bool) -> None:
     if value:
-        typer.echo(f"gyre {_version()}")
+        typer.echo(f"gyre {gyre_version()}")
         raise typer.Exit()
 
 
@@ -149,8 +152,7 @@ def root(
                                                      help="Print the version and exit.")] = None,
     debug: DebugOpt = False,
 ) -> None:
-    global _debug
-    _debug = debug
+    common.debug = debug
     logging.basicConfig(level=logging.DEBUG if debug else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
 
@@ -167,9 +169,9 @@ def init_model(kind: ModelKindArg, out_dir: ModelDirArg, seed: SeedOpt = 0, whee
     elif kind == "smollm2":
         from gyre.workerd.smollm2 import init_smollm2
 
-        typer.echo(str(_guard(init_smollm2, out_dir=out_dir, wheel=wheel, dtype=dtype)))
+        typer.echo(str(guard(init_smollm2, out_dir=out_dir, wheel=wheel, dtype=dtype)))
     else:
-        _fail(ModelDirError(f"unknown model kind {kind!r} (built in: tiny, smollm2)"))
+        fail(ModelDirError(f"unknown model kind {kind!r} (built in: tiny, smollm2)"))
 
 
 @app.command()
@@ -190,7 +192,7 @@ def workerd(
     """Run this node's worker daemon (rollout engine + trainer) until stopped."""
     from gyre.workerd.backends import check_backends
 
-    _guard(check_backends, engine=engine_backend, trainer=trainer_backend)  # before registering
+    guard(check_backends, engine=engine_backend, trainer=trainer_backend)  # before registering
     from gyre.workerd.config import WorkerConfig
     from gyre.workerd.server import serve
 
@@ -199,7 +201,7 @@ def workerd(
                           welcome_timeout_s=welcome_timeout, parent_pid=parent_pid,
                           keys_dir=str(keys) if keys else None, key_name=key_name,
                           engine_backend=engine_backend, trainer_backend=trainer_backend)
-    raise typer.Exit(_guard(serve, config=config))
+    raise typer.Exit(guard(serve, config=config))
 
 
 @app.command()
@@ -224,35 +226,35 @@ def up(
     live = not no_live and sys.stdout.isatty()
     if resume is not None:
         if config or policy or run_dir or model or seed is not None or set_ or sandbox or tasks:
-            _fail(ValueError("--resume takes the run's own config.json; only --steps may change"))
-        lock = _guard(claim, run_dir=absolute(resume), resume=True)
+            fail(ValueError("--resume takes the run's own config.json; only --steps may change"))
+        lock = guard(claim, run_dir=absolute(resume), resume=True)
         try:
             cfg, _, _ = _resolve_config(lock.run_dir / "config.json", [], steps=steps, run_dir=lock.run_dir,
                                         model=_moved_model(lock.run_dir))
             code = 0
             if _resumable(lock.run_dir, target=cfg.steps, extended=steps is not None):
                 _preflight(cfg)
-                code = _guard(run_up, config=cfg, live=live, resume=True)
+                code = guard(run_up, config=cfg, live=live, resume=True)
         finally:
             lock.release()
         raise typer.Exit(code)
     # Everything is checked before the run directory is made: a refused run leaves nothing behind.
     cfg, file_values, _ = _resolve_config(config, set_ or [], steps=steps, policy=policy, run_dir=run_dir,
                                           model=model, seed=seed, sandbox=sandbox, tasks_path=tasks)
-    _installed(cfg.preset())
+    check_installed(cfg.preset())
     _preflight(cfg)
     made = not cfg.run_dir.exists()
     if run_dir is None and "run_dir" not in file_values and not any(x.startswith("run_dir=") for x in set_ or []):
         cfg, made = _fresh_run_dir(cfg), True  # the default name, made here: unique even within a second
-    lock = _guard(claim, run_dir=cfg.run_dir)
+    lock = guard(claim, run_dir=cfg.run_dir)
     try:
         try:  # the tiny default, written into the run directory unless a model was named
-            _model_dir(None if cfg.model_dir == cfg.run_dir / "model" else cfg.model_dir, cfg.run_dir, cfg.seed)
+            model_or_tiny(None if cfg.model_dir == cfg.run_dir / "model" else cfg.model_dir, cfg.run_dir, cfg.seed)
         except BaseException:
             if made:
                 shutil.rmtree(cfg.run_dir, ignore_errors=True)
             raise
-        code = _guard(run_up, config=cfg, live=live)
+        code = guard(run_up, config=cfg, live=live)
     finally:
         lock.release()
     raise typer.Exit(code)
@@ -263,7 +265,7 @@ def _moved_model(run_dir: Path) -> Path | None:
     inside it (the embedded default's RUN_DIR/model): config.json names the old path."""
     from gyre.coordinator.runconfig import load_config_file
 
-    recorded = _guard(load_config_file, path=run_dir / "config.json")
+    recorded = guard(load_config_file, path=run_dir / "config.json")
     try:
         old_run, old_model = Path(recorded["run_dir"]), Path(recorded["model_dir"])
         inside = old_model.relative_to(old_run)
@@ -298,14 +300,14 @@ def _preflight(cfg) -> None:
     from gyre.coordinator.sandbox.preflight import check_sandbox
     from gyre.coordinator.taskformats import load_task_source
 
-    _guard(check_ports, config=cfg)
+    guard(check_ports, config=cfg)
     if cfg.trackers:
         from gyre.coordinator.trackers import check as check_trackers
 
-        _guard(check_trackers, trackers=cfg.trackers)
-    tasks = _guard(load_task_source, path=cfg.tasks_path) if cfg.tasks_path else []
-    _guard(check_sandbox, backend=cfg.sandbox, url=cfg.sandbox_url, hosts=cfg.sandbox_hosts, tasks=tasks,
-           internet=cfg.sandbox_internet)
+        guard(check_trackers, trackers=cfg.trackers)
+    tasks = guard(load_task_source, path=cfg.tasks_path) if cfg.tasks_path else []
+    guard(check_sandbox, backend=cfg.sandbox, url=cfg.sandbox_url, hosts=cfg.sandbox_hosts, tasks=tasks,
+          internet=cfg.sandbox_internet)
 
 
 def _fresh_run_dir(cfg):
@@ -315,7 +317,7 @@ def _fresh_run_dir(cfg):
 
     from gyre.coordinator.rundir import fresh
 
-    new = _guard(fresh, path=cfg.run_dir)
+    new = guard(fresh, path=cfg.run_dir)
     if new == cfg.run_dir:
         return cfg
     model = new / "model" if cfg.model_dir == cfg.run_dir / "model" else cfg.model_dir
@@ -330,23 +332,17 @@ def _resolve_config(path, sets: list[str], **flags):
 
     from gyre.coordinator.runconfig import build_config, load_config_file, parse_sets
 
-    file_values = _guard(load_config_file, path=path) if path else {}
-    overrides = {**_guard(parse_sets, items=sets),
+    file_values = guard(load_config_file, path=path) if path else {}
+    overrides = {**guard(parse_sets, items=sets),
                  **{k: v for k, v in flags.items() if v is not None and k in ("steps", "policy", "seed", "sandbox",
                                                                              "tasks_path")}}
     run_dir = flags.get("run_dir") or overrides.get("run_dir") or file_values.get("run_dir")
     model = flags.get("model") or overrides.get("model_dir") or file_values.get("model_dir")
     run_dir = Path(run_dir) if run_dir else Path("runs") / time.strftime("up-%Y%m%d-%H%M%S")
     if model:
-        _guard(_check_model, model_dir=Path(model))  # fail early, with the missing file named
+        guard(check_model, model_dir=Path(model))  # fail early, with the missing file named
     overrides.update(run_dir=run_dir, model_dir=Path(model) if model else Path(run_dir) / "model")
-    return _guard(build_config, file_values=file_values, overrides=overrides), file_values, overrides
-
-
-def _check_model(model_dir: Path) -> None:
-    from gyre.workerd.modeldir import check_model_dir
-
-    check_model_dir(model_dir)
+    return guard(build_config, file_values=file_values, overrides=overrides), file_values, overrides
 
 
 @app.command()
@@ -364,82 +360,56 @@ def serve(model: ModelOpt = None, run_dir: RunDirOpt = None, host: HostOpt = "12
 
     preset = task_obj = None
     if sandbox not in BACKENDS:
-        _fail(ValueError(f"--sandbox must be one of {', '.join(BACKENDS)}, got {sandbox!r}"))
+        fail(ValueError(f"--sandbox must be one of {', '.join(BACKENDS)}, got {sandbox!r}"))
     if harness is not None:
         if bool(task) == (task_dir is not None):
-            _fail(ValueError("--harness needs --task (the prompt the harness is given) or --task-dir (a Harbor "
-                             "task folder), one of them"))
-        preset = _preset(harness, config)
+            fail(ValueError("--harness needs --task (the prompt the harness is given) or --task-dir (a Harbor "
+                            "task folder), one of them"))
+        preset = harness_preset(harness, config)
         if task_dir is not None:
             from gyre.coordinator.taskformats import load_task_source
 
-            found = _guard(load_task_source, path=task_dir)
+            found = guard(load_task_source, path=task_dir)
             if len(found) != 1:
-                _fail(ValueError(f"--task-dir {task_dir} holds {len(found)} tasks; give one task's folder"))
+                fail(ValueError(f"--task-dir {task_dir} holds {len(found)} tasks; give one task's folder"))
             task_obj = found[0]
         from gyre.coordinator.sandbox.preflight import check_sandbox
 
-        _guard(check_sandbox, backend=sandbox, url=sandbox_url, tasks=[task_obj] if task_obj else [])
+        guard(check_sandbox, backend=sandbox, url=sandbox_url, tasks=[task_obj] if task_obj else [])
     elif task is not None or task_dir is not None:
-        _fail(ValueError("--task and --task-dir are for --harness (without it, serve waits for your own client)"))
+        fail(ValueError("--task and --task-dir are for --harness (without it, serve waits for your own client)"))
     elif sandbox != "process":
-        _fail(ValueError("--sandbox is for --harness (without it, serve waits for your own client)"))
+        fail(ValueError("--sandbox is for --harness (without it, serve waits for your own client)"))
     if executions < 1 or (executions > 1 and harness is not None):
-        _fail(ValueError("--executions must be >= 1, and is for serving your own clients (not with --harness)"))
+        fail(ValueError("--executions must be >= 1, and is for serving your own clients (not with --harness)"))
     if model is not None:
-        _guard(_check_model, model_dir=model)
-    fields = _guard(serve_fields, config=config, sets=set_ or [], max_context=max_context)
+        guard(check_model, model_dir=model)
+    fields = guard(serve_fields, config=config, sets=set_ or [], max_context=max_context)
     from gyre.coordinator.preflight import check_port
 
-    _guard(check_port, host=host, port=port, what="--port (the proxy)")
+    guard(check_port, host=host, port=port, what="--port (the proxy)")
     if run_dir is None:  # the default name, made here: unique even within a second
         from gyre.coordinator.rundir import fresh
 
-        run_dir, made = _guard(fresh, path=_default_run_dir("serve")), True
+        run_dir, made = guard(fresh, path=default_run_dir("serve")), True
     else:
         run_dir = absolute(run_dir)
         made = not run_dir.exists()
-    lock = _guard(claim, run_dir=run_dir, command="serve")
+    lock = guard(claim, run_dir=run_dir, command="serve")
     try:
         try:
-            model_dir = _model_dir(absolute(model) if model else None, run_dir, 0)
-            settings = _guard(serve_settings, model_dir=model_dir, fields=fields)
+            model_dir = model_or_tiny(absolute(model) if model else None, run_dir, 0)
+            settings = guard(serve_settings, model_dir=model_dir, fields=fields)
         except BaseException:
             if made:
                 shutil.rmtree(run_dir, ignore_errors=True)
             raise
-        code = _guard(run_serve, model_dir=model_dir, run_dir=run_dir, host=host, port=port, preset=preset,
-                      task=task, timeout_s=timeout, settings=settings, executions=executions, task_obj=task_obj,
-                      sandbox=sandbox, sandbox_url=sandbox_url)
+        code = guard(run_serve, model_dir=model_dir, run_dir=run_dir, host=host, port=port, preset=preset,
+                     task=task, timeout_s=timeout, settings=settings, executions=executions, task_obj=task_obj,
+                     sandbox=sandbox, sandbox_url=sandbox_url)
     finally:
         lock.release()
     raise typer.Exit(code)
-
-
-def _default_run_dir(prefix: str) -> Path:
-    import time
-
-    return Path("runs") / time.strftime(f"{prefix}-%Y%m%d-%H%M%S")
-
-
-def _installed(preset) -> None:
-    if preset.executable() is None:
-        hint = f"; install: {preset.install}" if preset.install else ""
-        _fail(FileNotFoundError(f"harness {preset.name!r}: {preset.command[0]!r} is not on PATH{hint}"))
-
-
-def _preset(name: str, config: Path | None):
-    """The named preset (user presets from `config` first), its executable checked."""
-    from gyre.coordinator.harnesses import HarnessError, resolve
-    from gyre.coordinator.runconfig import load_config_file
-
-    user = (_guard(load_config_file, path=config) if config else {}).get("harnesses", {})
-    try:
-        preset = resolve(name, user)
-    except HarnessError as e:
-        _fail(e)
-    _installed(preset)
-    return preset
 
 
 @app.command()
@@ -448,7 +418,7 @@ def harnesses(config: ServeConfigOpt = None) -> None:
     from gyre.coordinator.harnesses import HarnessError, presets
     from gyre.coordinator.runconfig import load_config_file
 
-    user = (_guard(load_config_file, path=config) if config else {}).get("harnesses", {})
+    user = (guard(load_config_file, path=config) if config else {}).get("harnesses", {})
     for name, p in presets(user).items():
         if isinstance(p, HarnessError):
             typer.echo(f"{name}: unusable: {_reason(p)}")
@@ -475,20 +445,9 @@ def inspect(run_dir: RunDirArg, execution: ExecutionOpt = None, as_json: JsonOpt
     try:
         out = inspect_run(run_dir, execution=execution, as_json=as_json, j_max=j_max, console=Console())
     except (FileNotFoundError, ValueError) as e:
-        _fail(e)
+        fail(e)
     if as_json:
         typer.echo(json.dumps(out, indent=2))
-
-
-def _model_dir(model, run_dir, seed: int):
-    """The given model directory, or the tiny default written into the run directory."""
-    from gyre.workerd.modeldir import init_tiny
-
-    if model is not None:
-        return model
-    if (run_dir / "model" / "config.json").exists():
-        return run_dir / "model"
-    return init_tiny(run_dir / "model", seed=seed)
 
 
 @app.command()
@@ -505,7 +464,7 @@ def top(target: TopTargetArg = None, interval: IntervalOpt = 1.0, once: OnceOpt 
         url = status_url(target or _latest_run())
         first = fetch(url)
     except (FileNotFoundError, ConnectionError) as e:
-        _fail(e)
+        fail(e)
     console = Console()
     if once:
         if no_live or not sys.stdout.isatty():
@@ -543,22 +502,6 @@ def _latest_run() -> str:
         raise FileNotFoundError(f"no running coordinator under ./runs (the newest run, {found[-1].parent}, has "
                                 "stopped); name a run directory or a URL")
     raise FileNotFoundError("no run directory given and none under ./runs has a coordinator.json")
-
-
-def _guard(fn, **kwargs):
-    from gyre.workerd.wire import GyreError
-
-    try:
-        return fn(**kwargs)
-    except GyreError as e:
-        _fail(e)
-
-
-def _fail(e: Exception) -> None:
-    if _debug:
-        raise e
-    typer.echo(f"[error] {e}", err=True)
-    raise typer.Exit(1) from None
 
 
 def _add_commands() -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import orjson
 
-from gyre.cli.doctor import FAIL, OK, PROBE_S, WARN, Check, free_disk, guarded, probe, split_fix
+from gyre.cli.checks import FAIL, OK, PROBE_S, WARN, Check, free_disk, guarded, probe, split_fix
 
 MAX_EXECUTION_LINES = 20  # problem lines about executions; the rest are counted
 

@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from gyre.cli.common import check_model, default_run_dir, fail, guard, harness_preset, model_or_tiny
 from gyre.cli.options import JsonOpt, ModelOpt, RunDirOpt, ServeConfigOpt, ServeSetOpt
 
 tasks_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
@@ -27,10 +28,9 @@ KeepOpt = Annotated[str, typer.Option("--keep-sandbox", help="Keep sandboxes aft
 @tasks_app.command("check")
 def check(path: TaskPathArg, as_json: JsonOpt = False) -> None:
     """Validate a task source and list what it holds (errors name the file and field)."""
-    from gyre.cli.main import _guard
     from gyre.coordinator.taskformats import describe, load_task_source
 
-    tasks = _guard(load_task_source, path=path)
+    tasks = guard(load_task_source, path=path)
     rows = [describe(t) for t in tasks]
     if as_json:
         typer.echo(json.dumps({"path": str(path), "tasks": rows}, indent=2))
@@ -68,7 +68,6 @@ def run(path: TaskPathArg, harness: TaskHarnessOpt = "demo", sandbox: SandboxOpt
     """Run every task once (no training) and print each one's status and score."""
     import uvloop
 
-    from gyre.cli.main import _check_model, _default_run_dir, _fail, _guard, _model_dir, _preset
     from gyre.coordinator.launcher import KEEP
     from gyre.coordinator.rundir import absolute, claim
     from gyre.coordinator.sandbox import BACKENDS
@@ -78,23 +77,23 @@ def run(path: TaskPathArg, harness: TaskHarnessOpt = "demo", sandbox: SandboxOpt
     from gyre.coordinator.tasks import MAX_TIMEOUT_S
 
     if sandbox not in BACKENDS:
-        _fail(ValueError(f"--sandbox must be one of {', '.join(BACKENDS)}, got {sandbox!r}"))
+        fail(ValueError(f"--sandbox must be one of {', '.join(BACKENDS)}, got {sandbox!r}"))
     if keep_sandbox not in KEEP:
-        _fail(ValueError(f"--keep-sandbox must be one of {', '.join(KEEP)}, got {keep_sandbox!r}"))
+        fail(ValueError(f"--keep-sandbox must be one of {', '.join(KEEP)}, got {keep_sandbox!r}"))
     if concurrency < 1:
-        _fail(ValueError("--concurrency must be >= 1"))
+        fail(ValueError("--concurrency must be >= 1"))
     if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:  # NaN fails it too
-        _fail(ValueError(f"--timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S:g} (a week), got {timeout:g}"))
-    tasks = _guard(load_task_source, path=path)
-    preset = _preset(harness, config)
+        fail(ValueError(f"--timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S:g} (a week), got {timeout:g}"))
+    tasks = guard(load_task_source, path=path)
+    preset = harness_preset(harness, config)
     if model is not None:
-        _guard(_check_model, model_dir=model)
-    fields = _guard(serve_fields, config=config, sets=set_ or [])
-    run_dir = absolute(run_dir or _default_run_dir("tasks"))
-    lock = _guard(claim, run_dir=run_dir, command="serve")
+        guard(check_model, model_dir=model)
+    fields = guard(serve_fields, config=config, sets=set_ or [])
+    run_dir = absolute(run_dir or default_run_dir("tasks"))
+    lock = guard(claim, run_dir=run_dir, command="serve")
     try:
-        model_dir = _model_dir(absolute(model) if model else None, run_dir, 0)
-        settings = _guard(serve_settings, model_dir=model_dir, fields=fields)
+        model_dir = model_or_tiny(absolute(model) if model else None, run_dir, 0)
+        settings = guard(serve_settings, model_dir=model_dir, fields=fields)
         (run_dir / "config.json").write_text(json.dumps({
             "command": "tasks run", "path": str(absolute(path)), "harness": preset.name, "sandbox": sandbox,
             "solution": solution, "model": str(model_dir)}, indent=2))
@@ -104,7 +103,7 @@ def run(path: TaskPathArg, harness: TaskHarnessOpt = "demo", sandbox: SandboxOpt
                 score = "-" if r["score"] is None else f"{r['score']:.3f}"
                 typer.echo(f"  {r['task']}: {r['status']} {score}", err=True)
 
-        results = _guard(uvloop.run, main=run_tasks(
+        results = guard(uvloop.run, main=run_tasks(
             tasks, preset=preset, model_dir=model_dir, run_dir=run_dir, sandbox=sandbox, sandbox_url=sandbox_url,
             solution=solution, concurrency=concurrency, timeout_s=timeout or 600.0, settings=settings,
             keep_sandbox=keep_sandbox, on_result=progress))

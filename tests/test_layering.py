@@ -160,3 +160,67 @@ def test_the_walk_finds_every_kind_of_import(tmp_path):
         "workerd/bad.py:8 -> gyre.proxy.server",
         "proxy/bad.py:2 -> gyre.workerd.wire",
     ]
+
+
+# --- no import cycle within cli/ ------------------------------------------------------------
+
+
+def cli_graph(root: Path = ROOT) -> dict[str, dict[str, str]]:
+    """cli/'s import graph, every import counted wherever it is: module -> {gyre.cli module it
+    imports: "path:line" of the first import of it}."""
+    graph: dict[str, dict[str, str]] = {}
+    for path in sorted((root / "cli").rglob("*.py")):
+        edges = graph.setdefault(_module_of(path, root), {})
+        for line, module in imports(path, root):
+            if _within(module, "gyre.cli"):
+                edges.setdefault(module, f"{path.relative_to(root)}:{line}")
+    return graph
+
+
+def a_cycle(graph: dict[str, dict[str, str]]) -> list[str]:
+    """One cycle of `graph` as [a, b, ..., a] (depth first, in name order), [] where none."""
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        if node in path:
+            return path[path.index(node):] + [node]
+        if node in done:
+            return []
+        path.append(node)
+        for nxt in sorted(graph.get(node, {})):
+            if found := visit(nxt):
+                return found
+        path.pop()
+        done.add(node)
+        return []
+
+    return next((c for c in map(visit, sorted(graph)) if c), [])
+
+
+def _cycle_text(graph: dict[str, dict[str, str]], cycle: list[str]) -> str:
+    return " -> ".join(f"{a} ({graph[a][b]})" for a, b in zip(cycle, cycle[1:])) + f" -> {cycle[-1]}"
+
+
+def test_cli_has_no_import_cycle():
+    """cli/'s modules import one another one way only, function-local imports included: what
+    several commands share lives in leaves (common.py, checks.py) that import no command module."""
+    graph = cli_graph()
+    cycle = a_cycle(graph)
+    assert not cycle, "an import cycle in cli/: " + _cycle_text(graph, cycle)
+
+
+def test_the_cycle_walk_sees_function_local_imports(tmp_path):
+    (tmp_path / "cli").mkdir()
+    (tmp_path / "cli" / "__init__.py").write_text("")
+    (tmp_path / "cli" / "a.py").write_text("from gyre.cli.b import x\n")
+    (tmp_path / "cli" / "b.py").write_text("import gyre.cli.c\n")
+    (tmp_path / "cli" / "c.py").write_text("def f():\n    from gyre.cli import a\n")
+    graph = cli_graph(tmp_path)
+    cycle = a_cycle(graph)
+    assert _cycle_text(graph, cycle) == ("gyre.cli.a (cli/a.py:1) -> gyre.cli.b (cli/b.py:1) -> "
+                                         "gyre.cli.c (cli/c.py:2) -> gyre.cli.a")
+    (tmp_path / "cli" / "c.py").write_text("def f():\n    from gyre.cli import b\n")
+    assert a_cycle(cli_graph(tmp_path)) == ["gyre.cli.b", "gyre.cli.c", "gyre.cli.b"]
+    (tmp_path / "cli" / "c.py").write_text("")
+    assert a_cycle(cli_graph(tmp_path)) == []

@@ -1,0 +1,83 @@
+"""common.py: the helpers several `gyre` commands share: a domain error as one `[error]`
+line (`fail`, `guard`), the harness preset a command names, the model directory it serves
+and its default run directory, gyre's version.
+
+A leaf: it imports no other cli/ module, so every command module may import it. Not the
+typer app or any command (main.py and the command modules), not the options (options.py).
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import typer
+
+debug = False  # --debug (main.py's root callback): fail() raises instead of printing one line
+
+
+def fail(e: Exception) -> None:
+    if debug:
+        raise e
+    typer.echo(f"[error] {e}", err=True)
+    raise typer.Exit(1) from None
+
+
+def guard(fn, **kwargs):
+    """`fn(**kwargs)`; a GyreError it raises is one `[error]` line and exit status 1."""
+    from gyre.workerd.wire import GyreError
+
+    try:
+        return fn(**kwargs)
+    except GyreError as e:
+        fail(e)
+
+
+def gyre_version() -> str:
+    try:
+        return version("gyre")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def check_installed(preset) -> None:
+    if preset.executable() is None:
+        hint = f"; install: {preset.install}" if preset.install else ""
+        fail(FileNotFoundError(f"harness {preset.name!r}: {preset.command[0]!r} is not on PATH{hint}"))
+
+
+def harness_preset(name: str, config: Path | None):
+    """The named preset (user presets from `config` first), its executable checked."""
+    from gyre.coordinator.harnesses import HarnessError, resolve
+    from gyre.coordinator.runconfig import load_config_file
+
+    user = (guard(load_config_file, path=config) if config else {}).get("harnesses", {})
+    try:
+        preset = resolve(name, user)
+    except HarnessError as e:
+        fail(e)
+    check_installed(preset)
+    return preset
+
+
+def check_model(model_dir: Path) -> None:
+    from gyre.workerd.modeldir import check_model_dir
+
+    check_model_dir(model_dir)
+
+
+def model_or_tiny(model, run_dir, seed: int):
+    """The given model directory, or the tiny default written into the run directory."""
+    from gyre.workerd.modeldir import init_tiny
+
+    if model is not None:
+        return model
+    if (run_dir / "model" / "config.json").exists():
+        return run_dir / "model"
+    return init_tiny(run_dir / "model", seed=seed)
+
+
+def default_run_dir(prefix: str) -> Path:
+    import time
+
+    return Path("runs") / time.strftime(f"{prefix}-%Y%m%d-%H%M%S")
