@@ -17,6 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.tree import Tree as RichTree
 
+from gyre.coordinator.metrics import read_events
 from gyre.coordinator.rundir import live_coordinator, state
 from gyre.proxy.admission import admit
 from gyre.proxy.records import Recorded, load_run
@@ -97,15 +98,9 @@ def read_run_log(run_dir: Path) -> RunLog:
         s = state(run_dir)  # the authority `gyre up --resume` reads; "crashed": no closing summary
         running = s.kind == "crashed" and live_coordinator(run_dir)
         log = RunLog("up", "running" if running else s.kind, s.steps_done + s.unsaved, s.steps_target, s.unsaved)
-    path = run_dir / "metrics.jsonl"
-    for line in path.read_bytes().splitlines() if path.exists() else []:
-        try:
-            ev = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            ev = None
-        if not isinstance(ev, dict):
-            log.skipped_lines += bool(line.strip())
-            continue
+    journal = read_events(run_dir / "metrics.jsonl")
+    log.skipped_lines = len(journal.bad)
+    for ev in journal.events:
         kind = ev.get("event")
         if kind == "execution" and ev.get("id") is not None:
             log.outcomes[ev["id"]] = ev

@@ -180,8 +180,8 @@ def _run_lock(d: Path) -> Check:
 
 
 def _torn(path: Path) -> tuple[list[int], int]:
-    """(numbers of the lines that are no whole JSON record, lines) of a JSONL file; blank lines
-    are skipped, as every reader does."""
+    """(numbers of the lines that are no whole JSON record, lines) of an execution's records
+    file; blank lines are skipped, as every reader does."""
     if not path.exists():
         return [], 0
     lines = path.read_bytes().splitlines()
@@ -196,19 +196,20 @@ def _torn(path: Path) -> tuple[list[int], int]:
 
 
 def _run_metrics(d: Path) -> Check:
+    from gyre.coordinator.metrics import read_events
     from gyre.coordinator.rundir import held
 
     q, path = shlex.quote(str(d)), d / "metrics.jsonl"
     if not path.exists():
         return Check("metrics.jsonl", WARN, "missing: the run ended before its first event",
                      f"start it again: gyre up --resume {q}")
-    torn, n = _torn(path)
-    if torn == [n] and held(d):  # a live run: its last line may be mid-write as we read
-        torn = []
-    if not torn:
+    journal = read_events(path)
+    n, torn_last, mid = journal.lines, journal.torn_last, list(journal.mid)
+    if torn_last and not mid and held(d):  # a live run: its last line may be mid-write as we read
+        torn_last = False
+    if not torn_last and not mid:
         return Check("metrics.jsonl", OK, f"{n} events, no torn line")
-    mid = [i for i in torn if i != n]
-    parts = ["a crash tore the last line; resume skips it"] if n in torn else []
+    parts = ["a crash tore the last line; resume skips it"] if torn_last else []
     if mid:
         parts.append(f"{len(mid)} torn line(s) mid-file (line {', '.join(map(str, mid[:5]))}): readers skip them "
                      "and their events are lost")

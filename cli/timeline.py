@@ -170,7 +170,7 @@ def role_timeline_svg(result: SimResult) -> str:
 def result_from_metrics(path: str | Path) -> RunResult:
     """A real run's role timeline (and headline figures) as a SimResult, so real runs and
     simulations draw the same text strip and SVG. Switches count from their measured time."""
-    events = read_events(path)  # a torn line (a crash's, or a full disk's) skipped with a warning
+    events = read_events(path, warn=True).events  # a torn line (a crash's, or a full disk's) skipped
     cfg_path = Path(path).with_name("config.json")
     cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
     cells = int(cfg.get("cells", 1 + max((e["cell"] for e in events if e["event"] == "role"), default=0)))

@@ -4,19 +4,22 @@ Append-only, one whole line per write (proxy/records.Journal): a crash loses at 
 line being written, and the torn tail it leaves is cut off when a resumed run opens the
 file again, so no torn line ever sits mid-file. An event the disk refuses (full, over
 quota) is held in memory and written before the next one; `sync()` (at checkpoints)
-fsyncs. `read_events` is the one reader, skipping any line that is not a whole event.
+fsyncs. `read_events` is the one reader: the events in order, and which lines were no
+whole event (a torn last one, or bad ones mid-file), of the file or only of its tail.
 Never holds a secret: callers pass plain fields.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
 
-from gyre.proxy.records import Journal, JournalError, read_lines
+from gyre.proxy.records import Journal, JournalError
 
 log = logging.getLogger("gyre.coordinator")
 
@@ -87,14 +90,52 @@ class Metrics:
             self.trackers = None
 
 
-def read_events(path: str | Path) -> list[dict]:
-    """The events of a metrics.jsonl: every line that is a whole JSON object, in order; a
-    torn line (the last, from a crash; or one mid-file, which older writers could leave) is skipped
-    with a warning."""
-    out = []
-    for line, ev in read_lines(Path(path)):
-        if isinstance(ev, dict):
-            out.append(ev)
+@dataclass(frozen=True, slots=True)
+class Events:
+    """What `read_events` found in a metrics.jsonl."""
+
+    events: list[dict]  # every line that is a whole JSON object, in order
+    bad: tuple[int, ...] = ()  # numbers (from 1) of the other non-blank lines: torn, or not an object
+    lines: int = 0  # lines read, blank ones included
+    torn_last: bool = False  # the last non-blank line is one of `bad` (what a crash mid-write leaves)
+
+    @property
+    def mid(self) -> tuple[int, ...]:
+        """The bad lines before the last one: what a resume of an older gyre left mid-file."""
+        return self.bad[:-1] if self.torn_last else self.bad
+
+
+def read_events(path: str | Path, *, tail: int | None = None, warn: bool = False) -> Events:
+    """The events of a metrics.jsonl (none where the file is missing) and the lines that are
+    no whole event; blank lines are skipped. `tail`: only its last `tail` bytes, a line they
+    start inside dropped (lines then count from the first whole one read). `warn`: log each
+    skipped line."""
+    path = Path(path)
+    if not path.exists():
+        return Events([])
+    with open(path, "rb") as f:
+        start = max(0, f.seek(0, os.SEEK_END) - tail) if tail is not None else 0
+        f.seek(max(0, start - 1))
+        data = f.read()
+    if start > 0:  # read from the byte before: a line starting right at `start` stays whole
+        cut = data.find(b"\n")
+        data = data[cut + 1:] if cut >= 0 else b""
+    lines = data.splitlines()
+    last = max((i for i, raw in enumerate(lines) if raw.strip()), default=-1)
+    events, bad = [], []
+    for i, raw in enumerate(lines):
+        if not raw.strip():
+            continue
+        try:
+            ev = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            what = "its torn last line" if i == last else "a line that is no whole record (torn mid-file)"
         else:
-            log.warning("%s: skipped line %d, not an event object", path, line)
-    return out
+            if isinstance(ev, dict):
+                events.append(ev)
+                continue
+            what = "a line that is not an event object"
+        bad.append(i + 1)
+        if warn:
+            log.warning("%s: skipped %s: line %d, %d bytes", path, what, i + 1, len(raw))
+    return Events(events, tuple(bad), len(lines), bool(bad) and bad[-1] == last + 1)

@@ -22,6 +22,7 @@ import orjson
 from gyre.workerd.wire import GyreError
 
 LOCK = ".lock"
+TAIL_BYTES = 1 << 20  # state() reads only the end of metrics.jsonl: a long run's journal is large
 
 
 class RunDirError(GyreError):
@@ -60,6 +61,8 @@ def state(run_dir: Path) -> RunState:
     run is finished only where the checkpoint of its last step is there and intact: one
     whose last save failed (a full disk) or is torn "stopped" at the step it can resume
     from, `unsaved` the steps after it."""
+    from gyre.coordinator.metrics import read_events  # here, not at the top: it loads numpy (proxy/records.py)
+
     config = run_dir / "config.json"
     if not config.exists():
         return RunState("none")
@@ -70,7 +73,7 @@ def state(run_dir: Path) -> RunState:
     if not isinstance(target, int) or isinstance(target, bool):
         target = None  # a damaged config: its target is unknown (build_config names the field)
     done, summary = 0, None
-    for ev in _tail_events(run_dir / "metrics.jsonl"):
+    for ev in read_events(run_dir / "metrics.jsonl", tail=TAIL_BYTES).events:
         if ev.get("event") == "step":
             done, summary = max(done, int(ev.get("step", 0))), None
         elif ev.get("event") == "summary":
@@ -102,26 +105,6 @@ def _saved_step(run_dir: Path, done: int) -> int:
         return done
     folder, st, _ = newest_intact(run_dir)
     return int(st["step"]) if folder is not None and isinstance(st.get("step"), int) else 0
-
-
-def _tail_events(path: Path, limit: int = 1 << 20) -> list[dict]:
-    """The events in the last `limit` bytes of metrics.jsonl (a torn first or last line skipped)."""
-    if not path.exists():
-        return []
-    with open(path, "rb") as f:
-        f.seek(0, os.SEEK_END)
-        size = f.tell()
-        f.seek(max(0, size - limit))
-        data = f.read()
-    out = []
-    for line in data.splitlines():
-        try:
-            ev = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            continue
-        if isinstance(ev, dict):
-            out.append(ev)
-    return out
 
 
 def claim(run_dir: Path, *, resume: bool = False, command: str = "up") -> RunLock:

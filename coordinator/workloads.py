@@ -108,7 +108,7 @@ def workload_from_metrics(path: str | Path) -> Workload:
     switch and publication times are the measured ones. Cluster shape comes from config.json, else from
     the events."""
     path = Path(path)
-    events = read_events(path)  # a torn line skipped with a warning
+    events = read_events(path, warn=True).events  # a torn line skipped
     cfg_path = path.parent / "config.json"
     cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
     groups: dict[int, list[float]] = {}
