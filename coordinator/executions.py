@@ -185,7 +185,7 @@ class Executions:
     # --- resume -------------------------------------------------------------------------
 
     def restore(self, state: dict, dispatches: dict[int, dict], outcomes: dict[str, dict]) -> tuple[int, int]:
-        """The journal's groups back (resume.restore has loaded the checkpoint: `version()` is
+        """The journal's groups back (Checkpoints.restore has loaded the checkpoint: `version()` is
         its version). Groups consumed by a checkpointed step stay consumed; groups dispatched
         after the checkpoint, or held at it, are held for the publications that first
         dispatched them; every other group's closed executions come back with their records,

@@ -36,6 +36,7 @@ from gyre.coordinator.metrics import Metrics
 from gyre.coordinator.policies import POLICIES
 from gyre.coordinator.publisher import WeightPublisher
 from gyre.coordinator.report import StepReport
+from gyre.coordinator.resume import Checkpoints
 from gyre.coordinator.routing import RoutingTable
 from gyre.coordinator.sandbox import SandboxError
 from gyre.coordinator.schedule import BatchView, State, decide
@@ -87,8 +88,11 @@ class Coordinator:
         self.probe = LoopProbe()  # the event loop's lateness: every harness call waits on it
         # Training's progress: versions, steps, the batch in flight, publications (steps.py).
         self.steps = Steps(config, buffer=self.buffer, wl=self.wl, cells=self.cells, executions=self.executions,
-                           heldout=self.heldout, probe=self.probe, checkpoint=self._checkpoint,
+                           heldout=self.heldout, probe=self.probe, checkpoint=lambda: self.checkpoints.save(),
                            on_step=on_step)
+        # The run's checkpoints: saved at publications and at the end, restored on a resume (resume.py).
+        self.checkpoints = Checkpoints(config, steps=self.steps, executions=self.executions, cells=self.cells,
+                                       buffer=self.buffer, tasks=self.tasks, heldout=self.heldout)
         self.side_task: asyncio.Task | None = None  # a publication or a rejoin: weights on the move
         self.metrics: Metrics | None = None
         self.should_exit = False  # set by SIGINT/SIGTERM: stop at the next tick, gracefully
@@ -102,16 +106,14 @@ class Coordinator:
         self.proxy: ProxyServer | None = None
         self.sandboxes = None  # the sandbox host pool (launcher.open_sandboxes)
         self.launcher: Launcher | None = None
-        self.restored: resume.Restored | None = None  # resume: what the run directory holds (resume.read)
         self.stop_signal: int | None = None  # the signal that stopped the run (SIGINT, SIGTERM)
 
     def status(self) -> dict:
         """The live view's data (GET /gyre/status, `gyre top`)."""
-        return snapshot(self)
-
-    async def _checkpoint(self) -> None:
-        """A checkpoint of the whole run (resume.py): the core's trainer, then the state."""
-        await resume.checkpoint(self)
+        return snapshot(self.c, metrics=self.metrics, steps=self.steps, cells=self.cells, wl=self.wl,
+                        buffer=self.buffer, executions=self.executions, rates=self.rates, probe=self.probe,
+                        gc=self.gc, table=self.table, link=self.link, proxy=self.proxy, launcher=self.launcher,
+                        stopping=self.should_exit)
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -125,10 +127,10 @@ class Coordinator:
             log.warning("weight_transfer = mooncake with CURVE keys: Mooncake's transfer engine listens on every "
                         "interface without authentication; keep it on a private network")
         c.run_dir.mkdir(parents=True, exist_ok=True)
-        t0 = None
+        t0, restored = None, None
         if self.resume:
-            self.restored = resume.read(c.run_dir)  # fails before anything starts
-            t0 = time.monotonic() - self.restored.last_t  # times continue from the journal's last
+            restored = resume.read(c.run_dir)  # fails before anything starts
+            t0 = time.monotonic() - restored.last_t  # times continue from the journal's last
         (c.run_dir / "config.json").write_text(json.dumps(c.to_json(), indent=2))
         trackers = Trackers(c.trackers, c.tracker_options, c.run_dir, c.to_json()) if c.trackers else None
         self.metrics = self.executions.metrics = Metrics(c.run_dir / "metrics.jsonl", t0=t0, trackers=trackers)
@@ -143,12 +145,14 @@ class Coordinator:
                 cells.nodes = rollout.nodes
                 self.weights = WeightPublisher(c, self.link, cells.nodes, cluster, cells.dead)
                 cells.link, cells.weights, cells.metrics = self.link, self.weights, self.metrics
-                self.steps.link, self.steps.weights, self.steps.metrics = self.link, self.weights, self.metrics
+                for owner in (self.steps, self.checkpoints):
+                    owner.link, owner.weights, owner.metrics = self.link, self.weights, self.metrics
+                self.checkpoints.proxy = self.proxy  # its records synced at a checkpoint, then released
                 async with execution_stack(self.proxy, launch_spec(c), run_dir=c.run_dir, config=c,
                                            remote_relay=self._remote_relay) as executor:
                     self.sandboxes, self.launcher = executor.sandboxes, executor.launcher
                     self.executions.launcher = self.launcher
-                    await self._startup()
+                    await self._startup(restored)
                     ended = False
                     try:
                         while not await self.tick():
@@ -157,7 +161,8 @@ class Coordinator:
                     finally:
                         peak_rss = await self._shutdown(
                             save=ended or isinstance(self.executions.fatal, InfraFailures))
-                        report.summary(self, peak_rss)
+                        report.summary(self.metrics, steps=self.steps, cells=self.cells, executions=self.executions,
+                                       buffer=self.buffer, wl=self.wl, table=self.table, peak_rss=peak_rss)
         finally:
             self.metrics.close()  # also on a failed run: held events written, trackers closed
         return self.steps.reports
@@ -185,10 +190,10 @@ class Coordinator:
             except (NotImplementedError, RuntimeError):  # not the main thread (tests)
                 return
 
-    async def _startup(self) -> None:
+    async def _startup(self, restored: resume.Restored | None) -> None:
         """Inside the stacks (the workers ready, the proxy listening, the sandboxes open): the
         status endpoint, the tasks checked, the reducer and transfers joined, then the first
-        dispatch or the resume."""
+        dispatch or, with `restored`, the resume."""
         c = self.c
         self.proxy.status_provider = self.status
         (c.run_dir / "coordinator.json").write_text(json.dumps({
@@ -207,8 +212,8 @@ class Coordinator:
             for i, n in enumerate(self.cells.nodes)))
         if c.weight_transfer == "broadcast" and len(self.cells.nodes) > 1:
             await self.weights.init_broadcast()
-        if self.resume:
-            await resume.restore(self)
+        if restored is not None:
+            await self.checkpoints.restore(restored)
         else:
             self.executions.dispatch(c.initial_groups)
             if self.heldout is not None:  # the base model's score, to compare the trained one's with
@@ -232,7 +237,7 @@ class Coordinator:
             self.side_task.cancel()  # a publication: the next start loads the checkpoint's weights everywhere
         await self.executions.cancel_all()
         if save:
-            await resume.final_checkpoint(self)
+            await self.checkpoints.save_final()
         # Each live worker's peak memory, for the summary (a dead one has no answer: None).
         stats = await asyncio.gather(*(self.link.request(n, wire.Stats(), timeout=10)
                                        for n in self.cells.nodes), return_exceptions=True)

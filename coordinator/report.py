@@ -28,28 +28,28 @@ class StepReport:
     equal_reward_groups: int = 0
 
 
-def summary(coord, peak_rss: list[int | None]) -> None:
-    """The closing `summary` event: statuses, pending and dropped groups, per-cell busy time and memory."""
-    wall = coord.metrics.now()
-    cells = []
-    for i, node in enumerate(coord.cells.nodes):
-        route = coord.table.routes.get(node)
+def summary(metrics, *, steps, cells, executions, buffer, wl, table, peak_rss: list[int | None]) -> None:
+    """The closing `summary` event, in `metrics`' journal: statuses, pending and dropped
+    groups, per-cell busy time and memory, read from the run's owners."""
+    wall = metrics.now()
+    rows = []
+    for i, node in enumerate(cells.nodes):
+        route = table.routes.get(node)
         rollout_busy = route.busy_s if route else 0.0
-        train_busy = coord.steps.train_busy_s.get(i, 0.0)
+        train_busy = steps.train_busy_s.get(i, 0.0)
         rss = peak_rss[i] if i < len(peak_rss) else None
-        cells.append({"cell": i, "rollout_busy_s": round(rollout_busy, 3), "train_busy_s": round(train_busy, 3),
-                      "rollout_tokens": route.tokens if route else 0,
-                      "peak_rss_mb": None if rss is None else round(rss / 2**20, 1),
-                      "idle_frac": round(max(0.0, 1 - (rollout_busy + train_busy) / wall), 4) if wall else None})
-    coord.metrics.emit("summary", steps=coord.steps.steps_done, wall_s=wall,
-                       statuses=dict(coord.executions.status_counts),
-                       pending_groups=sorted([*(g.id for g in coord.buffer.groups.values() if g.state != "consumed"),
-                                             *(ev["group"] for ev in coord.executions.held)]),
-                       dropped_groups=sorted(g.id for g in coord.buffer.groups.values() if g.state == "dropped"),
-                       dead_cells=sorted(coord.cells.dead), rejoined_cells=sorted(coord.cells.no_reducer),
-                       counters={"d": coord.wl.c.d, "p": coord.wl.c.p, "f": coord.wl.c.f},
-                       rollout_tokens=sum(c["rollout_tokens"] for c in cells),
-                       tokens_trained=coord.steps.tokens_trained, cells=cells)
+        rows.append({"cell": i, "rollout_busy_s": round(rollout_busy, 3), "train_busy_s": round(train_busy, 3),
+                     "rollout_tokens": route.tokens if route else 0,
+                     "peak_rss_mb": None if rss is None else round(rss / 2**20, 1),
+                     "idle_frac": round(max(0.0, 1 - (rollout_busy + train_busy) / wall), 4) if wall else None})
+    metrics.emit("summary", steps=steps.steps_done, wall_s=wall, statuses=dict(executions.status_counts),
+                 pending_groups=sorted([*(g.id for g in buffer.groups.values() if g.state != "consumed"),
+                                       *(ev["group"] for ev in executions.held)]),
+                 dropped_groups=sorted(g.id for g in buffer.groups.values() if g.state == "dropped"),
+                 dead_cells=sorted(cells.dead), rejoined_cells=sorted(cells.no_reducer),
+                 counters={"d": wl.c.d, "p": wl.c.p, "f": wl.c.f},
+                 rollout_tokens=sum(c["rollout_tokens"] for c in rows), tokens_trained=steps.tokens_trained,
+                 cells=rows)
 
 
 def equal_rewards(group: Group) -> bool:

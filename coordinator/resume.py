@@ -8,7 +8,7 @@ What survives a `kill -9` of the coordinator:
 - each execution's records (`executions/<id>/nodes.jsonl`, `calls.jsonl`), written as calls
   complete;
 - checkpoints, every `checkpoint_every` steps at a publication (no batch in flight) and at
-  every end of a run (final_checkpoint; a run killed before its first resumes from step 0,
+  every end of a run (save_final; a run killed before its first resumes from step 0,
   its closed executions restored):
   `checkpoints/step-NNNNNN/trainer.pt` (the core's model, optimizer and version) and
   `state.json` (step, versions, publications, consumed groups, the task order), with
@@ -25,8 +25,9 @@ rebuilds the buffer from the journal: groups consumed by a checkpointed step sta
 (later steps were lost with the model, so their groups are trained again); every closed
 execution of any other group comes back with its recorded tree, exactly once; executions
 that were queued or running (or cancelled by a shutdown) are dispatched again under new
-ids (`<id>-r1`). Metrics continue in the same file. Not the loop: main.py calls
-`checkpoint` and `restore` with itself.
+ids (`<id>-r1`). Metrics continue in the same file. `read` gives what a run directory
+holds (`Restored`); `Checkpoints` saves and restores a run through its owners (steps,
+executions, cells, buffer, tasks). Not the loop (main.py).
 """
 
 from __future__ import annotations
@@ -40,10 +41,12 @@ import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-import orjson
-
-from gyre.coordinator.tasks import TaskError
+from gyre.coordinator.buffer import TrajectoryBuffer
+from gyre.coordinator.heldout import HeldOut
+from gyre.coordinator.metrics import read_events
+from gyre.coordinator.tasks import TaskError, TaskSource
 from gyre.proxy.records import JournalError
 from gyre.workerd import wire
 from gyre.workerd.checkpointio import named
@@ -235,18 +238,12 @@ def read_journal(run_dir: Path) -> tuple[dict[int, dict], dict[str, dict], float
     dispatches: dict[int, dict] = {}
     outcomes: dict[str, dict] = {}
     last_t = 0.0
-    path = run_dir / "metrics.jsonl"
-    if path.exists():
-        for line in path.read_bytes().splitlines():
-            try:
-                ev = orjson.loads(line)
-            except orjson.JSONDecodeError:
-                continue
-            last_t = max(last_t, float(ev.get("t", 0.0)))
-            if ev.get("event") == "dispatch":
-                dispatches[ev["group"]] = ev
-            elif ev.get("event") == "execution":
-                outcomes[ev["id"]] = ev
+    for ev in read_events(run_dir / "metrics.jsonl").events:  # a torn line skipped
+        last_t = max(last_t, float(ev.get("t", 0.0)))
+        if ev.get("event") == "dispatch":
+            dispatches[ev["group"]] = ev
+        elif ev.get("event") == "execution":
+            outcomes[ev["id"]] = ev
     return dispatches, outcomes, last_t
 
 
@@ -256,51 +253,6 @@ def redo_id(run_dir: Path, run_id: str) -> str:
     while (run_dir / "executions" / f"{run_id}-r{k}").exists():
         k += 1
     return f"{run_id}-r{k}"
-
-
-# --- the coordinator's side --------------------------------------------------------------
-
-
-async def checkpoint(coord) -> None:
-    """The core's trainer, then the state: at a publication (no batch in flight), or at the
-    end of a run (a batch in flight was cancelled and its groups given back, main.py)."""
-    t0 = time.monotonic()
-    folder = step_dir(coord.c.run_dir, coord.steps.steps_done)
-    if folder.exists():  # of a stretch lost to a crash (or torn), written again now: never half old, half new
-        _discard(folder)
-    link = coord.link
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        await link.request(coord.cells.nodes[0], wire.SaveCheckpoint(path=str(folder / "trainer.pt")),
-                           timeout=coord.c.checkpoint_timeout_s)
-    except Exception as e:  # the worker's error names the errno (workerd/checkpointio.py)
-        _discard(folder)
-        cause = named(Path(e.filename or folder), e) if isinstance(e, OSError) else e
-        raise CheckpointError(f"the checkpoint of step {coord.steps.steps_done} failed, nothing of it kept "
-                              f"({_last_saved(coord)}): {cause}") from None
-    try:  # the journal and the records the state will name, on disk (fsync) before the state says so
-        coord.metrics.sync()
-        coord.proxy.sync()
-    except JournalError as e:
-        _discard(folder)
-        log.warning("checkpoint of step %d not completed: the journal cannot be synced (%s); the next one retries",
-                    coord.steps.steps_done, e)
-        return
-    try:
-        _write_state(coord, folder)
-    except OSError as e:
-        _discard(folder)
-        raise CheckpointError(f"the checkpoint of step {coord.steps.steps_done} failed, nothing of it kept "
-                              f"({_last_saved(coord)}): {named(Path(e.filename or folder), e)}") from None
-    coord.steps.checkpointed_step = coord.steps.steps_done
-    pruned = prune_checkpoints(coord.c.run_dir, coord.steps.steps_done, coord.c.keep_checkpoints)
-    coord.metrics.emit("checkpoint", step=coord.steps.steps_done, version=coord.steps.version, path=str(folder),
-                       seconds=round(time.monotonic() - t0, 3), **({"deleted": pruned} if pruned else {}))
-    release_done(coord)
-
-
-def _last_saved(coord) -> str:
-    return f"the last is step {coord.steps.checkpointed_step}" if coord.steps.checkpointed_step else "none saved yet"
 
 
 def _discard(folder: Path) -> None:
@@ -313,112 +265,175 @@ def _discard(folder: Path) -> None:
         log.warning("could not remove the incomplete checkpoint %s (%s)", folder, e)
 
 
-def _write_state(coord, folder: Path) -> None:
-    write_state(coord.c.run_dir, coord.steps.steps_done, {
-        "step": coord.steps.steps_done, "version": coord.steps.version, "publications": coord.steps.publications,
-        "steps_in_burst": coord.steps.steps_in_burst, "groups_dispatched": coord.executions.groups_dispatched,
-        "replacements": coord.executions.replacements,
-        "consumed": sorted(g.id for g in coord.buffer.groups.values() if g.state == "consumed"),
-        # Groups of a lost stretch not dispatched again yet (see restore): still held.
-        "held": [ev["group"] for ev in coord.executions.held],
-        "tasks": coord.tasks.state(), "tokens_trained": coord.steps.tokens_trained})
+# --- the run's side -----------------------------------------------------------------------
 
 
-def release_done(coord) -> int:
-    """Executions that will never be read again out of memory, once a checkpoint has their
-    records on disk: those of trained (consumed) and dropped groups, and of complete held-out
-    rounds. Their trees and call records stayed in the proxy otherwise, for the whole run
-    (bench/soak.py: the coordinator grew with every execution). Returns how many went."""
-    batch = coord.steps.in_flight()
-    packing = {g.id for g in batch.taken} if batch is not None else set()  # a step in flight still reads them
-    runs = [r for g in coord.buffer.groups.values()
-            if g.state in ("consumed", "dropped") and g.id not in packing for r in g.runs]
-    if coord.heldout is not None:
-        runs += [r for rd in coord.heldout.rounds.values() if rd.closed == len(rd.runs) for r in rd.runs]
-    n = 0
-    for run in runs:
-        if run.recorder is not None and run.closed and run.recorder.closed:
-            coord.proxy.release(run.id)
-            run.recorder = None
-            n += 1
-    return n
+class Checkpoints:
+    """The run's checkpoints: saved (the core's trainer through the link, then the state its
+    owners give), released (executions whose records a checkpoint holds, out of memory) and
+    restored on a resume, each owner from the run directory's `Restored`."""
 
+    def __init__(self, config, *, steps, executions, cells, buffer: TrajectoryBuffer, tasks: TaskSource,
+                 heldout: HeldOut | None):
+        self.c = config
+        self.steps, self.executions, self.cells, self.buffer = steps, executions, cells, buffer
+        self.tasks, self.heldout = tasks, heldout
+        # Set at start-up (main.py): the workers, the weights' mover, the journal and the proxy.
+        self.link: Any = None
+        self.weights: Any = None
+        self.metrics: Any = None
+        self.proxy: Any = None
 
-async def final_checkpoint(coord) -> None:
-    """Every end keeps what was trained: a checkpoint of the last step, unless one exists
-    (main.py's shutdown, after the step in flight was settled)."""
-    if not coord.steps.steps_done or coord.steps.checkpointed_step == coord.steps.steps_done or 0 in coord.cells.dead:
-        return
-    try:
-        await checkpoint(coord)
-    except Exception as e:  # noqa: BLE001 - the run's own error (if any) matters more
-        log.error("the final checkpoint (step %d) failed: %s", coord.steps.steps_done, e)
-        return
-    log.info("checkpoint of step %d saved: %s", coord.steps.steps_done,
-             step_dir(coord.c.run_dir, coord.steps.steps_done) / "trainer.pt")
-
-
-async def restore(coord) -> None:
-    """The latest checkpoint into the core and every engine; the buffer from the journal.
-
-    Dispatch continues as an uninterrupted run's would have from the checkpoint: groups
-    dispatched after it (at publications lost with the model: a kill -9 between
-    checkpoints) are held and dispatched again, under their own ids and tasks, at the
-    publications that first dispatched them, with the version published then. Counting
-    them in the pipeline at once would keep (phi + mu) * B more groups in flight than the
-    run asked for, and every later step would train groups that many versions stale."""
-    st, folder = coord.restored.state, coord.restored.checkpoint
-    dispatches, outcomes = coord.restored.dispatches, coord.restored.outcomes
-    core, link = coord.cells.nodes[0], coord.link
-    if folder is not None:
-        path = str(folder / "trainer.pt")
-        loaded = await link.request(core, wire.LoadCheckpoint(path=path),
-                                    timeout=coord.c.checkpoint_timeout_s)
-        coord.steps.trainer_version = coord.steps.version = loaded.version
-        coord.steps.checkpointed_step = st["step"]
-    else:  # no checkpoint yet: the model directory's weights, which every cell loaded at start
-        coord.steps.trainer_version = coord.steps.version = 0
-    coord.steps.steps_done, coord.steps.publications = st["step"], st["publications"]
-    coord.steps.steps_in_burst = st.get("steps_in_burst", 0)
-    if coord.steps.steps_in_burst >= coord.c.mu:
-        # Stopped after a burst's last step, before its publication: loading the trainer's
-        # weights into every engine below is that publication (its dispatch follows).
-        coord.steps.publications += 1
-        coord.steps.steps_in_burst = 0
-    coord.steps.tokens_trained = st.get("tokens_trained", 0)
-    coord.weights.forget(coord.steps.version)
-    if folder is not None:
-        await link.request(core, wire.LoadWeights(version=coord.steps.version))
-        await coord.weights.push(list(range(1, len(coord.cells.nodes))), engine=True, version=coord.steps.version)
-    if st["tasks"] is not None:  # else the task source is at its start, as the run was
+    async def save(self) -> None:
+        """The core's trainer, then the state: at a publication (no batch in flight), or at the
+        end of a run (a batch in flight was cancelled and its groups given back, main.py)."""
+        t0 = time.monotonic()
+        folder = step_dir(self.c.run_dir, self.steps.steps_done)
+        if folder.exists():  # of a stretch lost to a crash (or torn), written again now: never half old, half new
+            _discard(folder)
+        link = self.link
         try:
-            coord.tasks.restore(st["tasks"])
-        except TaskError as e:
-            raise ResumeError(str(e)) from None
-    ex = coord.executions
-    restored, redone = ex.restore(st, dispatches, outcomes)
-    consumed, held = set(st["consumed"]), set(st.get("held", ()))
-    # Up to what the run had dispatched by this publication, held groups first: a run with
-    # no checkpoint yet (its initial fill), one stopped before its burst's publication, or
-    # one checkpointed at its last step and extended with `--steps` dispatches its next
-    # groups now, or it would wait for groups forever.
-    scheduled = st["groups_dispatched"] - len(held) - ex.replacements  # boundary dispatches so far
-    steps = coord.steps
-    short = coord.c.dispatch_target(steps.publications) - scheduled if steps.steps_done < coord.c.steps else 0
-    while short > 0 and ex.held:
-        group, k, r = ex.release(ex.held.popleft())
-        restored, redone = restored + k, redone + r
-        if group.state == "dropped":  # as when it first ran: its replacement follows
-            ex.replacements += 1
-        else:
-            short -= 1
-    coord.metrics.emit("resume", step=coord.steps.steps_done, version=coord.steps.version,
-                       checkpoint=str(folder) if folder is not None else None,
-                       executions_restored=restored, executions_redispatched=redone,
-                       groups=len(dispatches) - len(consumed & set(dispatches)), groups_held=len(ex.held))
-    log.info("resumed at step %d (version %d, %s): %d closed executions restored, %d dispatched again%s",
-             coord.steps.steps_done, coord.steps.version,
-             folder.name if folder is not None else "no checkpoint yet: from the start",
-             restored, redone, f", {len(ex.held)} groups held for later publications" if ex.held else "")
-    if short > 0:
-        ex.dispatch(short)
+            folder.mkdir(parents=True, exist_ok=True)
+            await link.request(self.cells.nodes[0], wire.SaveCheckpoint(path=str(folder / "trainer.pt")),
+                               timeout=self.c.checkpoint_timeout_s)
+        except Exception as e:  # the worker's error names the errno (workerd/checkpointio.py)
+            _discard(folder)
+            cause = named(Path(e.filename or folder), e) if isinstance(e, OSError) else e
+            raise CheckpointError(f"the checkpoint of step {self.steps.steps_done} failed, nothing of it kept "
+                                  f"({self._last_saved()}): {cause}") from None
+        try:  # the journal and the records the state will name, on disk (fsync) before the state says so
+            self.metrics.sync()
+            self.proxy.sync()
+        except JournalError as e:
+            _discard(folder)
+            log.warning("checkpoint of step %d not completed: the journal cannot be synced (%s); the next one retries",
+                        self.steps.steps_done, e)
+            return
+        try:
+            self._write_state(folder)
+        except OSError as e:
+            _discard(folder)
+            raise CheckpointError(f"the checkpoint of step {self.steps.steps_done} failed, nothing of it kept "
+                                  f"({self._last_saved()}): {named(Path(e.filename or folder), e)}") from None
+        self.steps.checkpointed_step = self.steps.steps_done
+        pruned = prune_checkpoints(self.c.run_dir, self.steps.steps_done, self.c.keep_checkpoints)
+        self.metrics.emit("checkpoint", step=self.steps.steps_done, version=self.steps.version, path=str(folder),
+                           seconds=round(time.monotonic() - t0, 3), **({"deleted": pruned} if pruned else {}))
+        self.release_done()
+
+
+    def _last_saved(self) -> str:
+        return f"the last is step {self.steps.checkpointed_step}" if self.steps.checkpointed_step else "none saved yet"
+
+
+
+
+    def _write_state(self, folder: Path) -> None:
+        write_state(self.c.run_dir, self.steps.steps_done, {
+            "step": self.steps.steps_done, "version": self.steps.version, "publications": self.steps.publications,
+            "steps_in_burst": self.steps.steps_in_burst, "groups_dispatched": self.executions.groups_dispatched,
+            "replacements": self.executions.replacements,
+            "consumed": sorted(g.id for g in self.buffer.groups.values() if g.state == "consumed"),
+            # Groups of a lost stretch not dispatched again yet (see restore): still held.
+            "held": [ev["group"] for ev in self.executions.held],
+            "tasks": self.tasks.state(), "tokens_trained": self.steps.tokens_trained})
+
+
+    def release_done(self) -> int:
+        """Executions that will never be read again out of memory, once a checkpoint has their
+        records on disk: those of trained (consumed) and dropped groups, and of complete held-out
+        rounds. Their trees and call records stayed in the proxy otherwise, for the whole run
+        (bench/soak.py: the coordinator grew with every execution). Returns how many went."""
+        batch = self.steps.in_flight()
+        packing = {g.id for g in batch.taken} if batch is not None else set()  # a step in flight still reads them
+        runs = [r for g in self.buffer.groups.values()
+                if g.state in ("consumed", "dropped") and g.id not in packing for r in g.runs]
+        if self.heldout is not None:
+            runs += [r for rd in self.heldout.rounds.values() if rd.closed == len(rd.runs) for r in rd.runs]
+        n = 0
+        for run in runs:
+            if run.recorder is not None and run.closed and run.recorder.closed:
+                self.proxy.release(run.id)
+                run.recorder = None
+                n += 1
+        return n
+
+
+    async def save_final(self) -> None:
+        """Every end keeps what was trained: a checkpoint of the last step, unless one exists
+        (main.py's shutdown, after the step in flight was settled)."""
+        if not self.steps.steps_done or self.steps.checkpointed_step == self.steps.steps_done or 0 in self.cells.dead:
+            return
+        try:
+            await self.save()
+        except Exception as e:  # noqa: BLE001 - the run's own error (if any) matters more
+            log.error("the final checkpoint (step %d) failed: %s", self.steps.steps_done, e)
+            return
+        log.info("checkpoint of step %d saved: %s", self.steps.steps_done,
+                 step_dir(self.c.run_dir, self.steps.steps_done) / "trainer.pt")
+
+
+    async def restore(self, restored: Restored) -> None:
+        """The latest checkpoint into the core and every engine; the buffer from the journal.
+
+        Dispatch continues as an uninterrupted run's would have from the checkpoint: groups
+        dispatched after it (at publications lost with the model: a kill -9 between
+        checkpoints) are held and dispatched again, under their own ids and tasks, at the
+        publications that first dispatched them, with the version published then. Counting
+        them in the pipeline at once would keep (phi + mu) * B more groups in flight than the
+        run asked for, and every later step would train groups that many versions stale."""
+        st, folder = restored.state, restored.checkpoint
+        dispatches, outcomes = restored.dispatches, restored.outcomes
+        core, link = self.cells.nodes[0], self.link
+        if folder is not None:
+            path = str(folder / "trainer.pt")
+            loaded = await link.request(core, wire.LoadCheckpoint(path=path),
+                                        timeout=self.c.checkpoint_timeout_s)
+            self.steps.trainer_version = self.steps.version = loaded.version
+            self.steps.checkpointed_step = st["step"]
+        else:  # no checkpoint yet: the model directory's weights, which every cell loaded at start
+            self.steps.trainer_version = self.steps.version = 0
+        self.steps.steps_done, self.steps.publications = st["step"], st["publications"]
+        self.steps.steps_in_burst = st.get("steps_in_burst", 0)
+        if self.steps.steps_in_burst >= self.c.mu:
+            # Stopped after a burst's last step, before its publication: loading the trainer's
+            # weights into every engine below is that publication (its dispatch follows).
+            self.steps.publications += 1
+            self.steps.steps_in_burst = 0
+        self.steps.tokens_trained = st.get("tokens_trained", 0)
+        self.weights.forget(self.steps.version)
+        if folder is not None:
+            await link.request(core, wire.LoadWeights(version=self.steps.version))
+            await self.weights.push(list(range(1, len(self.cells.nodes))), engine=True, version=self.steps.version)
+        if st["tasks"] is not None:  # else the task source is at its start, as the run was
+            try:
+                self.tasks.restore(st["tasks"])
+            except TaskError as e:
+                raise ResumeError(str(e)) from None
+        ex = self.executions
+        restored, redone = ex.restore(st, dispatches, outcomes)
+        consumed, held = set(st["consumed"]), set(st.get("held", ()))
+        # Up to what the run had dispatched by this publication, held groups first: a run with
+        # no checkpoint yet (its initial fill), one stopped before its burst's publication, or
+        # one checkpointed at its last step and extended with `--steps` dispatches its next
+        # groups now, or it would wait for groups forever.
+        scheduled = st["groups_dispatched"] - len(held) - ex.replacements  # boundary dispatches so far
+        steps = self.steps
+        short = self.c.dispatch_target(steps.publications) - scheduled if steps.steps_done < self.c.steps else 0
+        while short > 0 and ex.held:
+            group, k, r = ex.release(ex.held.popleft())
+            restored, redone = restored + k, redone + r
+            if group.state == "dropped":  # as when it first ran: its replacement follows
+                ex.replacements += 1
+            else:
+                short -= 1
+        self.metrics.emit("resume", step=self.steps.steps_done, version=self.steps.version,
+                           checkpoint=str(folder) if folder is not None else None,
+                           executions_restored=restored, executions_redispatched=redone,
+                           groups=len(dispatches) - len(consumed & set(dispatches)), groups_held=len(ex.held))
+        log.info("resumed at step %d (version %d, %s): %d closed executions restored, %d dispatched again%s",
+                 self.steps.steps_done, self.steps.version,
+                 folder.name if folder is not None else "no checkpoint yet: from the start",
+                 restored, redone, f", {len(ex.held)} groups held for later publications" if ex.held else "")
+        if short > 0:
+            ex.dispatch(short)

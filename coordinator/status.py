@@ -1,6 +1,6 @@
 """status.py: the coordinator's state as one JSON-able dict, for the live view and `gyre top`.
 
-`snapshot(coord)` reads the counters, roles, routes, the batch in flight and the last
+`snapshot` reads the counters, roles, routes, the batch in flight and the last
 step; `Rates` keeps a short window of cumulative token counts sampled each tick, so
 tokens/s is recent, not averaged over the run. A value nobody measured is None (the view
 shows n/a), never 0. Served at `GET /gyre/status` on the proxy and drawn by cli/live.py.
@@ -47,23 +47,26 @@ class Rates:
         return None if p0 is None or p1 is None else (p1 - p0) / (t1 - t0)
 
 
-def snapshot(coord) -> dict:
-    """Everything the live view shows, as plain data (times: seconds since the run started)."""
-    c, wl = coord.c, coord.wl.c
-    now = coord.metrics.now() if coord.metrics else 0.0
-    batch = coord.steps.in_flight()
-    routes = coord.table.routes if coord.table else {}
-    links = coord.link.nodes if coord.link else {}
-    cells = []
-    for i, role in enumerate(coord.cells.roles):
-        node = coord.cells.nodes[i] if i < len(coord.cells.nodes) else None
+def snapshot(c, *, metrics, steps, cells, wl, buffer, executions, rates, probe, gc, table=None, link=None,
+             proxy=None, launcher=None, stopping: bool = False) -> dict:
+    """Everything the live view shows, as plain data (times: seconds since the run started),
+    read from the run's config `c` and its owners (main.py's; those not made yet: None);
+    `stopping`: a signal asked the run to stop."""
+    counters = wl.c
+    now = metrics.now() if metrics else 0.0
+    batch = steps.in_flight()
+    routes = table.routes if table else {}
+    links = link.nodes if link else {}
+    rows = []
+    for i, role in enumerate(cells.roles):
+        node = cells.nodes[i] if i < len(cells.nodes) else None
         route = routes.get(node)
-        link = links.get(node)
-        history = coord.cells.history[i]
-        cells.append({
+        conn = links.get(node)
+        history = cells.history[i]
+        rows.append({
             "cell": i, "node": node, "nodes": 1, "role": role,  # while switching: the role it is moving to
-            "switching": not coord.cells.settled(i),
-            "alive": None if link is None else link.alive,
+            "switching": not cells.settled(i),
+            "alive": None if conn is None else conn.alive,
             "running": route.inflight if route else 0,
             "accepting": route.accepting if route else False,
             "rollout_tokens": route.tokens if route else 0,
@@ -77,21 +80,21 @@ def snapshot(coord) -> dict:
             "in_role_s": round(now - history[-1][0], 1),
             "timeline": [[round(t, 2), r] for t, r in history[-TIMELINE_KEEP:]],
         })
-    rollout_tps, train_tps = coord.rates.per_second()
+    rollout_tps, train_tps = rates.per_second()
     # Prefill is unknown (None), not 0, until an engine has said what it reused.
-    prefill_tps = coord.rates.prefill_per_second() if any(r.prefill_reports for r in routes.values()) else None
-    last = coord.steps.reports[-1] if coord.steps.reports else None
+    prefill_tps = rates.prefill_per_second() if any(r.prefill_reports for r in routes.values()) else None
+    last = steps.reports[-1] if steps.reports else None
     return {
         "t": now, "wall": time.time(), "policy": c.policy, "run_dir": str(c.run_dir),
-        "state": "finishing" if coord.should_exit or coord.steps.steps_done >= c.steps else "running",
-        "proxy": coord.proxy.base_url if coord.proxy else None,
-        "steps": {"done": coord.steps.steps_done, "target": c.steps},
-        "version": coord.steps.version, "trainer_version": coord.steps.trainer_version,
-        "burst": {"steps": coord.steps.steps_in_burst, "mu": c.mu, "phi": c.phi,
-                  "publications": coord.steps.publications},
-        "waterlevel": {"queued": wl.queued, "running": wl.running, "finished": wl.f, "d": wl.d, "p": wl.p,
-                       "f": wl.f, "level": wl.waterlevel},
-        "ready_groups": coord.buffer.ready_count,
+        "state": "finishing" if stopping or steps.steps_done >= c.steps else "running",
+        "proxy": proxy.base_url if proxy else None,
+        "steps": {"done": steps.steps_done, "target": c.steps},
+        "version": steps.version, "trainer_version": steps.trainer_version,
+        "burst": {"steps": steps.steps_in_burst, "mu": c.mu, "phi": c.phi,
+                  "publications": steps.publications},
+        "waterlevel": {"queued": counters.queued, "running": counters.running, "finished": counters.f,
+                       "d": counters.d, "p": counters.p, "f": counters.f, "level": counters.waterlevel},
+        "ready_groups": buffer.ready_count,
         "step_in_flight": batch is not None,
         "last_step": None if last is None else {
             "step": last.step, "reward_mean": last.reward_mean, "reward_valid_frac": last.reward_valid_frac,
@@ -100,21 +103,21 @@ def snapshot(coord) -> dict:
         "tokens_per_s": {"rollout": None if rollout_tps is None else round(rollout_tps, 1),
                          "training": None if train_tps is None else round(train_tps, 1),
                          "prefill": None if prefill_tps is None else round(prefill_tps, 1)},
-        "rates_window_s": coord.rates.window_s,
+        "rates_window_s": rates.window_s,
         # Model calls at the engines now (executions `running` may be in harness code instead).
         "calls": {"in_flight": sum(r.inflight for r in routes.values()),
                   "awaiting_first_token": sum(r.awaiting for r in routes.values())},
-        "role_switches": coord.cells.switches[-8:],
+        "role_switches": cells.switches[-8:],
         # How late the event loop ran over the last window (ms): what a harness call waited.
-        "loop_lag_ms": coord.probe.lag_ms(since=coord.probe.samples[-1][0] - WINDOW_S)
-        if coord.probe.samples else None,
+        "loop_lag_ms": probe.lag_ms(since=probe.samples[-1][0] - WINDOW_S)
+        if probe.samples else None,
         # The cycle collector: freezes so far, collections and the longest pause per generation.
-        "gc": coord.gc.status(),
-        "statuses": dict(coord.executions.status_counts),
-        "cells": cells,
+        "gc": gc.status(),
+        "statuses": dict(executions.status_counts),
+        "cells": rows,
         # Which engine serves which execution: decisions so far, the load bound, every home.
-        "routing": coord.table.status() if coord.table else None,
+        "routing": table.status() if table else None,
         # Sandbox hosts where executions run in containers: state, running, building, failed.
-        "sandbox_hosts": coord.launcher.pool.rows() if coord.launcher is not None
-        and coord.launcher.backend.needs_image else [],
+        "sandbox_hosts": launcher.pool.rows() if launcher is not None
+        and launcher.backend.needs_image else [],
     }

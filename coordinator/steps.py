@@ -40,7 +40,7 @@ class Steps:
         self.c = config
         self.buffer, self.wl, self.cells, self.executions, self.heldout = buffer, wl, cells, executions, heldout
         self.probe = probe  # the loop's lateness, read over each step
-        self.checkpoint = checkpoint  # resume.checkpoint of the whole run
+        self.checkpoint = checkpoint  # a checkpoint of the whole run (resume.Checkpoints.save)
         self.on_step = on_step
         self.version = 0  # published policy version
         self.trainer_version = 0

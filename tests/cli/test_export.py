@@ -39,7 +39,7 @@ def make_run(root: Path, model_dir: Path) -> Path:
 
 
 def checkpoint(run: Path, step: int, version: int) -> str:
-    """Where the coordinator asks the core to save (resume.checkpoint)."""
+    """Where the coordinator asks the core to save (resume.Checkpoints.save)."""
     step_dir(run, step).mkdir(parents=True, exist_ok=True)
     return str(step_dir(run, step) / "trainer.pt")
 

@@ -178,8 +178,8 @@ def chunk(tokens, *, cached=None, finished=False, reason=None):
                               finished=finished, finish_reason=reason, cached_tokens=cached)
 
 
-class Coordinator:
-    """What status.snapshot reads of a coordinator, around a real RoutingTable and Rates."""
+class Run:
+    """The owners status.snapshot reads a run's state from, around a real RoutingTable and Rates."""
 
     def __init__(self, table: RoutingTable):
         from types import SimpleNamespace as NS
@@ -197,13 +197,19 @@ class Coordinator:
         self.executions, self.should_exit = NS(status_counts={}), False
         self.buffer, self.probe, self.gc = NS(ready_count=0), NS(samples=[]), NS(status=lambda: {})
 
+    def snapshot(self) -> dict:
+        return snapshot(self.c, metrics=self.metrics, steps=self.steps, cells=self.cells, wl=self.wl,
+                        buffer=self.buffer, executions=self.executions, rates=self.rates, probe=self.probe,
+                        gc=self.gc, table=self.table, link=self.link, proxy=self.proxy, launcher=self.launcher,
+                        stopping=self.should_exit)
+
 
 async def test_a_call_in_prefill_is_in_flight_awaiting_and_counts_its_prefill_at_its_first_token():
     table = RoutingTable()
     table.set_nodes(["a", "b"])
     link = ScriptedLink(["a", "b"])
     backend = LinkBackend(link, table)
-    coord = Coordinator(table)
+    coord = Run(table)
     a, b = table.routes["a"], table.routes["b"]
 
     async def call():
@@ -211,7 +217,7 @@ async def test_a_call_in_prefill_is_in_flight_awaiting_and_counts_its_prefill_at
 
     task = asyncio.create_task(call())
     assert await link.sent.get() == "a"
-    status = snapshot(coord)  # in prefill: nothing generated, and no engine has said what it reused
+    status = coord.snapshot()  # in prefill: nothing generated, and no engine has said what it reused
     assert (a.inflight, a.awaiting, a.tokens) == (1, 1, 0)
     assert status["calls"] == {"in_flight": 1, "awaiting_first_token": 1}
     assert status["tokens_per_s"]["prefill"] is None and status["cells"][0]["awaiting_first_token"] == 1
@@ -220,7 +226,7 @@ async def test_a_call_in_prefill_is_in_flight_awaiting_and_counts_its_prefill_at
     await link.chunks["a"].put(chunk([5], cached=1800))  # the prefill is over: 51 tokens computed
     await asyncio.sleep(0.01)
     assert (a.awaiting, a.tokens, a.prefilled, a.prefill_reports) == (0, 1, 51, 1)
-    assert snapshot(coord)["calls"] == {"in_flight": 1, "awaiting_first_token": 0}
+    assert coord.snapshot()["calls"] == {"in_flight": 1, "awaiting_first_token": 0}
     await link.chunks["a"].put(chunk([6, 7], cached=1800, finished=True, reason="length"))
     assert [c.token_ids for c in await task] == [[5], [6, 7]]
     assert (a.inflight, a.awaiting, a.tokens, a.prefilled) == (0, 0, 3, 51)
@@ -239,7 +245,7 @@ async def test_a_call_in_prefill_is_in_flight_awaiting_and_counts_its_prefill_at
     # Sampled by the tick with the routes' counts, prefill has a rate.
     coord.rates.sample(0.0, 0, 0, prefill_tokens=0)
     coord.rates.sample(2.0, 6, 0, prefill_tokens=sum(r.prefilled for r in table.routes.values()))
-    assert snapshot(coord)["tokens_per_s"] == {"rollout": 3.0, "training": 0.0, "prefill": 25.5}
+    assert coord.snapshot()["tokens_per_s"] == {"rollout": 3.0, "training": 0.0, "prefill": 25.5}
 
 
 @pytest.fixture
