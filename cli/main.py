@@ -221,6 +221,7 @@ def up(
     """Run online RL: the coordinator, local worker daemons, the harness and the tasks
     (with no CONFIG: the embedded default, tiny model and demo harness)."""
     from gyre.cli.up import run_up
+    from gyre.coordinator.preflight import preflight
     from gyre.coordinator.rundir import absolute, claim
 
     live = not no_live and sys.stdout.isatty()
@@ -233,7 +234,7 @@ def up(
                                         model=_moved_model(lock.run_dir))
             code = 0
             if _resumable(lock.run_dir, target=cfg.steps, extended=steps is not None):
-                _preflight(cfg)
+                guard(preflight, config=cfg)
                 code = guard(run_up, config=cfg, live=live, resume=True)
         finally:
             lock.release()
@@ -242,7 +243,7 @@ def up(
     cfg, file_values, _ = _resolve_config(config, set_ or [], steps=steps, policy=policy, run_dir=run_dir,
                                           model=model, seed=seed, sandbox=sandbox, tasks_path=tasks)
     check_installed(cfg.preset())
-    _preflight(cfg)
+    guard(preflight, config=cfg)  # before a worker starts or the run directory is made
     made = not cfg.run_dir.exists()
     if run_dir is None and "run_dir" not in file_values and not any(x.startswith("run_dir=") for x in set_ or []):
         cfg, made = _fresh_run_dir(cfg), True  # the default name, made here: unique even within a second
@@ -291,23 +292,6 @@ def _resumable(run_dir: Path, target: int, extended: bool) -> bool:
                    f"to resume; extend it with `gyre up --resume {run_dir} --steps N`{more}")
         return False
     return True
-
-
-def _preflight(cfg) -> None:
-    """What the machine must offer the run, checked before a worker starts or a directory is
-    made: the fixed ports free, the sandbox backend there."""
-    from gyre.coordinator.preflight import check_ports
-    from gyre.coordinator.sandbox.preflight import check_sandbox
-    from gyre.coordinator.taskformats import load_task_source
-
-    guard(check_ports, config=cfg)
-    if cfg.trackers:
-        from gyre.coordinator.trackers import check as check_trackers
-
-        guard(check_trackers, trackers=cfg.trackers)
-    tasks = guard(load_task_source, path=cfg.tasks_path) if cfg.tasks_path else []
-    guard(check_sandbox, backend=cfg.sandbox, url=cfg.sandbox_url, hosts=cfg.sandbox_hosts, tasks=tasks,
-          internet=cfg.sandbox_internet)
 
 
 def _fresh_run_dir(cfg):

@@ -1,10 +1,13 @@
 """preflight.py: what the machine must offer a run, checked before anything starts.
 
-`gyre up` and `gyre serve` call these before a worker starts or a run directory is made,
-so a port in use is one line naming the port and the field that set it, not a traceback
+`preflight(config)` is `gyre up`'s one check of a run's config against the machine (fresh
+or resumed): the fixed ports free, the trackers importable, the task source readable, the
+sandbox backend there for those tasks (sandbox/preflight.py). `gyre serve` checks its
+port with `check_port`. Each runs before a worker starts or a run directory is made, so
+a port in use is one line naming the port and the field that set it, not a traceback
 after the workers came up. They only look (a bind that is closed at once); they start
-nothing. The sandbox backend's own checks are sandbox/preflight.py. Not the binds
-themselves: the proxy (proxy/server.py) and the link (link.py) still own those.
+nothing. Not the binds themselves: the proxy (proxy/server.py) and the link (link.py)
+still own those.
 """
 
 from __future__ import annotations
@@ -57,6 +60,22 @@ def check_ports(config) -> None:
     fixed = zmq_port(config.address)
     if fixed is not None:
         check_port(*fixed, what=f"address {config.address} (where worker daemons connect)")
+
+
+def preflight(config) -> None:
+    """What the machine must offer the run of `config` (a CoordinatorConfig), checked before
+    a worker starts or a directory is made; the first that fails raises its one-line error."""
+    from gyre.coordinator.sandbox.preflight import check_sandbox
+    from gyre.coordinator.taskformats import load_task_source
+
+    check_ports(config)
+    if config.trackers:
+        from gyre.coordinator.trackers import check as check_trackers
+
+        check_trackers(config.trackers)
+    tasks = load_task_source(config.tasks_path) if config.tasks_path else []
+    check_sandbox(config.sandbox, url=config.sandbox_url, hosts=config.sandbox_hosts, tasks=tasks,
+                  internet=config.sandbox_internet)
 
 
 async def start_proxy(proxy) -> str:
