@@ -10,6 +10,7 @@ themselves: those live on the dataclass.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import tomllib
 import types
@@ -34,6 +35,17 @@ def field_names() -> list[str]:
     return [f.name for f in dataclasses.fields(CoordinatorConfig)]
 
 
+def did_you_mean(name: str, known: list[str] | tuple[str, ...], otherwise: str) -> str:
+    """ "did you mean 'X'?" for the known name closest to `name`, else `otherwise`."""
+    close = difflib.get_close_matches(name, known, n=1)
+    return f"did you mean '{close[0]}'?" if close else otherwise
+
+
+def unknown_field(name: str) -> str:
+    """One line for a name that is no field of the run config (the list is `gyre config show`'s)."""
+    return f"unknown field '{name}': " + did_you_mean(name, field_names(), "`gyre config show` lists the fields")
+
+
 def load_config_file(path: Path) -> dict[str, Any]:
     if not path.exists():
         raise ConfigError(f"config file {path} does not exist")
@@ -53,7 +65,7 @@ def load_config_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: the top level must be a table of fields, got {type(data).__name__}")
     unknown = sorted(set(data) - set(field_names()))
     if unknown:
-        raise ConfigError(f"{path}: unknown field(s) {', '.join(unknown)} (known: {', '.join(field_names())})")
+        raise ConfigError(f"{path}: " + "; ".join(unknown_field(name) for name in unknown))
     return data
 
 
@@ -67,7 +79,7 @@ def parse_sets(items: list[str]) -> dict[str, Any]:
         if not sep:
             raise ConfigError(f"--set {item!r}: expected FIELD=VALUE")
         if name not in hints:
-            raise ConfigError(f"--set {name}: unknown field (known: {', '.join(field_names())})")
+            raise ConfigError(unknown_field(name))
         out[name] = _parse_value(name, hints[name], raw.strip())
     return out
 

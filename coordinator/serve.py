@@ -81,12 +81,13 @@ def serve_fields(*, config: Path | None = None, sets: list[str] | None = None,
     ProxyConfig's rules (proxy/serving.py, as `gyre up`'s are): nothing is resolved against
     a model yet, so a bad value is refused before anything is made. Serving trains
     nothing, so a rollout_top_p < 1 or a rollout_temperature of 0 is allowed here."""
-    from gyre.coordinator.runconfig import ConfigError, load_config_file, parse_sets
+    from gyre.coordinator.runconfig import ConfigError, did_you_mean, load_config_file, parse_sets
 
     values = {k: v for k, v in (load_config_file(config) if config else {}).items() if k in SERVE_FIELDS}
     for name, value in parse_sets(sets or []).items():
         if name not in SERVE_FIELDS:
-            raise ConfigError(f"--set {name}: gyre serve takes only {', '.join(SERVE_FIELDS)}")
+            raise ConfigError(f"gyre serve takes no field '{name}': "
+                              + did_you_mean(name, SERVE_FIELDS, f"it takes only {', '.join(SERVE_FIELDS)}"))
         values[name] = value
     if max_context is not None:
         values["max_context"] = max_context

@@ -47,12 +47,14 @@ def test_set_parses_by_field_type():
 @pytest.mark.parametrize("sets, message", [
     (["lr=fast"], "--set lr=fast: not a float"),
     (["steps"], "expected FIELD=VALUE"),
-    (["warp=9"], "--set warp: unknown field"),
+    (["warp=9"], "unknown field 'warp': `gyre config show` lists the fields"),
+    (["stpes=3"], "unknown field 'stpes': did you mean 'steps'?"),
     (["j_max=lots"], "not a int or none"),
 ])
 def test_bad_sets_name_the_field(sets, message):
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ConfigError) as e:
         parse_sets(sets)
+    assert message in str(e.value)
 
 
 @pytest.mark.parametrize("values, message", [
@@ -72,8 +74,9 @@ def test_bad_values_name_the_field_and_the_allowed(tmp_path, values, message):
 def test_unknown_file_fields_and_bad_files(tmp_path):
     bad = tmp_path / "a.toml"
     bad.write_text("stepz = 3\n")
-    with pytest.raises(ConfigError, match="unknown field.*stepz"):
+    with pytest.raises(ConfigError) as e:
         load_config_file(bad)
+    assert str(e.value) == f"{bad}: unknown field 'stepz': did you mean 'steps'?"  # one line, not all 77 fields
     broken = tmp_path / "b.yaml"
     broken.write_text("steps: [1,\n")
     with pytest.raises(ConfigError, match="b.yaml"):
@@ -129,8 +132,11 @@ def test_per_model_defaults_and_the_context_clamp(tmp_path, tiny_dir, caplog):
     assert with_model_defaults(c) is c  # idempotent
     s = serve_settings(model_dir=real, fields=serve_fields(sets=["max_tokens_cap=300"], max_context=9999))
     assert (s.max_context, s.default_max_tokens, s.max_tokens_cap) == (4096, None, 300)
-    with pytest.raises(ConfigError, match="gyre serve takes only"):
+    with pytest.raises(ConfigError, match="gyre serve takes no field 'lr': it takes only default_max_tokens, "):
         serve_fields(sets=["lr=1"])
+    with pytest.raises(ConfigError, match=re.escape("gyre serve takes no field 'allow_rollout_top_p': did you mean "
+                                                    "'rollout_top_p'?")):
+        serve_fields(sets=["allow_rollout_top_p=true"])
     # Serving budgets nothing unless asked (its one execution may be a whole benchmark client).
     assert (s.max_calls_in_flight_per_execution, s.max_tokens_per_minute_per_execution) == (0, 0)
     s = serve_settings(model_dir=real, fields=serve_fields(sets=["max_calls_in_flight_per_execution=2",

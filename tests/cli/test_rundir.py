@@ -89,6 +89,7 @@ def test_a_directory_holding_a_run_is_refused_with_what_to_do(tmp_path, events, 
 
 
 @pytest.mark.parametrize("args, says", [
+    (["--set", "stpes=3"], "unknown field 'stpes': did you mean 'steps'?"),
     (["--set", "cells=0"], "cells must be >= 1, got 0"),
     (["--set", "cells=-1"], "cells must be >= 1, got -1"),
     (["--steps", "0"], "steps must be >= 1, got 0"),
@@ -106,7 +107,8 @@ def test_a_refused_run_is_one_line_and_leaves_no_run_directory(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("args, says", [
-    (["--set", "lr=1"], "gyre serve takes only"),
+    (["--set", "lr=1"], "gyre serve takes no field 'lr': it takes only"),
+    (["--set", "max_contxt=9"], "unknown field 'max_contxt': did you mean 'max_context'?"),
     (["--set", "default_max_tokens=0"], "default_max_tokens must be an int >= 1, got 0"),
     (["--set", "rollout_top_p=2"], "rollout_top_p must be in (0, 1], got 2"),
 ])
