@@ -35,18 +35,20 @@ _RANGES = [
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CoordinatorConfig:
-    run_dir: Path
-    model_dir: Path
-    steps: int = 5
-    policy: str = "elastic"  # measured fastest of the three on the embedded default (README, Benchmarks)
+    run_dir: Path  # the run directory: config.json, metrics.jsonl, executions, checkpoints (the durable state)
+    model_dir: Path  # the model directory (config.json, tokenizer, weights; gyre.json: gyre's per-model defaults)
+    steps: int = 5  # optimizer steps to run (each consumes groups_per_step groups); the run ends after them
+    # Placement policy (coordinator/policies.py): elastic | colocate | async | async-streaming;
+    # elastic measured fastest of the three on the embedded default (README, Benchmarks)
+    policy: str = "elastic"
     phi: float = 0.0  # boundary-dispatch lead, in batches
     mu: int = 1  # steps per burst (between weight publications)
-    groups_per_step: int = 2  # B
+    groups_per_step: int = 2  # B: groups (queries) one optimizer step consumes
     group_size: int = 8  # N executions per query
     oversample: int = 0  # k extra executions per group, cancelled once N are valid
     min_valid: int = 2  # valid outcomes a group needs to train
-    cells: int = 2
-    async_training_cells: int = 1  # async: cells [0, t) train, the rest roll out
+    cells: int = 2  # cells (workers, each an engine and a trainer) in the run; cell 0 is the core
+    async_training_cells: int = 1  # async, async-streaming: cells [0, t) train, the rest roll out
     exec_slots_per_cell: int = 8  # concurrent executions one rollout cell serves
     engine_max_running: int = 64  # concurrent inference requests one cell's engine batches
     # Which engine serves a call (coordinator/routing.py): affine (each execution's calls go to
@@ -55,7 +57,7 @@ class CoordinatorConfig:
     # The load bound: an engine with more than max(min + abs, min x rel) executions homed (min:
     # the least-loaded accepting engine's) sheds its newest ones to the least loaded
     route_balance_abs: int = 2
-    route_balance_rel: float = 1.5
+    route_balance_rel: float = 1.5  # rel in the load bound above
     prefix_cache_mb: int = 512  # the CPU engine's cache of finished requests' KV, per cell; 0: off
     harness: str | tuple[str, ...] = "demo"  # a preset name (harnesses.py) or a command argv
     harnesses: dict = field(default_factory=dict)  # user presets: name -> fields (may `extends`)
@@ -72,17 +74,21 @@ class CoordinatorConfig:
     infra_failures_in_row: int = 16
     keep_sandbox: str = "never"  # after an execution: never | on_failure | always (debugging)
     sandbox_internet: bool = False  # may tasks with allow_internet = true have it (podman/docker's default network)
-    sandbox_cpus: float | None = None  # limits where the task sets none; None: no limit
-    sandbox_memory_mb: int | None = None
+    sandbox_cpus: float | None = None  # CPUs per sandbox where the task sets none; None: no limit
+    sandbox_memory_mb: int | None = None  # memory per sandbox, MiB, where the task sets none; None: no limit
     sandbox_pids: int | None = 4096  # processes per sandbox (a fork bomb stops here)
     # Several sandbox hosts ([[sandbox_hosts]]: name, url, max_concurrent, node): executions spread
     # over them; `node` names the workerd making the proxy-only network on a host not this one.
     sandbox_hosts: tuple = ()
     swe_score: str = "all"  # SWE-style rows: all (1 when every test passes, else 0) | fraction (of FAIL_TO_PASS)
+    # Seconds an execution's harness may run before it is stopped (and its workspace evaluated all the
+    # same), unless the task or the harness preset sets its own timeout_s
     execution_timeout_s: float = 120.0
-    eval_attempts: int = 3
+    eval_attempts: int = 3  # evaluation attempts per execution (a failed one is retried on the same workspace)
+    # Seconds after the harness ends within which a retried evaluation may start (the first always runs);
+    # every attempt failed: the execution is invalid, never scored 0
     eval_budget_s: float = 60.0
-    j_max: int | None = J_MAX
+    j_max: int | None = J_MAX  # trajectories admitted per execution for training (proxy/admission.py); None: all
     micro_step_tokens: int = 8192  # per-rank token budget of one micro-step (tree: unique tokens; paths: rows x width)
     # How a micro-step carries trajectories (coordinator/packing.py): tree (each execution's
     # admitted paths as one tree, every shared token sent and computed once) | paths (one
@@ -91,8 +97,8 @@ class CoordinatorConfig:
     # Seconds between gc.freeze() calls (coordinator/gcpolicy.py): the long-lived trees out of
     # the cycle collector's full passes (2.3 s pauses at 1,152 executions); 0: Python's own
     gc_freeze_every_s: float = 30.0
-    lr: float | None = None  # None: the model directory's gyre.json, else 1e-6 (a real model's)
-    seed: int = 0
+    lr: float | None = None  # learning rate; None: the model directory's gyre.json, else 1e-6 (a real model's)
+    seed: int = 0  # the task order's shuffle, admission's draws, the engines' sampling, a tiny model's weights
     address: str = "tcp://127.0.0.1:0"  # ZeroMQ bind for workerds
     # local: spawn one workerd process per cell here; inproc: one worker thread per cell in this
     # process (no sockets: tests, a laptop); external: wait for `cells` workerds to register
@@ -106,16 +112,16 @@ class CoordinatorConfig:
     checkpoint_every: int = 5  # steps between checkpoints (at a publication); 0: never
     keep_checkpoints: int = 0  # the newest N complete checkpoints stay, older ones are deleted; 0: keep all
     worker_timeout_s: float = 10.0  # a worker silent this long is dead (heartbeats every 0.5 s)
-    worker_call_timeout_s: float = 600.0  # a micro-step, optimizer step or other long worker call
-    checkpoint_timeout_s: float = 3600.0  # saving or loading a checkpoint (weights + optimizer state, a slow disk)
+    worker_call_timeout_s: float = 600.0  # seconds allowed a micro-step, optimizer step or other long worker call
+    checkpoint_timeout_s: float = 3600.0  # seconds allowed saving or loading a checkpoint (weights + optimizer state)
     keys_dir: Path | None = None  # CURVE keys (gyre keys init): encrypted link, authorised workers only
     engine_backend: str = "cpu"  # the rollout engine of workerds this run spawns: cpu | sglang
     trainer_backend: str = "cpu"  # their trainer: cpu | megatron (external workerds pick their own flags)
     engine_options: dict = field(default_factory=dict)  # to every engine (sglang: server = {tp_size = 2, ...})
     # to every trainer (megatron: tp, pp, microbatches, offload; weight_decay)
     trainer_options: dict = field(default_factory=dict)
-    proxy_host: str = "127.0.0.1"
-    proxy_port: int = 0
+    proxy_host: str = "127.0.0.1"  # where the harnesses' HTTP proxy (the model API they call) listens
+    proxy_port: int = 0  # its port; 0: a free one, chosen at start
     # Output limits per model call. None: the model directory's gyre.json, else the remaining
     # context (a real agent turn may be long; the context bounds it).
     default_max_tokens: int | None = None  # a request that sets no limit gets this
@@ -124,7 +130,7 @@ class CoordinatorConfig:
     # Sampling for every call (a harness's own temperature / top_p are recorded, not used):
     # behaviour log-probs and the trainer's are of this one distribution.
     rollout_temperature: float = 1.0
-    rollout_top_p: float = 1.0
+    rollout_top_p: float = 1.0  # top-p of every call; < 1 needs allow_rollout_top_p
     # Each execution's share of the proxy, so one cannot starve the rest (proxy/budget.py): at
     # most this many model calls in flight at once (0: unlimited; beside an execution keeping
     # 32 in flight, a neighbour's median call took 2.6x its time alone at 2, 2.9x at 4, 4.2x
@@ -148,8 +154,8 @@ class CoordinatorConfig:
     # Held-out evaluation during training: every `eval_every` steps (0: never), pass@eval_k over
     # eval_tasks_path, run on rollout capacity, recorded as `eval` events and never trained.
     eval_every: int = 0
-    eval_tasks_path: Path | None = None
-    eval_k: int = 1
+    eval_tasks_path: Path | None = None  # the held-out tasks (formats as tasks_path); needed when eval_every > 0
+    eval_k: int = 1  # executions per held-out task each round: the k of pass@k
     # Bind the worker link (address) beyond loopback without keys_dir: any process that reaches it
     # can register as a worker and answer calls. Refused unless set; warned about at start.
     allow_unauthenticated_link: bool = False
