@@ -13,6 +13,7 @@ test.sh or test_cmd): it only reads files and checks them.
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import re
@@ -34,8 +35,11 @@ from gyre.coordinator.tasks import (
 
 HARBOR_NEEDS = ("a Harbor task needs instruction.md, task.toml, environment/Dockerfile or [environment].docker_image, "
                 "tests/test.sh")
-# Harbor ignores keys it does not know; we list them (meta["unknown_keys"]) for `gyre tasks check`.
-HARBOR_TOP_KEYS = frozenset({"version", "source"})
+# task.toml's keys: the sections and keys gyre reads (HARBOR_SECTIONS), and the keys Harbor's format
+# defines that gyre does not use (HARBOR_TOP_KEYS, HARBOR_IGNORED: the section ones are listed in
+# meta["unknown_keys"] for `gyre tasks check`). Any other key is refused, the closest known one
+# named: Harbor itself drops it, so a typo (`timout_sec`) would silently run with the default.
+HARBOR_TOP_KEYS = frozenset({"version", "schema_version", "source", "task"})
 HARBOR_SECTIONS: dict[str, frozenset[str] | None] = {  # None: any key (free-form)
     "metadata": None,
     "verifier": frozenset({"timeout_sec", "env", "environment"}),
@@ -43,6 +47,13 @@ HARBOR_SECTIONS: dict[str, frozenset[str] | None] = {  # None: any key (free-for
     "environment": frozenset({"docker_image", "build_timeout_sec", "cpus", "memory_mb", "memory",
                               "storage_mb", "storage", "allow_internet", "gpus"}),
     "solution": frozenset({"env"}),
+}
+HARBOR_IGNORED: dict[str, frozenset[str]] = {
+    "verifier": frozenset({"user", "network_mode", "allowed_hosts"}),
+    "agent": frozenset({"network_mode", "allowed_hosts"}),
+    "environment": frozenset({"gpu_types", "network_mode", "allowed_hosts", "mcp_servers", "env", "skills_dir",
+                              "healthcheck"}),
+    "solution": frozenset(),
 }
 SWE_FIELDS = frozenset({"instance_id", "problem_statement", "image", "dockerfile", "test_cmd", "FAIL_TO_PASS",
                         "PASS_TO_PASS", "test_patch", "workdir", "timeout_s", "test_timeout_s", "cpus",
@@ -274,6 +285,7 @@ def load_harbor_task(folder: str | Path) -> Task:
     toml = _read_toml(_required(folder, "task.toml"))
     where = str(folder / "task.toml")
     sections = _harbor_sections(toml, where)
+    ignored = _ignored_keys(toml, where)  # and a key neither gyre nor Harbor knows refused
     environment = _harbor_environment(folder, _Fields(sections["environment"], where, "[environment].{}"))
     tests = _required(folder, "tests/test.sh").parent
     agent = _Fields(sections["agent"], where, "[agent].{}")
@@ -281,7 +293,7 @@ def load_harbor_task(folder: str | Path) -> Task:
                 environment=environment, tests_dir=str(tests),
                 solution_dir=str(folder / "solution") if (folder / "solution" / "solve.sh").is_file() else None,
                 verifier=_harbor_verifier(_Fields(sections["verifier"], where, "[verifier].{}")),
-                meta=_harbor_meta(folder, toml, sections, where))
+                meta=_harbor_meta(folder, sections, where, ignored))
 
 
 def _required(folder: Path, rel: str) -> Path:
@@ -353,7 +365,7 @@ def _harbor_verifier(verifier: _Fields) -> dict:
     return out
 
 
-def _harbor_meta(folder: Path, toml: dict, sections: dict[str, dict], where: str) -> dict:
+def _harbor_meta(folder: Path, sections: dict[str, dict], where: str, ignored: list[str]) -> dict:
     agent = _Fields(sections["agent"], where, "[agent].{}")
     env = _Fields(sections["environment"], where, "[environment].{}")
     meta: dict[str, Any] = {"format": "harbor", "path": str(folder), "metadata": sections["metadata"]}
@@ -364,21 +376,35 @@ def _harbor_meta(folder: Path, toml: dict, sections: dict[str, dict], where: str
     solution = _Fields(sections["solution"], where, "[solution].{}")
     if solution.has("env"):
         meta["solution_env"] = solution.get("env", _string_table)
-    meta["unknown_keys"] = _unknown_keys(toml)
+    meta["unknown_keys"] = ignored
     return meta
 
 
-def _unknown_keys(toml: dict) -> list[str]:
-    """ "section.key" for each key task.toml holds that Harbor's known sections do not name."""
-    unknown: list[str] = []
+def _ignored_keys(toml: dict, where: str) -> list[str]:
+    """ "section.key" for each key of a section that Harbor's format defines and gyre does not
+    read; TaskError for a key neither knows. The sections are tables (_harbor_sections)."""
+    ignored: list[str] = []
     for key, value in toml.items():
         if key in HARBOR_TOP_KEYS:
             continue
         if key not in HARBOR_SECTIONS:
-            unknown += [f"{key}.{k}" for k in value] if isinstance(value, dict) and value else [key]
-        elif (known := HARBOR_SECTIONS[key]) is not None:
-            unknown += [f"{key}.{k}" for k in value if k not in known]
-    return sorted(unknown)
+            raise _unknown_key(where, f"[{key}]" if isinstance(value, dict) else key, key,
+                               [*HARBOR_SECTIONS, *HARBOR_TOP_KEYS])
+        if HARBOR_SECTIONS[key] is None:  # free-form
+            continue
+        known = HARBOR_SECTIONS[key] | HARBOR_IGNORED[key]
+        for name in value:
+            if name not in known:
+                raise _unknown_key(where, f"[{key}].{name}", name, sorted(known))
+            if name in HARBOR_IGNORED[key]:
+                ignored.append(f"{key}.{name}")
+    return sorted(ignored)
+
+
+def _unknown_key(where: str, label: str, name: str, known: list[str]) -> TaskError:
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f"did you mean '{close[0]}'?" if close else f"known: {', '.join(known)}"
+    return TaskError(f"{where}: unknown key {label}: {hint}")
 
 
 # ---------------------------------------------------------------------------------------------

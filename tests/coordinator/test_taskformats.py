@@ -174,15 +174,38 @@ def test_toml_syntax_error_names_task_toml(tmp_path):
         load_task_source(folder)
 
 
-def test_unknown_keys_are_listed_and_known_extras_kept(tmp_path):
-    toml = TOML + ('gpus = 1\nfancy = true\n\n[agent.extra]\nx = 1\n\n[verifier.env]\nTOKEN = "t"\n\n'
-                   '[solution]\nenv = { MODE = "ref" }\n\n[sandbox]\nkind = "vm"\nnet = false\n')
-    toml = toml.replace("[agent]\n", '[agent]\nuser = "agent"\n').replace('version = "1.0"', 'version = "1.0"\nodd = 3')
+def test_harbors_own_keys_are_listed_as_ignored_and_known_extras_kept(tmp_path):
+    """Keys Harbor's format defines and gyre does not read are kept out of the way (listed for
+    `gyre tasks check`), not refused."""
+    toml = TOML + ('gpus = 1\nnetwork_mode = "no-network"\n\n[environment.healthcheck]\ncommand = "true"\n\n'
+                   '[verifier.env]\nTOKEN = "t"\n\n[solution]\nenv = { MODE = "ref" }\n\n'
+                   '[task]\nname = "org/t"\n')
+    toml = toml.replace("[agent]\n", '[agent]\nuser = "agent"\nallowed_hosts = []\n').replace(
+        'version = "1.0"', 'version = "1.0"\nsource = "tb"')
     [task] = load_task_source(harbor_task(tmp_path / "t", toml=toml))
-    assert task.meta["unknown_keys"] == ["agent.extra", "environment.fancy", "odd", "sandbox.kind", "sandbox.net"]
+    assert task.meta["unknown_keys"] == ["agent.allowed_hosts", "environment.healthcheck", "environment.network_mode"]
     assert task.meta["agent_user"] == "agent" and task.meta["gpus"] == 1
     assert task.meta["solution_env"] == {"MODE": "ref"} and task.verifier["env"] == {"TOKEN": "t"}
     assert describe(task)["unknown_keys"] == task.meta["unknown_keys"]
+
+
+@pytest.mark.parametrize("edit, says", [
+    (("[agent]\ntimeout_sec", "[agent]\ntimout_sec"), "unknown key [agent].timout_sec: did you mean 'timeout_sec'?"),
+    (("cpus = 2", "cpu = 2"), "unknown key [environment].cpu: did you mean 'cpus'?"),
+    (("[verifier]\n", "[verifier]\nfancy = true\n"), "unknown key [verifier].fancy: known: allowed_hosts, env, "),
+    (("[agent]\n", "[agent.extra]\nx = 1\n\n[agent]\n"), "unknown key [agent].extra: known: "),
+    (("[environment]", "[enviroment]"), "unknown key [enviroment]: did you mean 'environment'?"),
+    (('version = "1.0"', 'versoin = "1.0"'), "unknown key versoin: did you mean 'version'?"),
+    (("[agent]", "[sandbox]\nkind = 'vm'\n\n[agent]"), "unknown key [sandbox]: known: "),
+])
+def test_a_key_neither_gyre_nor_harbor_knows_is_refused_naming_the_closest(tmp_path, edit, says):
+    """A misspelt key used to be a note and the default ran silently; now it is one line with the
+    file, the key and the closest known key."""
+    folder = harbor_task(tmp_path / "t", toml=TOML.replace(*edit))
+    with pytest.raises(TaskError) as e:
+        load_task_source(folder)
+    message = str(e.value)
+    assert message.startswith(f"{folder.resolve() / 'task.toml'}: {says}") and "\n" not in message
 
 
 def test_load_harbor_task_accepts_a_relative_folder(tmp_path, monkeypatch):
