@@ -71,6 +71,8 @@ from gyre.cli.options import (
     TimeoutOpt,
     TopTargetArg,
     TrainerBackendOpt,
+    UpConfigOpt,
+    UpHarnessOpt,
     UpSandboxOpt,
     WelcomeTimeoutOpt,
     WheelOpt,
@@ -217,6 +219,8 @@ def up(
     resume: ResumeOpt = None,
     sandbox: UpSandboxOpt = None,
     tasks: TasksOpt = None,
+    config_opt: UpConfigOpt = None,
+    harness: UpHarnessOpt = None,
 ) -> None:
     """Run online RL: the coordinator, local worker daemons, the harness and the tasks
     (with no CONFIG: the embedded default, tiny model and demo harness)."""
@@ -224,9 +228,14 @@ def up(
     from gyre.coordinator.preflight import preflight
     from gyre.coordinator.rundir import absolute, claim
 
+    if config and config_opt:
+        fail(ValueError(f"two configs: CONFIG {config} and --config {config_opt}; give one"))
+    config = config or config_opt
+    if harness and any(x.replace("-", "_").startswith("harness=") for x in set_ or []):
+        fail(ValueError("--harness and --set harness=...: give the harness once"))
     live = not no_live and sys.stdout.isatty()
     if resume is not None:
-        if config or policy or run_dir or model or seed is not None or set_ or sandbox or tasks:
+        if config or policy or run_dir or model or seed is not None or set_ or sandbox or tasks or harness:
             fail(ValueError("--resume takes the run's own config.json; only --steps may change"))
         lock = guard(claim, run_dir=absolute(resume), resume=True)
         try:
@@ -241,7 +250,7 @@ def up(
         raise typer.Exit(code)
     # Everything is checked before the run directory is made: a refused run leaves nothing behind.
     cfg, file_values, _ = _resolve_config(config, set_ or [], steps=steps, policy=policy, run_dir=run_dir,
-                                          model=model, seed=seed, sandbox=sandbox, tasks_path=tasks)
+                                          model=model, seed=seed, sandbox=sandbox, tasks_path=tasks, harness=harness)
     check_installed(cfg.preset())
     guard(preflight, config=cfg)  # before a worker starts or the run directory is made
     made = not cfg.run_dir.exists()
@@ -319,7 +328,7 @@ def _resolve_config(path, sets: list[str], **flags):
     file_values = guard(load_config_file, path=path) if path else {}
     overrides = {**guard(parse_sets, items=sets),
                  **{k: v for k, v in flags.items() if v is not None and k in ("steps", "policy", "seed", "sandbox",
-                                                                             "tasks_path")}}
+                                                                             "tasks_path", "harness")}}
     run_dir = flags.get("run_dir") or overrides.get("run_dir") or file_values.get("run_dir")
     model = flags.get("model") or overrides.get("model_dir") or file_values.get("model_dir")
     run_dir = Path(run_dir) if run_dir else Path("runs") / time.strftime("up-%Y%m%d-%H%M%S")

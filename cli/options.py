@@ -30,6 +30,8 @@ ExecutionOpt = Annotated[str | None, typer.Option("--execution", help="One execu
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
 JMaxOpt = Annotated[int, typer.Option("--j-max", help="Admission cap J_max for the statistics.")]
 ConfigArg = Annotated[Path | None, typer.Argument(help="Run config file (TOML, YAML or JSON); flags override it.")]
+UpConfigOpt = Annotated[Path | None, typer.Option("--config", help="Run config file, as CONFIG (gyre serve, eval and tasks run's spelling); give one or the other.")]
+UpHarnessOpt = Annotated[str | None, typer.Option("--harness", help="Harness preset (demo, claude-code, openai-compatible, or one from the config's [harnesses.NAME]): the run config's harness, over the file's.")]
 PolicyOpt = Annotated[str | None, typer.Option("--policy", help="Placement policy: elastic, colocate, async (a fixed split "
                                                  "training full batches, the paper's Async baseline) or "
                                                  "async-streaming (a fixed split, a step from the first ready "

@@ -107,6 +107,35 @@ def test_a_refused_run_is_one_line_and_leaves_no_run_directory(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("args, says", [
+    (["--config", "run.toml"], "unknown field 'stpes': did you mean 'steps'?"),  # --config is CONFIG
+    (["other.toml", "--config", "run.toml"], "two configs: CONFIG other.toml and --config run.toml; give one"),
+    (["--harness", "nope"], "unknown harness 'nope'"),
+    (["--config", "good.toml", "--harness", "nope"], "unknown harness 'nope'"),  # the flag over the file's
+    (["--harness", "demo", "--set", "harness=demo"], "--harness and --set harness=...: give the harness once"),
+    (["--resume", "runs/x", "--harness", "demo"], "--resume takes the run's own config.json"),
+])
+def test_up_takes_config_and_harness_as_serve_and_eval_do(tmp_path, monkeypatch, args, says):
+    """`gyre up --config FILE --harness NAME`, the spelling of serve, eval and tasks run; the
+    positional CONFIG still works. A clash is one line and leaves nothing behind."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run.toml").write_text("stpes = 3\n")
+    (tmp_path / "good.toml").write_text('harness = "claude-code"\n')
+    assert says in one_line_error(runner.invoke(app, ["up", "--no-live", *args]))
+    assert not (tmp_path / "runs").exists()
+    assert "unknown field 'stpes'" in one_line_error(runner.invoke(app, ["up", "--no-live", "run.toml"]))
+
+
+def test_up_harness_flag_wins_over_the_file_and_help_shows_both(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run.toml").write_text('harness = "claude-code"\nsteps = 2\n')
+    cfg, _, overrides = _resolve_config(tmp_path / "run.toml", [], harness="demo")
+    assert cfg.harness == "demo" and cfg.steps == 2 and overrides["harness"] == "demo"
+    assert _resolve_config(tmp_path / "run.toml", [])[0].harness == "claude-code"
+    text = runner.invoke(app, ["up", "--help"], terminal_width=200).output
+    assert "--config" in text and "--harness" in text and "Run config file (TOML, YAML or JSON)" in text
+
+
+@pytest.mark.parametrize("args, says", [
     (["--set", "lr=1"], "gyre serve takes no field 'lr': it takes only"),
     (["--set", "max_contxt=9"], "unknown field 'max_contxt': did you mean 'max_context'?"),
     (["--set", "default_max_tokens=0"], "default_max_tokens must be an int >= 1, got 0"),
