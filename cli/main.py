@@ -123,7 +123,9 @@ config_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="The 
 
 @config_app.command("show")
 def config_show(config: ConfigArg = None, set_: SetOpt = None, steps: StepsOpt = None, policy: PolicyOpt = None,
-                run_dir: RunDirOpt = None, model: ModelOpt = None, as_json: JsonOpt = False) -> None:
+                run_dir: RunDirOpt = None, model: ModelOpt = None, as_json: JsonOpt = False,
+                explain: Annotated[bool, typer.Option("--explain", help="Also say what each field means "
+                                                      "(docs/reference/config.md).")] = False) -> None:
     """Print the resolved run config: every field, its value and where it came from."""
     import json
 
@@ -139,6 +141,11 @@ def config_show(config: ConfigArg = None, set_: SetOpt = None, steps: StepsOpt =
         if not (run_dir if key == "run_dir" else model):
             overrides.pop(key, None)
     rows = resolved(cfg, file_values, overrides)
+    if explain:
+        from gyre.coordinator.configdoc import field_meanings
+
+        meanings = field_meanings()
+        rows = [{**r, "meaning": meanings[r["field"]]} for r in rows]
     typer.echo(json.dumps(rows, indent=2) if as_json else show_text(rows))
 
 

@@ -202,9 +202,14 @@ def resolved(config: CoordinatorConfig, file_values: dict[str, Any], overrides: 
 
 
 def show_text(rows: list[dict]) -> str:
-    """The resolved config as TOML-like lines, each with its source."""
+    """The resolved config as TOML-like lines, each with its source; a row with a meaning
+    (`gyre config show --explain`) has it above, as comment lines."""
+    import textwrap
+
     width = max(len(r["field"]) for r in rows)
     lines = []
     for r in rows:
+        if r.get("meaning"):
+            lines += ["", *textwrap.wrap(r["meaning"], 96, initial_indent="# ", subsequent_indent="# ")]
         lines.append(f"{r['field']:<{width}} = {json.dumps(r['value'])}  # {r['source']}, {r['type']}")
     return "\n".join(lines)

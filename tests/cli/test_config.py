@@ -204,3 +204,21 @@ def test_the_workers_are_welcomed_with_the_runs_settings_and_the_wires_defaults(
         engine_options={"max_running": 4, "server": {"tp_size": 2}}, trainer_options={"weight_decay": 0, "tp": 2}))
     assert c.engine_spec() == EngineSpec(seed=3, max_running=4, options={"server": {"tp_size": 2}})
     assert c.trainer_spec() == TrainerSpec(lr=3e-3, micro_step_tokens=512, weight_decay=0.0, options={"tp": 2})
+
+
+def test_config_show_explain_says_what_every_field_means(tmp_path, monkeypatch):
+    """`gyre config show --explain` prints each field's meaning (the same words as
+    docs/reference/config.md, both from config.py's comments) above its value."""
+    from gyre.coordinator.configdoc import field_meanings
+    from gyre.coordinator.runconfig import field_names
+
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    out = runner.invoke(app, ["config", "show", "--explain", "--json"])
+    assert out.exit_code == 0, out.output
+    rows = json.loads(out.output)
+    assert [r["field"] for r in rows] == list(field_names())
+    assert all(r["meaning"] and r["meaning"] == field_meanings()[r["field"]] for r in rows)
+    text = runner.invoke(app, ["config", "show", "--explain"]).output
+    assert "# optimizer steps to run" in text and "eval_attempts" in text
+    assert "# optimizer steps" not in runner.invoke(app, ["config", "show"]).output
