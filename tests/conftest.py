@@ -14,6 +14,32 @@ import pytest
 os.environ.setdefault("PYENV_REHASH_TIMEOUT", "1")
 
 
+# The suite's command (README) runs two xdist workers in two lanes: the tests that only wait
+# (the harness_stall tier: Claude Code's 300 s watchdog, a CPU-idle 5.5 minutes) on one,
+# everything else in order on the other, so the wait overlaps the rest of the suite and no
+# two CPU-bound tests compete for the 2 cores. The lanes are chosen by node id, the one thing
+# xdist's controller sees (xdist 3.8's own xdist_group cannot rename pytest 9.2's node ids);
+# a test of a waiting tier missing here is a usage error. Without -n, nothing changes.
+WAITING_TIERS = ("harness_stall",)
+WAITING_TESTS = frozenset({
+    "tests/harness/test_claude_code.py::test_a_pause_past_the_300s_watchdog_inside_a_streamed_answer",
+})
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook; absent without it
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup`: the two lanes above (any other --dist: xdist's own)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Lanes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "waiting" if nodeid in WAITING_TESTS else "suite"
+
+    return Lanes(config, log)
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     from gyre.workerd.modeldir import init_tiny
@@ -99,9 +125,14 @@ def tiny_model(tiny_dir):
 
 
 def pytest_collection_modifyitems(config, items):
+    unlisted = [item.nodeid for item in items if item.nodeid not in WAITING_TESTS
+                and any(item.get_closest_marker(tier) for tier in WAITING_TIERS)]
+    if unlisted:
+        raise pytest.UsageError(f"tests/conftest.py: add {', '.join(unlisted)} to WAITING_TESTS (its tier only waits)")
     if os.environ.get("GYRE_TEST_GPU") == "1":
         return
     skip = pytest.mark.skip(reason="GPU test: set GYRE_TEST_GPU=1 on a GPU machine")
     for item in items:
         if item.get_closest_marker("gpu") is not None:  # the marker, not a folder named gpu
             item.add_marker(skip)
+
