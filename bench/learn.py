@@ -17,8 +17,8 @@ held-out pass@k and pass@1; then whether held-out pass@k rose, and one JSON obje
 With matplotlib (`pip install matplotlib`) it writes OUT/learn.png: reward by step and the
 held-out pass@k and pass@1 by step. Needs podman (root) unless `--sandbox bubblewrap` or
 `process` with tasks that need no image (the shout tasks need one). Measured figures are in
-the README (held-out pass@4 0.167 -> 1.000 over 10 steps); a run on 2 cores takes about 20-40
-minutes.
+docs/benchmarks.md (held-out pass@4 0.167 -> 1.000 over 10 steps); a run on 2 cores takes about
+20-40 minutes.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ class CoordinatorConfig:
     model_dir: Path  # the model directory (config.json, tokenizer, weights; gyre.json: gyre's per-model defaults)
     steps: int = 5  # optimizer steps to run (each consumes groups_per_step groups); the run ends after them
     # Placement policy (coordinator/policies.py): elastic | colocate | async | async-streaming;
-    # elastic measured fastest of the three on the embedded default (README, Benchmarks)
+    # elastic measured fastest of the three on the embedded default (docs/benchmarks.md)
     policy: str = "elastic"
     phi: float = 0.0  # boundary-dispatch lead, in batches
     mu: int = 1  # steps per burst (between weight publications)
