@@ -84,11 +84,12 @@ def serve_fields(*, config: Path | None = None, sets: list[str] | None = None,
     from gyre.coordinator.runconfig import ConfigError, did_you_mean, load_config_file, parse_sets
 
     values = {k: v for k, v in (load_config_file(config) if config else {}).items() if k in SERVE_FIELDS}
-    for name, value in parse_sets(sets or []).items():
-        if name not in SERVE_FIELDS:
+    for item in sets or []:  # named against serve's own fields first: a typo's nearest is one of them
+        name = item.partition("=")[0].strip().replace("-", "_")
+        if "=" in item and name not in SERVE_FIELDS:
             raise ConfigError(f"gyre serve takes no field '{name}': "
                               + did_you_mean(name, SERVE_FIELDS, f"it takes only {', '.join(SERVE_FIELDS)}"))
-        values[name] = value
+    values.update(parse_sets(sets or []))
     if max_context is not None:
         values["max_context"] = max_context
     try:
