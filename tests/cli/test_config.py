@@ -225,7 +225,8 @@ def test_config_show_explain_says_what_every_field_means(tmp_path, monkeypatch):
     assert out.exit_code == 0, out.output
     rows = json.loads(out.output)
     assert [r["field"] for r in rows] == list(field_names())
-    assert all(r["meaning"] and r["meaning"] == field_meanings()[r["field"]] for r in rows)
+    meanings = field_meanings()
+    assert all(r["meaning"] and r["meaning"] == meanings[r["field"]] for r in rows)
     text = runner.invoke(app, ["config", "show", "--explain"]).output
     assert "# optimizer steps to run" in text and "eval_attempts" in text
     assert "# optimizer steps" not in runner.invoke(app, ["config", "show"]).output
