@@ -81,14 +81,18 @@ def serve_fields(*, config: Path | None = None, sets: list[str] | None = None,
     ProxyConfig's rules (proxy/serving.py, as `gyre up`'s are): nothing is resolved against
     a model yet, so a bad value is refused before anything is made. Serving trains
     nothing, so a rollout_top_p < 1 or a rollout_temperature of 0 is allowed here."""
-    from gyre.coordinator.runconfig import ConfigError, did_you_mean, load_config_file, parse_sets
+    from gyre.coordinator.runconfig import ConfigError, did_you_mean, field_names, load_config_file, parse_sets
 
     values = {k: v for k, v in (load_config_file(config) if config else {}).items() if k in SERVE_FIELDS}
-    for item in sets or []:  # named against serve's own fields first: a typo's nearest is one of them
+    for item in sets or []:  # named against serve's own fields: a typo's nearest is one of them
         name = item.partition("=")[0].strip().replace("-", "_")
         if "=" in item and name not in SERVE_FIELDS:
-            raise ConfigError(f"gyre serve takes no field '{name}': "
-                              + did_you_mean(name, SERVE_FIELDS, f"it takes only {', '.join(SERVE_FIELDS)}"))
+            served = ", ".join(SERVE_FIELDS)
+            if name in field_names():  # the run config's, not served
+                raise ConfigError(f"gyre serve takes no field '{name}': "
+                                  + did_you_mean(name, SERVE_FIELDS, f"it takes only {served}"))
+            raise ConfigError(f"unknown field '{name}': "
+                              + did_you_mean(name, SERVE_FIELDS, f"gyre serve takes only {served}"))
     values.update(parse_sets(sets or []))
     if max_context is not None:
         values["max_context"] = max_context
