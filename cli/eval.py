@@ -111,7 +111,7 @@ def eval_cmd(tasks: EvalTasksOpt, model: EvalModelOpt = None, step: EvalStepOpt 
             report = guard(uvloop.run, main=evaluate(
                 task_list, k=k, threshold=threshold, run_dir=out, about=about, preset=preset, model_dir=model_dir,
                 sandbox=sandbox, sandbox_url=sandbox_url, solution=solution, concurrency=concurrency,
-                timeout_s=timeout or 600.0, settings=settings, on_result=progress))
+                timeout_s=timeout, settings=settings, on_result=progress))
         finally:
             _drop_export(source, out)
     finally:

@@ -21,7 +21,7 @@ SandboxOpt = Annotated[str, typer.Option("--sandbox", help="Where each task runs
 SandboxUrlOpt = Annotated[str | None, typer.Option("--sandbox-url", help="The engine's Docker-compatible endpoint (default: gyre's own podman service; docker's socket).")]
 SolutionOpt = Annotated[bool, typer.Option("--solution", help="Run each task's own solution/solve.sh instead of a harness: checks that the task is solvable and its tests score it.")]
 ConcurrencyOpt = Annotated[int, typer.Option("--concurrency", help="Tasks running at once.")]
-TaskTimeoutOpt = Annotated[float | None, typer.Option("--timeout", help="Seconds each agent may run where its task sets none ([agent].timeout_sec wins); default 600.")]
+TaskTimeoutOpt = Annotated[float | None, typer.Option("--timeout", help="Seconds each agent may run where its task sets none ([agent].timeout_sec wins); over the preset's timeout_s; default: the preset's, else 600.")]
 KeepOpt = Annotated[str, typer.Option("--keep-sandbox", help="Keep sandboxes afterwards: never, on_failure or always.")]
 
 
@@ -105,7 +105,7 @@ def run(path: TaskPathArg, harness: TaskHarnessOpt = "demo", sandbox: SandboxOpt
 
         results = guard(uvloop.run, main=run_tasks(
             tasks, preset=preset, model_dir=model_dir, run_dir=run_dir, sandbox=sandbox, sandbox_url=sandbox_url,
-            solution=solution, concurrency=concurrency, timeout_s=timeout or 600.0, settings=settings,
+            solution=solution, concurrency=concurrency, timeout_s=timeout, settings=settings,
             keep_sandbox=keep_sandbox, on_result=progress))
     finally:
         lock.release()

@@ -105,6 +105,8 @@ STORAGE_EXIT = 137  # the exit a harness stopped at its storage limit counts as 
 class LaunchSpec:
     preset: HarnessPreset
     timeout_s: float  # unless the task or the preset sets its own
+    # An explicit --timeout (tasks run, eval): over the preset's timeout_s, under the task's own.
+    timeout_flag_s: float | None = None
     eval_attempts: int
     eval_budget_s: float
     infra_failure: str = "aborted_infra"  # or "placeholder": the paper's valid zero
@@ -439,7 +441,8 @@ class Launcher:
     async def _run_harness(self, run: Execution, sandbox: Sandbox, folder: Path, key: str, base: str):
         preset = self._presets.pop(run.id, self.spec.preset)
         contained = self.backend.needs_image
-        timeout = run.task.timeout_s or self.spec.preset.timeout_s or self.spec.timeout_s
+        spec = self.spec  # the task's own deadline, then an explicit flag, then the preset's, then the run's
+        timeout = run.task.timeout_s or spec.timeout_flag_s or spec.preset.timeout_s or spec.timeout_s
         host_state = folder / "harness-state"
         host_state.mkdir(parents=True, exist_ok=True)
         state = STATE_INSIDE if contained else str(host_state)

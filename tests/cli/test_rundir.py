@@ -202,3 +202,23 @@ def test_the_coordinator_unit_resumes_any_run_that_started(tmp_path):
     assert start() == f"up /etc/gyre/run.toml --run-dir {run} --no-live"  # made, but no run started in it
     (run / "config.json").write_text("{}")  # crashed before its first checkpoint, or after: resumed
     assert start() == f"up --resume {run} --no-live"
+
+
+def test_an_explicit_timeout_beats_the_presets_own(tmp_path, tiny_dir):
+    """`gyre tasks run --timeout` is over a preset's timeout_s (a preset's 240 beat an explicit
+    --timeout 300) and the preset's is over the default: a harness that naps 3 s under a preset
+    of 1 s times out, and completes with --timeout 30."""
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"id": "nap", "prompt": "Nap.", "target": "x"}) + "\n")
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('[harnesses.nap]\ncommand = ["sh", "-c", "sleep 3"]\ntimeout_s = 1\n')
+
+    def status(name: str, *flags: str) -> str:
+        r = runner.invoke(app, ["tasks", "run", str(tasks), "--harness", "nap", "--config", str(cfg), "--sandbox",
+                                "process", "--model", str(tiny_dir), "--run-dir", str(tmp_path / name), "--json",
+                                *flags])
+        assert r.exit_code == 0, r.output[-2000:]
+        return json.loads(r.stdout)["tasks"][0]["status"]
+
+    assert status("preset") == "timed_out"
+    assert status("flag", "--timeout", "30") == "completed"
