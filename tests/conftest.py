@@ -8,9 +8,9 @@ import pytest
 
 # A harness's Bash tool runs the user's login shell, and pyenv's `eval "$(pyenv init -)"` there
 # runs `pyenv rehash`, which waits PYENV_REHASH_TIMEOUT (60 s) for a lock file that a shell
-# killed mid-rehash leaves behind: the suite kills harness groups at their deadlines, and each
-# later Claude Code test then spent 60 s in its first Bash command (72 s against 1 s without
-# the lock). A shell that cannot take the lock now gives up after a second, rehashing nothing.
+# killed mid-rehash leaves behind (one appeared 27 minutes into a suite run), and each later
+# Claude Code test then spent 60 s in its first Bash command (72 s against 1 s without the
+# lock). A shell that cannot take the lock now gives up after a second, rehashing nothing.
 os.environ.setdefault("PYENV_REHASH_TIMEOUT", "1")
 
 
