@@ -19,7 +19,7 @@ from pathlib import Path
 
 import orjson
 
-from gyre.proxy.records import Journal, JournalError
+from gyre.proxy.records import Journal, JournalError, parse_lines
 
 log = logging.getLogger("gyre.coordinator")
 
@@ -121,21 +121,15 @@ def read_events(path: str | Path, *, tail: int | None = None, warn: bool = False
         cut = data.find(b"\n")
         data = data[cut + 1:] if cut >= 0 else b""
     lines = data.splitlines()
-    last = max((i for i, raw in enumerate(lines) if raw.strip()), default=-1)
-    events, bad = [], []
-    for i, raw in enumerate(lines):
-        if not raw.strip():
+    parsed, bad = parse_lines(lines, path, warn=warn)
+    events = []
+    for n, ev in parsed:
+        if isinstance(ev, dict):
+            events.append(ev)
             continue
-        try:
-            ev = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            what = "its torn last line" if i == last else "a line that is no whole record (torn mid-file)"
-        else:
-            if isinstance(ev, dict):
-                events.append(ev)
-                continue
-            what = "a line that is not an event object"
-        bad.append(i + 1)
+        bad.append(n)
         if warn:
-            log.warning("%s: skipped %s: line %d, %d bytes", path, what, i + 1, len(raw))
+            log.warning("%s: skipped a line that is not an event object: line %d, %d bytes", path, n, len(lines[n - 1]))
+    bad.sort()
+    last = max((i for i, raw in enumerate(lines) if raw.strip()), default=-1)
     return Events(events, tuple(bad), len(lines), bool(bad) and bad[-1] == last + 1)

@@ -160,18 +160,26 @@ def read_lines(path: Path) -> list[tuple[int, Any]]:
     callers decide whether a gap matters: for nodes it does)."""
     if not path.exists():
         return []
-    lines = path.read_bytes().split(b"\n")
+    return parse_lines(path.read_bytes().split(b"\n"), path)[0]
+
+
+def parse_lines(lines: list[bytes], path: Path, *, warn: bool = True) -> tuple[list[tuple[int, Any]], list[int]]:
+    """The JSON lines of a journal `lines` (numbered from 1, blank ones skipped): (line number,
+    object) of each whole one, and the numbers of the others, each logged with `warn` as a
+    torn last line or one torn mid-file. Also metrics.read_events' parser."""
     last = max((i for i, raw in enumerate(lines) if raw.strip()), default=-1)
-    out = []
+    out, bad = [], []
     for i, raw in enumerate(lines):
         if not raw.strip():
             continue
         try:
             out.append((i + 1, orjson.loads(raw)))
         except orjson.JSONDecodeError:
-            where = "its torn last line" if i == last else "a line that is no whole record (torn mid-file)"
-            log.warning("%s: skipped %s: line %d, %d bytes", path, where, i + 1, len(raw))
-    return out
+            bad.append(i + 1)
+            if warn:
+                where = "its torn last line" if i == last else "a line that is no whole record (torn mid-file)"
+                log.warning("%s: skipped %s: line %d, %d bytes", path, where, i + 1, len(raw))
+    return out, bad
 
 
 @dataclass
