@@ -263,10 +263,13 @@ class WorkerLink:
         # 1) Who: the connection's routing id. A peer picks its own (without keys, any local
         #    process can connect), but ZeroMQ never reads a second connection claiming one in use,
         #    so what arrives under a registered worker's id comes from that worker's connection.
+        raw = frames[0].bytes
+        if raw[:1] == b"\0":  # ZeroMQ's own id for a peer that names none (b"\0" + a counter); no worker's
+            return self._drop(raw, "not a registered worker")
         try:
-            node = frames[0].bytes.decode()
-        except UnicodeDecodeError:  # ZeroMQ's own ids for peers that name none (b"\0" + 4 bytes)
-            return self._drop(frames[0].bytes, "not a registered worker")
+            node = raw.decode()
+        except UnicodeDecodeError:
+            return self._drop(raw, "not a registered worker")
         # 2) A connection that has not registered: dropped on its kind frame alone unless it
         #    registers (or heartbeats, for Reregister), small and within the rate. A flood costs
         #    a lookup per message, never a decode, and nothing is kept per connection.
