@@ -49,6 +49,7 @@ class Exported:
     trainer: str
     dtype: str
     rounding: str | None = None  # what a narrower dtype than the trainer's lost, or None
+    unchanged: bool = False  # every element equals the base model's: no step changed the weights
 
 
 def export(run_dir: ExportRunDirArg, out: ExportOutArg, step: ExportStepOpt = None,
@@ -58,6 +59,9 @@ def export(run_dir: ExportRunDirArg, out: ExportOutArg, step: ExportStepOpt = No
     done = guard(export_run, run_dir=run_dir, out=out, step=step, dtype=dtype)
     typer.echo(f"{done.out}: step {done.step} (version {done.version}) of {run_dir}, "
                f"{done.trainer} trainer, {done.dtype}")
+    if done.unchanged:
+        typer.echo(f"note: the weights equal the base model's: no step up to step {done.step} changed them "
+                   f"(gyre doctor {run_dir} says why)", err=True)
     if done.rounding:
         typer.echo(f"note: {done.rounding}", err=True)
 
@@ -83,8 +87,10 @@ def export_run(*, run_dir: Path, out: Path, step: int | None = None, dtype: str 
     # (SmolLM2 at lr 1e-6 after 2 steps: 100% of the elements changed in float32, 0.41% in bfloat16).
     held = {str(t.dtype).removeprefix("torch.") for t in weights.tensors.values()}
     dtype = dtype or (held.pop() if len(held) == 1 and next(iter(held)) in DTYPES else weights_dtype(model_dir))
+    total, moved, kept = against_base(weights.tensors, model_dir, dtype)
     done = Exported(out=out, step=int(state.get("step", _step_of(folder))), version=weights.version,
-                    trainer=weights.trainer, dtype=dtype, rounding=rounding(weights.tensors, model_dir, dtype))
+                    trainer=weights.trainer, dtype=dtype, rounding=rounding(weights.tensors, dtype, total, moved, kept),
+                    unchanged=bool(total) and not moved)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))
     try:
@@ -180,24 +186,34 @@ def _write(tmp: Path, tensors: dict, tied: bool, dtype: str) -> None:
     (tmp / "model.safetensors").chmod(0o666 & ~_umask())  # safetensors writes it 0600
 
 
-def rounding(tensors: dict, model_dir: Path, dtype: str) -> str | None:
-    """What storing the trainer's weights in a narrower `dtype` loses, measured: the share of
-    elements that differ from the base model's, in the trainer's dtype and in `dtype`. A
-    small learning rate's updates (SmolLM2's 1e-6) are mostly below bfloat16's resolution."""
+def against_base(tensors: dict, model_dir: Path, dtype: str) -> tuple[int, int, int]:
+    """(elements compared, elements that differ from the base model's in the trainer's dtype,
+    those that still differ in `dtype`)."""
     import torch
 
     from gyre.workerd.weightfiles import iter_weights
 
     target = getattr(torch, dtype)
-    held = {t.dtype for t in tensors.values()}
-    if len(held) != 1 or (held := held.pop()).itemsize <= target.itemsize:
-        return None
     total = moved = kept = 0
     for name, base in iter_weights(model_dir):
         if (t := tensors.get(name)) is not None and t.shape == base.shape:
             total += t.numel()
             moved += int((t != base.to(t.dtype)).sum())
             kept += int((t.to(target) != base.to(target)).sum())
+    return total, moved, kept
+
+
+def rounding(tensors: dict, dtype: str, total: int, moved: int, kept: int) -> str | None:
+    """What storing the trainer's weights in a narrower `dtype` loses, measured (against_base):
+    the share of elements that differ from the base model's, in the trainer's dtype and in
+    `dtype`. A small learning rate's updates (SmolLM2's 1e-6) are mostly below bfloat16's
+    resolution."""
+    import torch
+
+    target = getattr(torch, dtype)
+    held = {t.dtype for t in tensors.values()}
+    if len(held) != 1 or (held := held.pop()).itemsize <= target.itemsize:
+        return None
     if not total or moved == kept:
         return None
     name = str(held).removeprefix("torch.")
@@ -228,7 +244,8 @@ def readme(run_dir: Path, folder: Path, model_dir: Path, architecture: str, done
              f"Exported by gyre {gyre_version()} (`gyre export`) from the run directory `{run_dir}`, checkpoint "
              f"`{CHECKPOINTS}/{folder.name}`: step {done.step}, weight version {done.version}, trained by the "
              f"{done.trainer} trainer.", "",
-             f"- Weights: `model.safetensors`, {done.dtype}" + (f" ({done.rounding})." if done.rounding else "."),
+             f"- Weights: `model.safetensors`, {done.dtype}" + (f" ({done.rounding})." if done.rounding else ".")
+             + (" They equal the base model's: no step of the run changed them." if done.unchanged else ""),
              f"- Base model: `{model_dir}` ({architecture}); its config, tokenizer, chat template and "
              "generation config are copied unchanged (the config's dtype aside).", ""]
     if notes:

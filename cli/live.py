@@ -139,7 +139,10 @@ def render(status: dict, width: int = 80) -> Group:
     quality = Text.assemble(
         ("reward ", "dim"), _num(last.get("reward_mean")), ("  valid ", "dim"),
         _num(last.get("reward_valid_frac"), "{:.2f}"), ("  staleness ", "dim"),
-        _num(last.get("staleness_mean"), "{:.2f}"), ("  loss ", "dim"), _num(last.get("loss"), "{:.4g}"))
+        _num(last.get("staleness_mean"), "{:.2f}"), ("  loss ", "dim"), _num(last.get("loss"), "{:.4g}"),
+        ("  tokens trained ", "dim"), _num(last.get("tokens_trained"), "{:d}"))
+    if last.get("note"):  # why the last step trained little or nothing (coordinator/diagnosis.py)
+        quality.append(f"\n{last['note']}", style="yellow" if last.get("trained", True) else "bold yellow")
     cells = Table(box=None, pad_edge=False, expand=False, header_style="dim")
     for name, justify in (("cell", "right"), ("role", "left"), ("run", "right"), ("homes", "right"),
                           ("hit", "right"), ("claim", "right"), ("in role", "right"), ("timeline", "left")):

@@ -41,7 +41,8 @@ def run_directory(run_dir: Path) -> list[Check]:
     checks, cfg = _run_config(d)
     if cfg is not None:
         checks += guarded(_run_model, cfg) + guarded(_run_needs, cfg)
-    for fn, args in ((_run_state, (d,)), (_run_lock, (d,)), (_run_metrics, (d,)), (_run_checkpoint, (d, cfg)),
+    for fn, args in ((_run_state, (d,)), (_run_lock, (d,)), (_run_metrics, (d,)), (_run_training, (d,)),
+                     (_run_checkpoint, (d, cfg)),
                      (_run_executions, (d,)), (_run_disk, (d,)), (_run_sandboxes, (d, cfg))):
         checks += guarded(fn, *args)
     return checks
@@ -97,7 +98,7 @@ def _run_model(cfg) -> Check:
 
 def _run_needs(cfg) -> list[Check]:
     """What `gyre up --resume` would refuse before starting: backends, sandbox, harness binary."""
-    from gyre.coordinator.sandbox import isolation
+    from gyre.coordinator.sandbox import BACKENDS, backend_class, isolation
     from gyre.coordinator.sandbox.base import SandboxError
     from gyre.coordinator.sandbox.preflight import check_sandbox
     from gyre.workerd.backends import check_backends
@@ -115,9 +116,10 @@ def _run_needs(cfg) -> list[Check]:
     except SandboxError as e:
         out.append(Check("run needs", FAIL, *split_fix(str(e))))
     preset = cfg.preset()
-    if preset.executable() is None:
-        out.append(Check("run needs", FAIL, f"harness {preset.name!r}: {preset.command[0]!r} is not on PATH",
-                         preset.install or "install it, or set harness in config.json"))
+    missing = preset.missing(contained=cfg.sandbox in BACKENDS and backend_class(cfg.sandbox).needs_image)
+    if missing is not None:
+        what, _, fix = missing.partition("; install: ")
+        out.append(Check("run needs", FAIL, what, fix or preset.install or "install it, or set harness in config.json"))
     return out or [Check("run needs", OK, f"engine {cfg.engine_backend}, trainer {cfg.trainer_backend}, "
                                           f"sandbox {cfg.sandbox}, harness {preset.name}: all here; sandbox "
                                           f"{cfg.sandbox} {isolation(cfg.sandbox)}")]
@@ -216,6 +218,33 @@ def _run_metrics(d: Path) -> Check:
     fix = (f"nothing to repair: gyre up --resume {q} skips torn lines" +
            ("; a lost dispatch or execution event makes it run that work again" if mid else ""))
     return Check("metrics.jsonl", WARN, f"{n} lines: {'; '.join(parts)}", fix)
+
+
+def _run_training(d: Path) -> list[Check]:
+    """What the steps trained: a run whose steps trained no token left the weights as the base
+    model's (a warning, with the diagnosis its step events carry: coordinator/diagnosis.py)."""
+    from gyre.coordinator.diagnosis import merge, why
+    from gyre.coordinator.metrics import read_events
+
+    path = d / "metrics.jsonl"
+    if not path.exists():
+        return []
+    steps = [e for e in read_events(path).events if e.get("event") == "step"]
+    if not steps:
+        return [Check("training", OK, "no step done yet")]
+    idle = [e for e in steps if not e.get("tokens_trained")]
+    tokens = sum(e.get("tokens_trained") or 0 for e in steps)
+    if not idle:
+        return [Check("training", OK, f"{len(steps)} steps, {tokens} tokens trained")]
+    reason = why(merge(idle), sum(e.get("groups") or 0 for e in idle))
+    fix = ("give the reward spread within a group (partial credit, a larger group_size); if calls end at "
+           "max_tokens, raise default_max_tokens; read what the model said with gyre inspect "
+           f"{shlex.quote(str(d))} --execution ID --transcript (docs/troubleshooting.md, \"Nothing trained\")")
+    if len(idle) == len(steps):
+        return [Check("training", WARN, f"{len(steps)} step(s) trained 0 tokens: the weights equal the base "
+                                        f"model's" + (f" ({reason})" if reason else ""), fix)]
+    return [Check("training", OK, f"{len(steps)} steps, {tokens} tokens trained; {len(idle)} step(s) trained "
+                                  f"nothing" + (f" ({reason})" if reason else ""))]
 
 
 def _rank_files(folder: Path, cfg) -> list[str]:

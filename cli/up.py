@@ -24,11 +24,8 @@ def _print_step(steps: int):
 
 
 def _why_flat(r: StepReport) -> str:
-    """Why a step trained little or nothing: groups whose rewards were all equal."""
-    if not r.equal_reward_groups:
-        return ""
-    return (f"  ({r.equal_reward_groups} of {r.groups} groups scored alike: zero advantage, "
-            f"nothing trained from {'them' if r.equal_reward_groups > 1 else 'it'})")
+    """Why a step trained little or nothing (its diagnosis: coordinator/diagnosis.py)."""
+    return f"  ({r.note})" if r.note else ""
 
 
 def run_up(config: CoordinatorConfig, live: bool = False, resume: bool = False) -> int:
@@ -48,7 +45,7 @@ def run_up(config: CoordinatorConfig, live: bool = False, resume: bool = False) 
     print(f"done: step {total}/{config.steps} ({len(reports)} this session); reward by step: {rewards or '(none)'}",
           flush=True)
     write_timeline(config.run_dir)
-    _print_outputs(config.run_dir, coord)
+    _print_outputs(config.run_dir, coord, reports)
     _print_lost(coord)
     if coord.stop_signal is not None:
         print(f"stopped at step {coord.steps.steps_done}/{config.steps}; continue with: "
@@ -89,15 +86,33 @@ def _print_lost(coord: Coordinator) -> None:
         f"a resume continues from {f'step {saved}' if saved else 'the start'}", style="bold red", markup=False)
 
 
-def _print_outputs(run_dir: Path, coord: Coordinator) -> None:
-    """Where the run's results are: the trained weights (the newest checkpoint) and the timeline."""
+def _print_outputs(run_dir: Path, coord: Coordinator, reports: list[StepReport]) -> None:
+    """Where the run's results are: the trained weights (the newest checkpoint) and the timeline;
+    a run that trained no token says so, and why, instead of naming "trained" weights."""
     from gyre.coordinator.resume import step_dir
 
-    if coord.steps.checkpointed_step:
-        print(f"trained weights (step {coord.steps.checkpointed_step}): "
-              f"{shown(step_dir(run_dir, coord.steps.checkpointed_step) / 'trainer.pt')}", flush=True)
+    saved = coord.steps.checkpointed_step
+    if coord.steps.steps_done and not coord.steps.tokens_trained:
+        _print_untrained(coord.steps.steps_done, reports, saved)
+    elif saved:
+        print(f"trained weights (step {saved}): {shown(step_dir(run_dir, saved) / 'trainer.pt')}", flush=True)
     print(f"role timeline: {shown(run_dir / 'timeline.svg')}; metrics: {shown(run_dir / 'metrics.jsonl')}",
           flush=True)
+
+
+def _print_untrained(steps_done: int, reports: list[StepReport], saved: int | None) -> None:
+    """No step of the run trained a token: the weights are the base model's. Why, over this
+    session's steps (coordinator/diagnosis.py), in yellow."""
+    from rich.console import Console
+
+    from gyre.coordinator.diagnosis import merge, why
+
+    reason = why(merge(r.diagnosis for r in reports), sum(r.groups for r in reports)) if reports else ""
+    where = f" (the checkpoint of step {saved} holds them)" if saved else ""
+    Console(highlight=False, soft_wrap=True).print(
+        f"trained nothing: {steps_done} step{'s' if steps_done > 1 else ''} trained 0 tokens, so the weights "
+        f"equal the base model's{where}" + (f": {reason}" if reason else "")
+        + "; see docs/troubleshooting.md, \"Nothing trained\"", style="bold yellow", markup=False)
 
 
 async def _run_with_view(coord: Coordinator, live: bool, console=None) -> list[StepReport]:

@@ -105,7 +105,7 @@ def _row_frames(rows: list[Row]) -> list[wire.TensorFrame]:
     return [wire.TensorFrame(k, wire.MICRO_STEP_TENSORS[k], a.shape, a) for k, a in arrays.items()]
 
 
-def _trainable(group: Group):
+def trainable(group: Group):
     """(run, advantage) of the group's valid executions that count in the batch mean (they
     have policy tokens; zero advantage included), and how many they are."""
     adv = advantages(group)
@@ -123,7 +123,7 @@ def group_rows(group: Group, *, j_max: int | None, seed: int, next_exec: int):
     unique admitted tokens: exec index -> count)."""
     rows: list[Row] = []
     unique: dict[int, int] = {}
-    runs = _trainable(group)
+    runs = trainable(group)
     for run, adv in runs:
         if adv == 0.0:
             continue  # contributes zero loss: no rows needed
@@ -314,7 +314,7 @@ def pack_group(group: Group, *, j_max: int | None, seed: int, next_exec: int, bu
                     ms.stats.unique += unique[r.exec_index]
         return steps, next_exec, counted
     parts: list[_Part] = []
-    runs = _trainable(group)
+    runs = trainable(group)
     for run, adv in runs:
         if adv == 0.0:
             continue

@@ -78,6 +78,17 @@ class WeightPublisher:
         return await self.push([c for c in cells if c != 0 and self.trainer_at.get(c) != version],
                                engine=False, version=version)
 
+    async def unchanged(self, cells: list[int], version: int) -> int:
+        """A publication of weights no update changed: each cell's engine is told `version`
+        is unchanged (an engine that still holds it does nothing; one that dropped its
+        weights on release copies its own trainer). A cell whose trainer is behind gets the
+        core's weights (push). Returns the bytes sent: 0 unless some trainer was behind."""
+        level = [c for c in cells if c == 0 or self.trainer_at.get(c) == version]
+        behind = [c for c in cells if c not in level]
+        _tolerate_dead(await asyncio.gather(*(self.link.request(
+            self.nodes[c], wire.LoadWeights(version=version, unchanged=True)) for c in level), return_exceptions=True))
+        return await self.push(behind, engine=True, version=version) if behind else 0
+
     async def push(self, cells: list[int], *, engine: bool, version: int) -> int:
         """The core's parameters at `version` to `cells` (their trainers; their engines if
         asked). Returns bytes sent per cell. Goes through the configured path; a broadcast

@@ -5,7 +5,7 @@ owners; nothing here decides or changes anything. Not the live view (status.py, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gyre.coordinator.buffer import Group
 
@@ -26,6 +26,13 @@ class StepReport:
     # Groups whose valid rewards were all equal: group-relative advantages are zero, so
     # they train nothing (a run of such steps learns nothing; the reward needs spread).
     equal_reward_groups: int = 0
+    # Whether an optimizer update was applied: a step whose groups added no token (all scored
+    # alike, or made no model call) applies none and publishes no weights.
+    trained: bool = True
+    # diagnosis.diagnose of its groups (zero-advantage groups and why, the calls and statuses
+    # behind them), and diagnosis.why in one line ('' when there is nothing to say).
+    diagnosis: dict = field(default_factory=dict)
+    note: str = ""
 
 
 def summary(metrics, *, steps, cells, executions, buffer, wl, table, peak_rss: list[int | None]) -> None:

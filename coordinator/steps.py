@@ -21,6 +21,7 @@ from typing import Any
 from gyre.coordinator.buffer import TrajectoryBuffer
 from gyre.coordinator.cells import Cells
 from gyre.coordinator.config import CoordinatorConfig
+from gyre.coordinator.diagnosis import diagnose, why
 from gyre.coordinator.executions import Executions
 from gyre.coordinator.heldout import HeldOut
 from gyre.coordinator.publisher import memcpy_seconds
@@ -100,14 +101,15 @@ class Steps:
         await self.weights.prepare(self.trainer_version)  # while the core is idle: joins pull from there
         res = await self.batch.run()
         version_before = self.trainer_version
-        self.trainer_version = res.version
+        if res.version is not None:  # None: nothing trained, no update applied
+            self.trainer_version = res.version
         self.steps_done += 1
         self.steps_in_burst += 1
         satellites = [c for c in res.participants if c != 0]
         if satellites and self.steps_in_burst < self.c.mu:  # they train the next step of the burst too
             await self.level(satellites)
         self._report(res.groups, res.executions, res.results, version_before, len(res.participants),
-                     time.monotonic() - t0, res.tokens)
+                     time.monotonic() - t0, res.tokens, trained=res.version is not None)
 
     async def _join(self, cell: int) -> None:
         """A training cell joins the batch in flight: the core's (fixed) weights first, if
@@ -123,18 +125,26 @@ class Steps:
         finally:
             self.join_tasks.pop(cell, None)
 
-    def _report(self, groups, executions, results, version_before, n_cells, seconds, packed) -> None:
-        """A trained step: its report (the `on_step` callback, the step line) and its `step` event."""
+    def _report(self, groups, executions, results, version_before, n_cells, seconds, packed, *,
+                trained: bool) -> None:
+        """A step done: its report (the `on_step` callback, the step line) and its `step` event
+        (with the diagnosis: diagnosis.py), whether it trained anything or not."""
         runs = [r for g in groups for r in g.runs if r.status != "cancelled"]
         valid = [r.reward for r in runs if r.valid and r.reward is not None]
         staleness = [version_before - g.version for g in groups]
+        diag = diagnose(groups)
+        # A step that trained says which groups added nothing; one that trained nothing, why.
+        note = why(diag, len(groups), calls=not trained)
+        if not trained:
+            note = f"nothing trained: {note or 'no group added a token'}; no weights published"
         rep = StepReport(step=self.steps_done, version=self.trainer_version,
                          reward_mean=sum(valid) / len(valid) if valid else None,
                          reward_valid_frac=len(valid) / len(runs) if runs else None,
                          staleness_mean=sum(staleness) / len(staleness), groups=len(groups),
                          executions=executions, tokens_trained=sum(r.tokens for r in results),
                          cells_training=n_cells, loss=sum(r.loss for r in results), seconds=round(seconds, 3),
-                         equal_reward_groups=sum(equal_rewards(g) for g in groups))
+                         equal_reward_groups=sum(equal_rewards(g) for g in groups), trained=trained,
+                         diagnosis=diag, note=note)
         self.reports.append(rep)
         self.tokens_trained += rep.tokens_trained
         # Engine/trainer gap over the step's targets (token-weighted mean of b - l): near zero
@@ -143,7 +153,8 @@ class Steps:
         mismatch = sum(r.mismatch_kl * r.tokens for r in results) / tokens if tokens else None
         prefill, cached = prefill_of(runs)
         counters = self.wl.c
-        self.metrics.emit("step", **rep.__dict__, mismatch=mismatch, staleness=staleness,
+        fields = {k: v for k, v in rep.__dict__.items() if k != "diagnosis"}
+        self.metrics.emit("step", **fields, **diag, mismatch=mismatch, staleness=staleness,
                           group_ids=[g.id for g in groups], prefill_tokens=prefill, cached_tokens=cached,
                           # The forward pass: tokens computed, unique admitted (each tree node on
                           # an admitted path once), path-expanded, and the trainers' seconds.
@@ -167,15 +178,19 @@ class Steps:
         t0 = time.monotonic()
         version = self.trainer_version
         nodes = self.cells.nodes
-        await self.link.request(nodes[0], wire.LoadWeights(version=version))
         others = [i for i in range(1, len(nodes)) if i not in self.cells.dead]
-        nbytes = await self.weights.push(others, engine=True, version=version)
+        unchanged = version == self.version  # no update since the engines' version: nothing to send
+        if unchanged:
+            nbytes = await self.weights.unchanged([0, *others], version)
+        else:
+            await self.link.request(nodes[0], wire.LoadWeights(version=version))
+            nbytes = await self.weights.push(others, engine=True, version=version)
         self.version = version
         self.steps_in_burst = 0
         self.publications += 1
         self.metrics.emit("publish", version=version, seconds=round(time.monotonic() - t0, 4), bytes=nbytes,
-                          engines=len(nodes), transfer=(self.weights.last_transfer if nbytes else None)
-                          or self.c.weight_transfer,
+                          engines=len(nodes), unchanged=unchanged,
+                          transfer=(self.weights.last_transfer if nbytes else None) or self.c.weight_transfer,
                           memcpy_seconds=round(memcpy_seconds(nbytes), 5) if nbytes else None)
         if self.steps_done < self.c.steps:
             self.executions.dispatch(topup(self.c.phi, self.c.mu, self.c.groups_per_step, self.publications))

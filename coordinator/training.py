@@ -31,8 +31,8 @@ class BatchResult:
     executions: int
     results: list[wire.TrainResult]
     participants: list[int]
-    version: int
-    grad_norm: float
+    version: int | None  # the trainers' version after the update; None: no update was applied
+    grad_norm: float | None
     claimed: dict[int, int] = field(default_factory=dict)  # cell -> micro-steps it trained
     tokens: Stats = field(default_factory=Stats)
 
@@ -112,6 +112,11 @@ class Batch:
             await asyncio.gather(*running)
         for t in self.workers.values():
             t.result()  # a failed micro-step fails the step
+        if not self.results:  # no group added a token (all scored alike, or no model call):
+            # no update, which would only move the weights by weight decay and the optimizer's
+            # momentum; the trainers keep their version, and the publication sends nothing.
+            return BatchResult(self.groups, self.executions, [], list(self.participants), None, None,
+                               {}, self.tokens)
         async with self.cond:  # paused participants (schedule.py's pause/resume) resume first
             await self.cond.wait_for(lambda: all(self.trains(i) for i in self.participants))
         # Reduce over the participants' prefix group; only the core applies the update.

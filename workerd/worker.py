@@ -292,8 +292,12 @@ class Worker:
         return [(wire.Weights(req_id=msg.req_id, version=trainer.version, nbytes=nbytes), frames)]
 
     def load_weights(self, msg: wire.LoadWeights, tensors) -> list[Out]:
-        """Tensors given: load them. None given: copy this node's own trainer (colocated)."""
+        """Tensors given: load them. None given: copy this node's own trainer (colocated),
+        unless the weights are `unchanged` and the engine still holds them."""
         t0 = time.perf_counter()
+        if msg.unchanged and not tensors and self.engine.holds(msg.version):
+            return [(wire.Loaded(req_id=msg.req_id, version=msg.version,
+                                 seconds=time.perf_counter() - t0, nbytes=0), None)]
         if tensors:
             named = from_frames(tensors)
         else:

@@ -85,28 +85,18 @@ def test_up_takes_sandbox_and_tasks(tmp_path, monkeypatch):
     assert "sandbox must be one of" in line and not (tmp_path / "r2").exists()
 
 
-def test_a_step_of_equal_rewards_says_it_trained_nothing_and_why():
+def test_a_steps_line_carries_its_diagnosis():
+    """The step line ends with the step's note (coordinator/diagnosis.py; its cases are in
+    tests/coordinator/test_diagnosis.py), and with nothing when there is nothing to say."""
     from gyre.cli.up import _why_flat
-    from gyre.coordinator.buffer import Execution, Group
-    from gyre.coordinator.report import StepReport, equal_rewards
-    from gyre.coordinator.waterlevel import Waterlevel
+    from gyre.coordinator.report import StepReport
 
-    wl = Waterlevel()
-
-    def group(rewards) -> Group:
-        g = Group(0, None, 0, len(rewards))
-        for i, (r, tracked) in enumerate(zip(rewards, wl.dispatch(len(rewards)))):
-            wl.launch(tracked)
-            wl.terminate(tracked)
-            g.runs.append(Execution(f"e{i}", 0, i, None, tracked, 0, status="completed", reward=r, valid=True))
-        return g
-
-    assert equal_rewards(group([0.25, 0.25, 0.25])) and not equal_rewards(group([0.25, 0.3, 0.25]))
-    report = StepReport(step=1, version=1, reward_mean=0.25, reward_valid_frac=1.0, staleness_mean=0.0, groups=2,
+    report = StepReport(step=1, version=0, reward_mean=0.25, reward_valid_frac=1.0, staleness_mean=0.0, groups=2,
                         executions=6, tokens_trained=0, cells_training=1, loss=0.0, seconds=1.0,
-                        equal_reward_groups=2)
-    assert "2 of 2 groups scored alike: zero advantage" in _why_flat(report)
-    assert _why_flat(StepReport(**{**report.__dict__, "equal_reward_groups": 0})) == ""
+                        equal_reward_groups=2, trained=False,
+                        note="nothing trained: 2 of 2 groups scored alike (zero advantage, every reward 0.250)")
+    assert _why_flat(report) == "  (nothing trained: 2 of 2 groups scored alike (zero advantage, every reward 0.250))"
+    assert _why_flat(StepReport(**{**report.__dict__, "note": ""})) == ""
 
 
 def test_the_resume_hint_names_the_run_as_typed(tmp_path, monkeypatch):

@@ -65,3 +65,17 @@ async def test_exported_weights_are_copies_not_the_trainers_memory(tiny_dir):
             for p in worker.trainer.model.parameters():
                 p.add_(1.0)
         assert all(torch.equal(v, exported[k]) for k, v in from_frames(frames).items())
+
+
+async def test_a_publication_of_unchanged_weights_loads_nothing_where_the_engine_holds_them(tiny_dir):
+    """A step that trained nothing publishes `unchanged`: an engine that holds the version loads
+    nothing; one that does not (here: a version it never had; on a GPU, weights dropped on
+    release) copies its own trainer, as a publication with no frames does."""
+    async with LocalCluster(tiny_dir, cells=1, roles=("rollout",), workers=InprocWorkers()) as cluster:
+        node = cluster.node_of_cell(0)
+        same = await cluster.link.request(node, wire.LoadWeights(version=0, unchanged=True), timeout=60)
+        assert (same.version, same.nbytes) == (0, 0)
+        other = await cluster.link.request(node, wire.LoadWeights(version=3, unchanged=True), timeout=60)
+        assert other.version == 3 and other.nbytes > 0
+        again = await cluster.link.request(node, wire.LoadWeights(version=3, unchanged=True), timeout=60)
+        assert again.nbytes == 0

@@ -90,6 +90,12 @@ class RolloutEngine(abc.ABC):
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
         """Load HF-named tensors; returns bytes loaded. Called between steps only."""
 
+    def holds(self, version: int) -> bool:
+        """Whether the engine's weights are `version`'s now (a publication of unchanged
+        weights then loads nothing). The default: its version says so (the weights stay
+        resident across a release); an engine whose release drops them says otherwise."""
+        return self.version == version
+
     def export_kv(self, rid: str) -> SeqCache | None:
         """The KV of a running request's context so far, for continuing it on another engine
         (Worker.abort_all calls it before `abort` on a hand-over). The default, None: this

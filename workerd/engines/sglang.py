@@ -141,6 +141,9 @@ class SglangEngine(RolloutEngine):
         self._seq = itertools.count()
         self._released: set[str] = set()  # memory tags released and not yet resumed
         self._pending: tuple[list[tuple[str, torch.Tensor]], int] | None = None  # published while released
+        # Released weights come back without their contents (torch_memory_saver discards them
+        # unless enable_weights_cpu_backup): a load must follow, unchanged weights or not.
+        self._dropped = False
 
     @property
     def running(self) -> int:
@@ -267,6 +270,7 @@ class SglangEngine(RolloutEngine):
         # 2) tags=None releases all three.
         _check(self.engine.release_memory_occupation(tags=None), "release_memory_occupation")
         self._released = {WEIGHTS, KV_CACHE, CUDA_GRAPH}
+        self._dropped = True
         return 0
 
     def resume_memory(self) -> None:
@@ -324,8 +328,11 @@ class SglangEngine(RolloutEngine):
                 _check(self.engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=False),
                        "update_weights_from_tensor")
                 nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
-        self.version = version
+        self.version, self._dropped = version, False
         return nbytes
+
+    def holds(self, version: int) -> bool:
+        return self.version == version and not self._dropped
 
     @contextmanager
     def _weight_update(self) -> Iterator[None]:

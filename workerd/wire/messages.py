@@ -225,12 +225,15 @@ class ExportWeights:
 @_msg
 class LoadWeights:
     """Load named tensors (frames) into the rollout engine (if `engine`) and the trainer
-    (if `trainer`). With no frames, the engine copies this node's own trainer."""
+    (if `trainer`). With no frames, the engine copies this node's own trainer. `unchanged`:
+    a publication of weights no update changed (a step that trained nothing): an engine that
+    still holds `version` loads nothing; one that dropped its weights copies its trainer."""
 
     req_id: int = 0  # assigned by the link (WorkerLink.call)
     version: int
     trainer: bool = False
     engine: bool = True
+    unchanged: bool = False
 
 
 @_msg
