@@ -211,7 +211,9 @@ class ProxiedCall:
                                       cached_tokens=self.cached_tokens, prefill_tokens=self.prefill_tokens,
                                       sampling={"temperature": self.params.temperature, "top_p": self.params.top_p,
                                                 "client_temperature": self.req.temperature,
-                                                "client_top_p": self.req.top_p})
+                                                "client_top_p": self.req.top_p,
+                                                "max_tokens": self.params.max_new_tokens,
+                                                "client_max_tokens": self.req.max_tokens})
         except JournalError as e:
             if status == "ok":
                 raise  # the caller answers 503 (or an error event) instead of the result

@@ -30,7 +30,7 @@ from gyre.proxy import api_anthropic, api_openai, api_responses
 from gyre.proxy.admission import J_MAX, Rows, Trajectory, admit, materialise
 from gyre.proxy.chat import ChatTokenizer, Ref, display_key, token_chars
 from gyre.proxy.parser import OutputParser
-from gyre.proxy.records import Journal, JournalError, sync_dir
+from gyre.proxy.records import SENT_KEEP, Journal, JournalError, sync_dir, transcript_fields
 from gyre.proxy.roles import CallInfo, RoleRule, delegation_prompt
 from gyre.proxy.segmenter import Segmenter
 from gyre.proxy.tree import Node, Tree
@@ -103,6 +103,7 @@ class Recorder:
         self._segmenter = Segmenter(self.tokenizer)  # re-renders only what changed since a recent call
         self.parse_memo = ParseMemo()  # re-parses only what changed (the server passes it to the API parser)
         self._synced_dir = False
+        self._sent: list[tuple[str, list]] = []  # (call id, messages) of the latest recorded calls, newest first
         if self.dir is not None:
             self.dir.mkdir(parents=True, exist_ok=True)
 
@@ -291,12 +292,18 @@ class Recorder:
                                    prefill_tokens=prefill_tokens, sampling=sampling)
         # The file keeps the whole path (tree.path(prompt_node)); in memory it would cost a
         # pointer per node per call, quadratic in an execution's calls.
-        lines.append(("calls", _dumps({**record, "prompt_path": prep.path})))
+        line = {**record, "prompt_path": prep.path}
+        if self.dir is not None:  # and its transcript, in the file only (records.TRANSCRIPT_KEYS)
+            line.update(self._transcript(request, result, output_ids))
+        lines.append(("calls", _dumps(line)))
         try:
             self._commit(lines)  # the output node and its call: both on file, or neither
         except JournalError:
             self._take_back(n_before)
             raise
+        if self.dir is not None:  # a later call's messages are written from where this one's end
+            self._sent.insert(0, (prep.call_id, request.messages))
+            del self._sent[SENT_KEEP:]
         # Only now the lookups that later calls follow (the call is on file).
         if node is not None:
             if result is not None and status == "ok":
@@ -361,6 +368,15 @@ class Recorder:
         if sampling is not None:  # what the engine sampled with, and what the harness asked for
             record["sampling"] = sampling
         return record
+
+    def _transcript(self, request: ChatRequest, result: ChatResult | None, output_ids: list[int]) -> dict:
+        """A call's messages (those a recent call did not send) and the model's answer: the text
+        and tool calls the harness got, or for a call that ended unanswered (an error, a
+        disconnect) the decoding of what was generated before it ended."""
+        if result is not None:
+            return transcript_fields(request.messages, self._sent, result.content, result.tool_calls)
+        text = self.tokenizer.decode(list(output_ids)) if output_ids else ""
+        return transcript_fields(request.messages, self._sent, text, [])
 
     def record_request(self, body: Any, headers: dict[str, str], path: str) -> None:
         """Keep a raw request (for harness debugging); credentials never reach the file."""
@@ -448,6 +464,7 @@ class Recorder:
         # go; the tree and the records stay until the execution is trained.
         self._segmenter.recent.clear()
         self.parse_memo.recent.clear()
+        self._sent.clear()
         try:
             self._write("meta", {"event": "closed", "t": time.time(), "leaf_roles": self.leaf_roles,
                                  "tree": self.tree.stats(), "refusals": self.refusals,

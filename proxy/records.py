@@ -24,8 +24,15 @@ import orjson
 
 from gyre.proxy.admission import J_MAX, Rows, Trajectory, admit, materialise
 from gyre.proxy.tree import LOGPROB_DTYPE, VERSION_DTYPE, Node, Tree, text_key
+from gyre.proxy.types import Message, ToolCall
 
 log = logging.getLogger("gyre.records")
+
+# A call's line in calls.jsonl also holds its transcript (`gyre inspect --transcript`), in the
+# file only: the Recorder's calls and load_execution's keep none of it in memory. Records from
+# before it have none of these keys, and what they would say is unknown (never empty).
+TRANSCRIPT_KEYS = ("messages_from", "messages_seen_in", "messages", "output_text", "output_tool_calls")
+SENT_KEEP = 4  # an execution's recent requests a call's messages are compared with
 
 
 class JournalError(OSError):
@@ -182,6 +189,40 @@ def parse_lines(lines: list[bytes], path: Path, *, warn: bool = True) -> tuple[l
     return out, bad
 
 
+def transcript_fields(messages: list[Message], recent: list[tuple[str, list[Message]]], output_text: str,
+                      tool_calls: list[ToolCall]) -> dict:
+    """A call's transcript keys: the request's messages from `messages_from` on, the first one
+    that the closest of the `recent` requests ((call id, messages), newest first) did not send
+    (`messages_seen_in` names that call; None: all are written), and the model's answer."""
+    start, seen_in = 0, None
+    for call_id, sent in recent:
+        n = 0
+        for a, b in zip(sent, messages):  # one harness resends the same Message objects (ParseMemo)
+            if a is not b and a != b:
+                break
+            n += 1
+        if n > start:
+            start, seen_in = n, call_id
+    return {"messages_from": start, "messages_seen_in": seen_in,
+            "messages": [_message(m) for m in messages[start:]], "output_text": output_text,
+            "output_tool_calls": [_tool_call(c) for c in tool_calls]}
+
+
+def _message(m: Message) -> dict:
+    out: dict = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = [_tool_call(c) for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        out["name"] = m.name
+    return out
+
+
+def _tool_call(c: ToolCall) -> dict:
+    return {"id": c.id, "name": c.name, "arguments": c.arguments}
+
+
 @dataclass
 class Recorded:
     id: str
@@ -211,10 +252,11 @@ def _node(tree: Tree, n: Any) -> Node:
                 root=parent.root if parent else len(tree.roots))
 
 
-def load_execution(folder: Path) -> Recorded:
-    """An execution's tree, calls and leaf roles from its folder. RecordsError when the files
-    do not make a tree: a node missing (a line lost mid-file), a node or call naming a node
-    the file does not hold, a record without its fields."""
+def load_execution(folder: Path, *, transcript: bool = False) -> Recorded:
+    """An execution's tree, calls and leaf roles from its folder; the calls keep their
+    TRANSCRIPT_KEYS only with `transcript` (a resumed run holds many executions). RecordsError
+    when the files do not make a tree: a node missing (a line lost mid-file), a node or call
+    naming a node the file does not hold, a record without its fields."""
     tree = Tree()
     nodes = folder / "nodes.jsonl"
     for line, n in read_lines(nodes):
@@ -246,7 +288,7 @@ def load_execution(folder: Path) -> Recorded:
                                f"{nodes.name} holds {len(tree.nodes)} nodes (records lost after a crash "
                                "or a full disk)")
         roles[leaf] = role
-        calls.append(c)
+        calls.append(c if transcript else {k: v for k, v in c.items() if k not in TRANSCRIPT_KEYS})
     roles = {k: v for k, v in roles.items() if not tree.nodes[k].children}
     return Recorded(folder.name, tree, calls, roles)
 
