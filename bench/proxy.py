@@ -229,15 +229,19 @@ async def part1(tok: ChatTokenizer, sizes: dict[str, tuple[int, int]], verbose: 
 
     out = {}
     for label, (tokens, n) in sizes.items():
-        seed, prep_t, comp_t = history(tokens), [], []
+        seed, plan_t, apply_t, comp_t = history(tokens), [], [], []
         ex = server.register(f"bench-{label}")
-        instrument(ex, "prepare", prep_t)
+        # The server prepares a call in two halves (Recorder.plan, off the loop; then apply):
+        # prepare's CPU is their sum, call by call.
+        instrument(ex, "plan", plan_t)
+        instrument(ex, "apply", apply_t)
         instrument(ex, "complete", comp_t)
         marks.clear()
         gcs.clear()
         b = await remote(url=chat_url, key=ex.key, seed=seed, n=n, warmup=warmup)
         gc_b = list(gcs)
         cpu_b = [y - x for x, y in zip(marks[warmup:], marks[warmup + 1:])]
+        prep_t = [x + y for x, y in zip(plan_t, apply_t)]
         floor = await remote(url=null_url, key=ex.key, seed=seed, n=n, warmup=warmup)
         a = await direct(backend, engine.last_prompt, n, warmup)
         t0 = time.thread_time()
