@@ -1,6 +1,7 @@
 """inspect.py: `gyre inspect RUN_DIR`: the run's summary, then one row per execution; with
 `--execution ID` that execution's folded trajectory tree (roots, branch points, leaves) and
-admission stats. Outcomes come from config.json and metrics.jsonl (a torn line skipped), trees
+admission stats. Outcomes come from config.json and metrics.jsonl (a torn line skipped), or
+tasks.json (`gyre tasks run`, `gyre eval`) or an execution's summary.json (`gyre serve`), trees
 from each execution's nodes.jsonl / calls.jsonl. Pure rendering from the recorded files: it
 changes nothing, and reads a live run as it stands.
 """
@@ -84,6 +85,7 @@ class RunLog:
     steps_target: int | None = None
     steps_unsaved: int = 0  # of steps_done, those after the newest intact checkpoint (a resume redoes them)
     outcomes: dict[str, dict] = field(default_factory=dict)  # execution id -> its `execution` event
+    scored: dict[str, dict] = field(default_factory=dict)  # execution id -> its tasks.json result (tasks run, eval)
     groups: dict[str, int] = field(default_factory=dict)  # execution id -> group (`dispatch` events)
     steps: dict[int, dict] = field(default_factory=dict)  # step -> its `step` event
     summary: dict | None = None  # the closing `summary` event, if the run closed after its last step
@@ -91,13 +93,17 @@ class RunLog:
 
 
 def read_run_log(run_dir: Path) -> RunLog:
-    config = _json_file(run_dir / "config.json")
+    config = json_file(run_dir / "config.json")
     if config is None or config.get("command") == "serve":  # `gyre serve` keeps no metrics
         log = RunLog("serve")
     else:
         s = state(run_dir)  # the authority `gyre up --resume` reads; "crashed": no closing summary
         running = s.kind == "crashed" and live_coordinator(run_dir)
         log = RunLog("up", "running" if running else s.kind, s.steps_done + s.unsaved, s.steps_target, s.unsaved)
+    tasks = (json_file(run_dir / "tasks.json") or {}).get("tasks")
+    for r in tasks if isinstance(tasks, list) else []:  # `gyre tasks run` and `gyre eval` write it at the end
+        if isinstance(r, dict) and isinstance(r.get("execution"), str):
+            log.scored[r["execution"]] = r
     journal = read_events(run_dir / "metrics.jsonl")
     log.skipped_lines = len(journal.bad)
     for ev in journal.events:
@@ -113,7 +119,7 @@ def read_run_log(run_dir: Path) -> RunLog:
     return log
 
 
-def _json_file(path: Path) -> dict | None:
+def json_file(path: Path) -> dict | None:
     try:
         obj = orjson.loads(path.read_bytes())
     except (OSError, orjson.JSONDecodeError):
@@ -128,7 +134,11 @@ def outcome(run_dir: Path, log: RunLog, ex_id: str) -> dict:
     if ev is not None:
         return {"execution_status": ev.get("status"), "reward": ev.get("reward"), "valid": ev.get("valid"),
                 "group": ev.get("group", log.groups.get(ex_id))}
-    served = _json_file(run_dir / "executions" / ex_id / "summary.json")
+    scored = log.scored.get(ex_id)
+    if scored is not None:
+        return {"execution_status": scored.get("status"), "reward": scored.get("score"), "valid": scored.get("valid"),
+                "group": None}
+    served = json_file(run_dir / "executions" / ex_id / "summary.json")
     if served is not None:  # `gyre serve --harness` ran it once; "score" only where a task scored it
         return {"execution_status": served.get("status"), "reward": served.get("score"),
                 "valid": served.get("valid"), "group": None}
@@ -265,7 +275,7 @@ def inspect_run(run_dir: Path, *, execution: str | None, as_json: bool, j_max: i
     run = run_summary(run_dir, log, outcomes, [c for r in records for c in r.calls])
     chosen = [r for r in records if execution is None or r.id == execution]
     if execution is not None and not chosen:
-        raise FileNotFoundError(f"no execution {execution!r} in {run_dir}")
+        raise no_execution(run_dir, execution, [r.id for r in records])
     rows = [{**summary(r, j_max), **outcomes[r.id]} for r in chosen]
     if not as_json:
         if execution is None:
@@ -280,6 +290,13 @@ def inspect_run(run_dir: Path, *, execution: str | None, as_json: bool, j_max: i
         elif records:
             console.print("[dim]one execution's trajectory tree: gyre inspect RUN_DIR --execution ID[/]")
     return {"run": run, "executions": rows}
+
+
+def no_execution(run_dir: Path, execution: str, ids: list[str]) -> FileNotFoundError:
+    """The one-line error for an execution the run does not hold, naming some that it does."""
+    named = ", ".join(ids) if len(ids) <= 6 else f"{', '.join(ids[:3])}, ..., {ids[-1]}"
+    listed = f"{len(ids)} recorded: {named}; gyre inspect {run_dir} lists them" if ids else "none recorded yet"
+    return FileNotFoundError(f"no execution {execution!r} in {run_dir} ({listed})")
 
 
 def _reward(v: float | None) -> str:

@@ -33,6 +33,7 @@ from gyre.cli.options import (
     EngineBackendOpt,
     ExecutionOpt,
     ExecutionsOpt,
+    FullOpt,
     HarnessOpt,
     HeartbeatOpt,
     HostOpt,
@@ -71,6 +72,7 @@ from gyre.cli.options import (
     TimeoutOpt,
     TopTargetArg,
     TrainerBackendOpt,
+    TranscriptOpt,
     UpConfigOpt,
     UpHarnessOpt,
     UpSandboxOpt,
@@ -433,17 +435,37 @@ def _reason(e: Exception) -> str:
 
 @app.command()
 def inspect(run_dir: RunDirArg, execution: ExecutionOpt = None, as_json: JsonOpt = False,
-            j_max: JMaxOpt = J_MAX) -> None:
+            j_max: JMaxOpt = J_MAX, transcript: TranscriptOpt = False, full: FullOpt = False) -> None:
     """Show a run's summary and one row per execution (with --execution, its trajectory tree and
-    admission statistics)."""
+    admission statistics; with --transcript too, its conversation instead).
+
+    --transcript --json prints one object: execution, run_dir; calls, each with index, call_id,
+    api, role, status, finish_reason (stop, length, tool_calls, error, disconnected), max_tokens,
+    prompt_tokens, new_prompt_tokens, cached_tokens, output_tokens, invalid_tool_calls,
+    delegated_by (a call index), messages (role, content, tool_calls, tool_call_id, name: the
+    request's messages from messages_from on), messages_from, messages_total, messages_seen_in
+    (the call index that sent the ones before), new_prompt_text (the prompt text it added, as
+    rendered), output_text, output_tool_calls (id, name, arguments); harness_log and
+    verifier_log (path, bytes, tail: the last 16 KiB; null when absent); outcome (status,
+    reward, valid, ref, eval_attempts). Texts are whole; null is unknown (a record from before
+    gyre kept it), never empty."""
     import json
 
     from rich.console import Console
 
     from gyre.cli.inspect import inspect_run
+    from gyre.cli.transcript import render_transcript
+    from gyre.cli.transcript import transcript as transcript_of
 
     try:
-        out = inspect_run(run_dir, execution=execution, as_json=as_json, j_max=j_max, console=Console())
+        if transcript:
+            if execution is None:
+                raise ValueError(f"--transcript needs --execution ID (gyre inspect {run_dir} lists the executions)")
+            out = transcript_of(run_dir, execution)
+            if not as_json:
+                render_transcript(out, Console(), full=full)
+        else:
+            out = inspect_run(run_dir, execution=execution, as_json=as_json, j_max=j_max, console=Console())
     except (FileNotFoundError, ValueError) as e:
         fail(e)
     if as_json:

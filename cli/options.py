@@ -28,6 +28,8 @@ PortOpt = Annotated[int, typer.Option("--port", help="Proxy port (0 picks a free
 RunDirArg = Annotated[Path, typer.Argument(help="A gyre run directory.")]
 ExecutionOpt = Annotated[str | None, typer.Option("--execution", help="One execution: its row, trajectory tree and admission statistics.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
+TranscriptOpt = Annotated[bool, typer.Option("--transcript", help="With --execution: its conversation as the harness saw it, call by call (new messages, tool calls and results, the model's output and finish reason, tokens), then harness.log's and verifier.log's tails and the outcome.")]
+FullOpt = Annotated[bool, typer.Option("--full", help="With --transcript: every message and output whole, and all of the logs' tails (default: a text over 1,500 characters is cut in the middle, saying how much).")]
 JMaxOpt = Annotated[int, typer.Option("--j-max", help="Admission cap J_max for the statistics.")]
 ConfigArg = Annotated[Path | None, typer.Argument(help="Run config file (TOML, YAML or JSON); flags override it.")]
 UpConfigOpt = Annotated[Path | None, typer.Option("--config", help="Run config file, as CONFIG (gyre serve, eval and tasks run's spelling); give one or the other.")]
