@@ -40,14 +40,24 @@ def gyre_version() -> str:
         return "0+unknown"
 
 
-def check_installed(preset) -> None:
-    if preset.executable() is None:
-        hint = f"; install: {preset.install}" if preset.install else ""
-        fail(FileNotFoundError(f"harness {preset.name!r}: {preset.command[0]!r} is not on PATH{hint}"))
+def check_installed(preset, sandbox: str = "process") -> None:
+    """The preset can run on `sandbox` here: its command on PATH, or, in a container, its
+    sandbox_command (checked in the image at launch) with its sandbox_pip folder installed
+    now, so a pip failure is one line before anything starts."""
+    from gyre.coordinator.sandbox import backend_class
+
+    contained = guard(backend_class, name=sandbox).needs_image
+    why = preset.missing(contained=contained)
+    if why is not None:
+        fail(FileNotFoundError(why))
+    if contained and preset.sandbox_pip:
+        from gyre.coordinator.sandbox.agentdir import agent_dir
+
+        guard(agent_dir, preset=preset.name, packages=preset.sandbox_pip, python=preset.sandbox_python)
 
 
-def harness_preset(name: str, config: Path | None):
-    """The named preset (user presets from `config` first), its executable checked."""
+def harness_preset(name: str, config: Path | None, sandbox: str = "process"):
+    """The named preset (user presets from `config` first), checked for `sandbox`."""
     from gyre.coordinator.harnesses import HarnessError, resolve
     from gyre.coordinator.runconfig import load_config_file
 
@@ -56,7 +66,7 @@ def harness_preset(name: str, config: Path | None):
         preset = resolve(name, user)
     except HarnessError as e:
         fail(e)
-    check_installed(preset)
+    check_installed(preset, sandbox)
     return preset
 
 

@@ -80,10 +80,11 @@ def eval_cmd(tasks: EvalTasksOpt, model: EvalModelOpt = None, step: EvalStepOpt 
     if not tasks.exists():
         fail(FileNotFoundError(f"--tasks {tasks}: no such file or directory"))
     task_list = guard(load_task_source, path=tasks)
-    preset = harness_preset(harness, config)  # an unknown or uninstalled harness is refused here
     source = guard(resolve_model, model=model, step=step)
     fields = guard(serve_fields, config=config, sets=set_ or [])
     guard(check_sandbox, backend=sandbox, url=sandbox_url, tasks=task_list)
+    # An unknown or uninstalled harness is refused here (its sandbox_pip installed, once per spec).
+    preset = harness_preset(harness, config, "process" if solution else sandbox)
     # 2) The run directory, the served model, the executions.
     lock, made = guard(_claim, run_dir=run_dir)
     out = lock.run_dir

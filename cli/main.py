@@ -260,7 +260,7 @@ def up(
     # Everything is checked before the run directory is made: a refused run leaves nothing behind.
     cfg, file_values, _ = _resolve_config(config, set_ or [], steps=steps, policy=policy, run_dir=run_dir,
                                           model=model, seed=seed, sandbox=sandbox, tasks_path=tasks, harness=harness)
-    check_installed(cfg.preset())
+    check_installed(cfg.preset(), cfg.sandbox)
     guard(preflight, config=cfg)  # before a worker starts or the run directory is made
     made = not cfg.run_dir.exists()
     if run_dir is None and "run_dir" not in file_values and not any(x.startswith("run_dir=") for x in set_ or []):
@@ -367,7 +367,6 @@ def serve(model: ModelOpt = None, run_dir: RunDirOpt = None, host: HostOpt = "12
         if bool(task) == (task_dir is not None):
             fail(ValueError("--harness needs --task (the prompt the harness is given) or --task-dir (a Harbor "
                             "task folder), one of them"))
-        preset = harness_preset(harness, config)
         if task_dir is not None:
             from gyre.coordinator.taskformats import load_task_source
 
@@ -378,6 +377,7 @@ def serve(model: ModelOpt = None, run_dir: RunDirOpt = None, host: HostOpt = "12
         from gyre.coordinator.sandbox.preflight import check_sandbox
 
         guard(check_sandbox, backend=sandbox, url=sandbox_url, tasks=[task_obj] if task_obj else [])
+        preset = harness_preset(harness, config, sandbox)
     elif task is not None or task_dir is not None:
         fail(ValueError("--task and --task-dir are for --harness (without it, serve waits for your own client)"))
     elif sandbox != "process":
@@ -425,8 +425,13 @@ def harnesses(config: ServeConfigOpt = None) -> None:
         if isinstance(p, HarnessError):
             typer.echo(f"{name}: unusable: {_reason(p)}")
             continue
-        found = "installed" if p.executable() else f"not installed ({p.install or 'command not on PATH'})"
-        typer.echo(f"{name}: api {p.api}, role rule {p.role_rule}, {found}\n  command: {' '.join(p.command)}")
+        if p.sandbox_command and (p.container_only or p.sandbox_pip):
+            found = "in a container" + (f" (sandbox_pip: {' '.join(p.sandbox_pip)})" if p.sandbox_pip else "")
+        else:
+            found = "installed" if p.executable() else f"not installed ({p.install or 'command not on PATH'})"
+        command = f"  command: {' '.join(p.command)}\n" if p.command else ""
+        inside = f"  sandbox_command: {' '.join(p.sandbox_command)}\n" if p.sandbox_command else ""
+        typer.echo(f"{name}: api {p.api}, role rule {p.role_rule}, {found}\n{command}{inside}".rstrip("\n"))
 
 
 def _reason(e: Exception) -> str:

@@ -85,7 +85,7 @@ def run(path: TaskPathArg, harness: TaskHarnessOpt = "demo", sandbox: SandboxOpt
     if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:  # NaN fails it too
         fail(ValueError(f"--timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S:g} (a week), got {timeout:g}"))
     tasks = guard(load_task_source, path=path)
-    preset = harness_preset(harness, config)
+    preset = harness_preset(harness, config, "process" if solution else sandbox)  # --solution runs no harness
     if model is not None:
         guard(check_model, model_dir=model)
     fields = guard(serve_fields, config=config, sets=set_ or [])

@@ -195,6 +195,9 @@ class CoordinatorConfig:
         from gyre.coordinator.sandbox.hosts import host_specs
 
         host_specs(self.sandbox_hosts)
+        preset = self.preset()
+        if preset.container_only and self.sandbox not in ("podman", "docker"):  # no host command to run
+            raise ValueError(preset.missing(contained=False))
         if self.sandbox_hosts and self.sandbox not in ("podman", "docker"):
             raise ValueError(f"sandbox_hosts are Docker-compatible engines: set sandbox = \"podman\" or \"docker\" "
                              f"(sandbox is {self.sandbox!r})")

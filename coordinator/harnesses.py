@@ -10,7 +10,11 @@ its own CODEX_HOME with a config.toml naming the proxy as its provider) and
 Users add or override presets in the run config under `[harnesses.NAME]`; a preset may
 `extends` another (built-in or user) and change only some fields. Every execution gets its
 own state folder, and the XDG config/data/cache/state homes inside it, so CLIs never share
-the user's. Not the launcher: launcher.py runs what `expand()` returns.
+the user's. In a container a preset runs its `sandbox_command` when it gives one (with
+`sandbox_pip` installed by gyre into a folder mounted read-only at /opt/gyre/agent:
+sandbox/agentdir.py), else its host executable mounted read-only; a preset with a
+`sandbox_command` and no `command` runs only in a container. Not the launcher: launcher.py
+runs what `expand()` returns.
 
 Placeholders, in the command, env values and files:
 
@@ -26,6 +30,7 @@ Placeholders, in the command, env values and files:
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import string
 import sys
@@ -60,14 +65,24 @@ class HarnessPreset:
     # at /opt/gyre/bin/NAME) and host paths mounted read-only (host path -> path inside).
     sandbox_command: tuple[str, ...] = ()
     mounts: Mapping[str, str] = field(default_factory=dict)
+    # pip requirements gyre installs for the image's Python (sandbox_python) into a folder it
+    # mounts read-only at /opt/gyre/agent; their console scripts run as /opt/gyre/agent/bin/NAME.
+    sandbox_pip: tuple[str, ...] = ()
+    sandbox_python: str = "3.11"  # the image's python3 (gyre's base image: bookworm's 3.11)
+
+    @property
+    def container_only(self) -> bool:
+        """No host command: it runs only in a container sandbox, as its sandbox_command."""
+        return not self.command and bool(self.sandbox_command)
 
     def check(self) -> None:
         """Raise HarnessError naming what is wrong in the preset itself (whether its
         executable is installed is `executable()`, asked where the harness will run)."""
         where = f"harness preset {self.name!r}"
-        if not self.command:
+        if not self.command and not self.sandbox_command:
             raise HarnessError(f"{where}: `command` is empty (give the harness's argv, e.g. "
-                               f"[\"my-agent\", \"--task\", \"{{task}}\"])")
+                               f"[\"my-agent\", \"--task\", \"{{task}}\"], or sandbox_command for a container)")
+        self._check_sandbox_fields(where)
         if self.api not in APIS:
             raise HarnessError(f"{where}: api must be one of {', '.join(APIS)}, got {self.api!r}")
         from gyre.proxy.roles import RULES
@@ -79,15 +94,56 @@ class HarnessPreset:
         for path in self.files:
             if path.startswith("/") or ".." in path.split("/"):
                 raise HarnessError(f"{where}: file {path!r} must be a path inside the state folder")
-        for text in (*self.command, *self.env.values(), *self.files.values()):
+        for text in (*self.command, *self.sandbox_command, *self.env.values(), *self.files.values()):
             for _, name, _, _ in string.Formatter().parse(text):
                 if name is not None and name not in PLACEHOLDERS:
                     raise HarnessError(f"{where}: unknown placeholder {{{name}}} in {text!r} "
                                        f"(known: {', '.join(PLACEHOLDERS)})")
 
+    def _check_sandbox_fields(self, where: str) -> None:
+        for host, inside in self.mounts.items():
+            if not host.startswith("/") or not inside.startswith("/") or inside.rstrip("/") == "":
+                raise HarnessError(f"{where}: mounts maps an absolute host path to an absolute path inside the "
+                                   f"container, got {host!r} = {inside!r}")
+        if not self.sandbox_pip:
+            return
+        from gyre.coordinator.sandbox.agentdir import AGENT_INSIDE
+
+        if not self.sandbox_command:
+            raise HarnessError(f"{where}: sandbox_pip needs sandbox_command, the argv in the container (e.g. "
+                               f"[\"{AGENT_INSIDE}/bin/my-agent\", \"{{task}}\"])")
+        for req in self.sandbox_pip:
+            if not isinstance(req, str) or not req.strip() or req.lstrip().startswith("-"):
+                raise HarnessError(f"{where}: sandbox_pip takes requirement specifiers (e.g. "
+                                   f"\"mini-swe-agent==2.4.6\"), not pip options, got {req!r}")
+        if not re.fullmatch(r"3\.\d{1,2}", self.sandbox_python):
+            raise HarnessError(f"{where}: sandbox_python is the image's Python as MAJOR.MINOR (e.g. \"3.11\"), "
+                               f"got {self.sandbox_python!r}")
+        if any(inside.rstrip("/") == AGENT_INSIDE or inside.startswith(AGENT_INSIDE + "/")
+               for inside in self.mounts.values()):
+            raise HarnessError(f"{where}: a mount inside {AGENT_INSIDE}, where sandbox_pip's folder goes")
+
+    def missing(self, *, contained: bool) -> str | None:
+        """Why this preset cannot run here, as one line naming it and the fix; None when it
+        can. `contained`: the sandbox runs images (podman, docker), where a sandbox_command
+        runs instead of `command` and is checked in the image at launch, not on this host."""
+        where = f"harness preset {self.name!r}"
+        if contained and self.sandbox_command:
+            return None
+        if self.container_only:
+            return (f"{where} runs only in a container (it gives sandbox_command and no command): use --sandbox "
+                    "podman or docker (sandbox = \"podman\" in the run config)")
+        if self.executable() is None:
+            hint = f"; install: {self.install}" if self.install else ""
+            return f"{where}: {self.command[0]!r} is not on PATH{hint}"
+        return None
+
     def executable(self) -> str | None:
         """The command's executable, resolved on PATH (or, given as a path, existing and
-        executable); None when it is not installed."""
+        executable); None when it is not installed. A container-only preset's is its
+        sandbox_command's, checked in the image at launch (`missing` says where it can run)."""
+        if self.container_only:
+            return self.sandbox_command[0]
         exe = self.command[0]
         if "{" in exe:  # a placeholder (e.g. {workspace}/run.sh): known only at launch
             return exe
@@ -95,16 +151,24 @@ class HarnessPreset:
             return exe if os.path.isfile(exe) and os.access(exe, os.X_OK) else None
         return shutil.which(exe)
 
-    def in_sandbox(self) -> tuple[HarnessPreset, dict[str, str]]:
+    def in_sandbox(self, agent: str | None = None) -> tuple[HarnessPreset, dict[str, str]]:
         """This preset as it runs inside a container, and the read-only mounts it needs
-        there. HarnessError when its executable is not on this host to mount."""
+        there; `agent`: the host folder sandbox_pip was installed into. HarnessError when its
+        executable is not on this host to mount."""
         mounts = dict(self.mounts)
+        if self.sandbox_pip:
+            from gyre.coordinator.sandbox.agentdir import AGENT_INSIDE
+
+            if agent is None:
+                raise HarnessError(f"harness preset {self.name!r}: its sandbox_pip folder was not installed")
+            mounts[agent] = AGENT_INSIDE
         if self.sandbox_command:
             return replace(self, command=self.sandbox_command), mounts
         exe = self.executable()
         if exe is None or "{" in exe:
             raise HarnessError(f"harness preset {self.name!r}: {self.command[0]!r} is not on this host to mount "
-                               "into the sandbox; install it in the task image and set sandbox_command")
+                               "into the sandbox; set sandbox_command (the argv in the image) and install it there "
+                               "or with sandbox_pip")
         inside = f"/opt/gyre/bin/{os.path.basename(exe)}"
         mounts[os.path.realpath(exe)] = inside
         return replace(self, command=(inside, *self.command[1:])), mounts
@@ -216,12 +280,17 @@ def _from_table(name: str, table: Mapping[str, Any], base: HarnessPreset | None)
     values: dict[str, Any] = {k: v for k, v in table.items() if k != "extends"}
     if "idle_timeout_s" in values and not isinstance(values["idle_timeout_s"], (int, float)):
         raise HarnessError(f"harness preset {name!r}: idle_timeout_s must be a number")
-    for key in ("command", "sandbox_command"):
+    for key in ("command", "sandbox_command", "sandbox_pip"):
         if key in values:
             cmd = values[key]
-            if isinstance(cmd, str) or not all(isinstance(a, str) for a in cmd):
+            if not isinstance(cmd, (list, tuple)) or not all(isinstance(a, str) for a in cmd):
                 raise HarnessError(f"harness preset {name!r}: {key} must be a list of strings, got {cmd!r}")
             values[key] = tuple(cmd)
+    for key in ("sandbox_python", "install"):
+        if key in values and not isinstance(values[key], str):
+            raise HarnessError(f"harness preset {name!r}: {key} must be a string, got {values[key]!r}")
+    if base is not None and "install" not in values and base.install:  # its advice names the user's preset
+        values["install"] = base.install.replace(f"[harnesses.{base.name}]", f"[harnesses.{name}]")
     for key in ("env", "files", "mounts"):  # tables merge with the parent's
         if key in values:
             table = values[key]

@@ -38,7 +38,8 @@ gyre's own refusals are never the agent's score: a harness whose last model call
 any such refusal, ended because of gyre, and the zero it would score is one gyre made (the
 fake zeros that corrupt RL). A context overflow or a bad request is the agent's, and scored.
 
-Not the scheduler: the coordinator decides when to launch (and builds images first, `prepare`).
+Not the scheduler: the coordinator decides when to launch (and builds images, and the folder a
+preset's sandbox_pip is installed into, first: `prepare`).
 """
 
 from __future__ import annotations
@@ -160,6 +161,7 @@ class Launcher:
         self._presets: dict[str, HarnessPreset] = {}
         self._images: dict[tuple[str, str], asyncio.Future] = {}  # (task id, host) -> its image (or the error)
         self._image_errors: dict[str, BaseException] = {}  # task id -> the build's error (the task's own fault)
+        self._agent: asyncio.Future | None = None  # the preset's sandbox_pip folder on this host, installed once
         self._warned_down = -1e9
 
     # --- images, before the slot --------------------------------------------------------
@@ -225,7 +227,10 @@ class Launcher:
     async def _prepare(self, task: Task, host: SandboxHost) -> str | None:
         env = task.environment
         self.check_task(task)
-        if env is None or not self.backend.needs_image:
+        if not self.backend.needs_image:
+            return None
+        await self._agent_dir()  # before the slot too; its failure fails every task (no host does better)
+        if env is None:
             return None
         host.building += 1
         try:
@@ -233,6 +238,19 @@ class Launcher:
                                               timeout_s=env.build_timeout_s, name=task.id)
         finally:
             host.building -= 1
+
+    async def _agent_dir(self) -> str | None:
+        """The host folder the preset's sandbox_pip is installed into (sandbox/agentdir.py), once
+        per launcher and per spec on this host; None when it has none."""
+        preset = self.spec.preset
+        if not preset.sandbox_pip or self.spec.solution:
+            return None
+        if self._agent is None:
+            from gyre.coordinator.sandbox.agentdir import agent_dir
+
+            self._agent = asyncio.ensure_future(asyncio.to_thread(
+                agent_dir, preset.name, preset.sandbox_pip, preset.sandbox_python))
+        return str(await asyncio.shield(self._agent))
 
     def check_task(self, task: Task) -> None:
         why = task_refusal(task, backend=self.backend.name, needs_image=self.backend.needs_image,
@@ -375,9 +393,11 @@ class Launcher:
         preset, mounts = self.spec.preset, {}
         if self.backend.needs_image and not self.spec.solution:
             try:
-                preset, mounts = preset.in_sandbox()
+                preset, mounts = preset.in_sandbox(await self._agent_dir())
             except HarnessError as e:
                 raise SandboxError(str(e)) from None
+        elif preset.container_only and not self.spec.solution:  # no host command to run
+            raise SandboxError(preset.missing(contained=False))
         if self.backend.needs_image:
             spec = SandboxSpec(execution=run.id, labels=labels, image=image, workdir=env.workdir if env else None,
                                limits=limits, mounts=mounts, internet=bool(env and env.allow_internet))
