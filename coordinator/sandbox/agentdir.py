@@ -103,8 +103,9 @@ def _install(preset: str, packages: list[str], python: str, out: Path) -> None:
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    shown = ", ".join(scripts[:8]) + (f" and {len(scripts) - 8} more" if len(scripts) > 8 else "")
     log.info("%s: installed %d packages (%d MB) in %.0f s; scripts in %s/bin: %s", where, len(installed),
-             size >> 20, time.monotonic() - start, AGENT_INSIDE, ", ".join(scripts) or "none")
+             size >> 20, time.monotonic() - start, AGENT_INSIDE, shown or "none")
 
 
 def _pip(argv: list[str], where: str, packages: list[str], python: str, start: float) -> None:
