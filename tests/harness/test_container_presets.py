@@ -5,6 +5,8 @@ shipped examples/harnesses files resolving."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import typer
 
@@ -12,8 +14,8 @@ from gyre.cli.common import check_installed
 from gyre.coordinator.harnesses import HarnessError, resolve
 from gyre.coordinator.runconfig import ConfigError, build_config, load_config_file
 from gyre.coordinator.sandbox.agentdir import AGENT_INSIDE
-from tests.sandbox.conftest import REPO
 
+REPO = Path(__file__).resolve().parents[2]
 MINI = {"sandbox_pip": ["mini-swe-agent==2.4.6"], "sandbox_command": [f"{AGENT_INSIDE}/bin/mini", "-t", "{task}"]}
 
 
