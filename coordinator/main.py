@@ -38,7 +38,7 @@ from gyre.coordinator.publisher import WeightPublisher
 from gyre.coordinator.report import StepReport
 from gyre.coordinator.resume import Checkpoints
 from gyre.coordinator.routing import RoutingTable
-from gyre.coordinator.sandbox import SandboxError
+from gyre.coordinator.sandbox import BACKENDS, SandboxError, backend_class
 from gyre.coordinator.schedule import BatchView, State, decide
 from gyre.coordinator.stack import execution_stack, rollout_stack, run_routes, run_workers
 from gyre.coordinator.status import Rates, snapshot
@@ -119,10 +119,11 @@ class Coordinator:
 
     async def run(self) -> list[StepReport]:
         c = self.c
-        preset = c.preset()
-        if preset.executable() is None:  # before anything starts: no run of placeholder zeros
-            hint = f"; install: {preset.install}" if preset.install else ""
-            raise GyreError(f"harness {preset.name!r}: {preset.command[0]!r} is not on PATH{hint}")
+        # Before anything starts (no run of placeholder zeros): the harness's command where it
+        # runs, on this host unless a container runs the preset's sandbox_command.
+        why = c.preset().missing(contained=c.sandbox in BACKENDS and backend_class(c.sandbox).needs_image)
+        if why is not None:
+            raise GyreError(why)
         if c.weight_transfer == "mooncake" and c.keys_dir is not None:
             log.warning("weight_transfer = mooncake with CURVE keys: Mooncake's transfer engine listens on every "
                         "interface without authentication; keep it on a private network")
