@@ -2,8 +2,10 @@
 
 `render(status, width)` is a pure function of the data, so `gyre up` (in-process) and `gyre
 top` (over HTTP) draw the same thing, and tests render recorded states at any width. It
-stays readable at 80 columns: the role strip takes what the fixed columns leave, and the
-legend under it packs its entries into as few lines as the width allows. What was not
+stays readable at 80 columns: the role strip takes what the fixed columns leave, the
+executions panel under the cells lists the slowest running executions (task, phase, time in
+it, calls, elapsed, the task's last reward) under their counts by phase, and the legend under
+it all packs its entries into as few lines as the width allows. What was not
 measured reads n/a, never 0. `plain_line` is the one-line form for logs and non-terminals.
 `follow` draws it until told to stop; while the view is up, `print` and the root logger's
 terminal output go through the view's console (printed above the view, which is redrawn
@@ -39,7 +41,18 @@ LEGEND = (
     ("hit", "prefix-cache hit rate"),
     ("claim", "micro-steps it claimed in the batch"),
     ("timeline", "- rollout  # training"),
+    ("B", "groups per step"),
+    ("N", "executions per group"),
+    ("harness", "no model call yet"),
+    ("model call", "one at the proxy"),
+    ("tool", "between calls"),
+    ("verifier", "scoring"),
+    ("in phase", "time in it"),
+    ("reward", "the task's last valid"),
 )
+EXECUTION_TERMS = ("B", "N", "harness", "model call", "tool", "verifier", "in phase", "reward")
+PHASE_STYLE = {"model call": "cyan", "tool": "green", "harness": "yellow", "verifier": "magenta",
+               "image": "blue", "sandbox": "blue", "cleanup": "dim", "queued": "dim"}
 
 
 def _num(v, fmt: str = "{:.3f}", none: str = "n/a") -> str:
@@ -104,20 +117,55 @@ def _in_flight(s: dict) -> int:
 
 
 def _calls(s: dict) -> Text:
-    """Model calls at the engines now: why generated tokens/s may truly be 0."""
+    """Model calls at the engines now: why generated tokens/s may truly be 0 (where the
+    running executions are instead: the executions panel's counts by phase)."""
     calls, running, in_flight = s.get("calls"), s["waterlevel"]["running"], _in_flight(s)
     out = Text.assemble(("calls ", "dim"), f"{in_flight} in flight")
     if calls is not None and in_flight:
         waiting = calls["awaiting_first_token"]
         out.append(f": {in_flight - waiting} generating, {waiting} queued or in prefill")
     elif not in_flight and running:
-        # Between calls (harness code, tools, start-up, evaluation) or, with no cell
-        # accepting, waiting in the proxy for one to come back to rollout.
+        # With no cell accepting, calls wait in the proxy for one to come back to rollout.
         accepting = any(c.get("accepting", True) and c["role"] == "rollout" for c in s["cells"])
-        why = (f"the {running} running executions are not calling the model" if accepting
-               else f"no cell takes calls now; {running} executions running")
-        out.append(f" ({why})", style="dim")
+        if not accepting:
+            out.append(f" (no cell takes calls now; {running} executions running)", style="dim")
+        elif s.get("phases") is None:  # a coordinator from before phases: where they are is unknown
+            out.append(f" ({running} executions running, between calls)", style="dim")
     return out
+
+
+def _dur(seconds: float | None) -> str:
+    if seconds is None:
+        return "n/a"
+    s = int(seconds)
+    return f"{s}s" if s < 60 else f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def phase_counts(phases: dict) -> str:
+    """The phases some execution is in, with their counts: `3 model call  10 tool`."""
+    return "  ".join(f"{n} {phase}" for phase, n in phases.items() if n and phase != "queued") or "none running"
+
+
+def executions_panel(s: dict, width: int) -> Group:
+    """The running executions' counts by phase, then the slowest of them (longest elapsed first)."""
+    phases, groups = s["phases"], s.get("groups") or {}
+    running = sum(n for phase, n in phases.items() if phase != "queued")
+    head = Text.assemble(("executions ", "dim"), f"{running} running  ", ("queued ", "dim"),
+                         f"{phases.get('queued', 0)}  ", ("B ", "dim"), f"{groups.get('per_step', 'n/a')}  ",
+                         ("N ", "dim"), f"{groups.get('size', 'n/a')}")
+    now = Text.assemble(("phases ", "dim"), phase_counts(phases))
+    table = Table(box=None, pad_edge=False, expand=False, header_style="dim", padding=(0, 1, 0, 0))
+    for name, justify in (("execution", "left"), ("task", "left"), ("phase", "left"), ("in phase", "right"),
+                          ("calls", "right"), ("elapsed", "right"), ("reward", "right")):
+        table.add_column(name, justify=justify, no_wrap=True, overflow="ellipsis",
+                         max_width=max(8, width - 58) if name == "task" else None)
+    for r in s["executions"]:
+        table.add_row(r["id"], r["task"], Text(r["phase"], style=PHASE_STYLE.get(r["phase"], "")),
+                      _dur(r["phase_s"]), _num(r["calls"], "{:d}"), _dur(r["elapsed_s"]), _num(r["last_reward"]))
+    more = running - len(s["executions"])
+    rows = [head, now, table] if s["executions"] else [head, now]
+    return Group(*rows, *([Text(f"... and {more} more running (in the phases above)", style="dim")]
+                          if more > 0 else []))
 
 
 def render(status: dict, width: int = 80) -> Group:
@@ -171,12 +219,15 @@ def render(status: dict, width: int = 80) -> Group:
     recent = s["role_switches"][-3:]
     switches.append("  ".join(f"{x['t']:.0f}s c{x['cell']}->{x['to']}" for x in recent) if recent else "none yet")
     parts = [head, progress, water, quality, _speed(s), _calls(s), cells] + ([hosts] if hosts is not None else [])
-    return Group(*parts, switches, legend(width, skip=() if phi else ("phi",)))
+    panel = [executions_panel(s, width)] if s.get("phases") is not None else []
+    skip = (() if phi else ("phi",)) + (() if panel else EXECUTION_TERMS)
+    return Group(*parts, *panel, switches, legend(width, skip=skip))
 
 
 def plain_line(status: dict) -> str:
     """The state as one log line (for --no-live and non-terminals). Cells: R rollout,
-    T training, x dead; `running` counts executions, `calls in flight` model calls."""
+    T training, x dead; `running` counts executions, `calls in flight` model calls, and
+    `executions now` how many are in each phase (model call, tool, verifier, ...)."""
     s, wl, tps = status, status["waterlevel"], status["tokens_per_s"]
     last = s["last_step"] or {}
     roles = "".join("x" if c.get("alive") is False else "T" if c["role"] == "training" else "R" for c in s["cells"])
@@ -184,7 +235,8 @@ def plain_line(status: dict) -> str:
             f"queued {wl['queued']} running {wl['running']} finished {wl['finished']} cells {roles} "
             f"reward {_num(last.get('reward_mean'))} staleness {_num(last.get('staleness_mean'), '{:.2f}')} "
             f"calls in flight {_in_flight(s)} tokens/s generated {_num(tps['rollout'], '{:.0f}')} "
-            f"prefilled {_num(tps.get('prefill'), '{:.0f}')}")
+            f"prefilled {_num(tps.get('prefill'), '{:.0f}')}"
+            + ("" if s.get("phases") is None else f" executions now {phase_counts(s['phases']).replace('  ', ', ')}"))
 
 
 # --- gyre top -----------------------------------------------------------------------------

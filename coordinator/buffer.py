@@ -10,10 +10,17 @@ has `reward=None` and no advantage. Not the packer and not the launcher.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from gyre.coordinator.waterlevel import ExecState, Tracked
+
+# An execution's phases, in order, as the launcher sets them (launcher.py): waiting for a slot,
+# its task's image, its sandbox made, its harness running, scored, its sandbox removed, closed.
+# While the harness runs the live view tells apart a model call in flight at the proxy and the
+# time between calls (status.py `shown_phase`).
+PHASES = ("queued", "image", "sandbox", "harness", "verifier", "cleanup", "done")
 
 
 @dataclass(eq=False)
@@ -35,6 +42,12 @@ class Execution:
     t_end: float | None = None
     recorder: Any = None  # the proxy's Recorder (tree, calls)
     copy_out_error: str | None = None  # what the workspace copy left out or stopped at (launcher.py)
+    phase: str = "queued"  # where the launcher has it now: one of PHASES
+    phase_t: float | None = None  # when that phase began (time.time()); None while queued
+
+    def enter(self, phase: str) -> None:
+        """The launcher moved it on (the live view shows the phase and its time)."""
+        self.phase, self.phase_t = phase, time.time()
 
     @property
     def closed(self) -> bool:

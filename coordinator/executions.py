@@ -1,8 +1,9 @@
 """executions.py: `Executions`, the owner of a run's executions.
 
-It holds the dispatch queue, each running execution's task, the count of closed ones by
-status, the run of infrastructure failures in a row, the groups dispatched and replaced so
-far, and the groups a resume holds back for later publications. It dispatches groups
+It holds the dispatch queue, each running execution (its asyncio task, and the execution
+itself, whose phase the live view shows), the count of closed ones by status, each task's
+last valid reward, the run of infrastructure failures in a row, the groups dispatched and
+replaced so far, and the groups a resume holds back for later publications. It dispatches groups
 (journaled in metrics.jsonl as `dispatch` events), launches queued executions when the
 scheduler gives it slots, closes each one exactly once (its `execution` event, its group
 settled in the buffer, a replacement for a dropped group), and restores itself from the
@@ -44,6 +45,8 @@ class Executions:
         self.version = version  # the published policy version, read at each dispatch
         self.queue: deque[Execution] = deque()
         self.runs: dict[str, asyncio.Task] = {}  # running: id -> its task
+        self.active: dict[str, Execution] = {}  # running: id -> the execution (its phase: the live view's)
+        self.last_reward: dict[str, float] = {}  # task id -> the reward of its last valid outcome
         self.status_counts: dict[str, int] = {}
         self.infra_streak = 0  # executions in a row that ended aborted_infra
         self.fatal: InfraFailures | None = None  # too many of them: the next tick ends the run
@@ -91,6 +94,7 @@ class Executions:
                 waiting.append(run)
                 continue
             self.wl.launch(run.tracked)
+            self.active[run.id] = run
             self.runs[run.id] = asyncio.create_task(self._execute(run), name=f"gyre-exec-{run.id}")
             n -= 1
         self.queue.extendleft(reversed(waiting))
@@ -100,6 +104,7 @@ class Executions:
         for _ in range(min(n, len(queue))):
             run = queue.popleft()
             self.heldout.launched(run)
+            self.active[run.id] = run
             self.runs[run.id] = asyncio.create_task(self._execute(run), name=f"gyre-eval-{run.id}")
 
     async def _execute(self, run: Execution) -> None:
@@ -132,6 +137,9 @@ class Executions:
         if run.closed:
             return
         run.t_end = run.t_end or time.time()
+        self.active.pop(run.id, None)
+        if run.valid and run.reward is not None:
+            self.last_reward[run.task.id] = run.reward
         if run.group < 0:  # a held-out evaluation: recorded, scored, never trained
             self._close_eval(run)
             return
@@ -260,6 +268,8 @@ class Executions:
                 run.recorder = recorder
                 self.wl.launch(tracked)
                 self.wl.terminate(tracked)
+                if valid and reward is not None:
+                    self.last_reward[group.task.id] = reward
                 closed.append(run)
                 restored += 1
             else:

@@ -19,7 +19,9 @@ says what that mode can and cannot guarantee); else an evaluator scores the copy
 execution makes one exec (the harness); files move by archive calls, which leave no monitor.
 A reward outside reward_range is no reward (evaluator_error). The harness's
 storage is held to the task's storage_mb (measured as it runs) and harness.log is capped.
-The sandbox is always removed (unless kept). Ends in exactly one status:
+The sandbox is always removed (unless kept). As it goes it sets the execution's phase (buffer.py
+PHASES: image, sandbox, harness, verifier, cleanup, done), which the live view shows. Ends in
+exactly one status:
 
     harness               calls recorded   evaluation     status
     exit 0                any              ok / failed    completed / evaluator_error
@@ -269,6 +271,7 @@ class Launcher:
                    if not self.pool.up else "every sandbox host is at its max_concurrent")
             self._infra(run, why)
             run.t_end = time.time()
+            run.enter("done")
             return
         host.running += 1
         job = asyncio.ensure_future(self._run_on(run, host))
@@ -295,13 +298,16 @@ class Launcher:
             if run.status == "aborted_infra":
                 host.failed += 1
             run.t_end = run.t_end or time.time()
+            run.enter("done")
 
     async def _run_on(self, run: Execution, host: SandboxHost) -> None:
         folder = self.run_dir / "executions" / run.id
         sandbox = None
         failed = True
         try:
+            run.enter("image")
             image = await self.prepare(run.task, host)
+            run.enter("sandbox")
             sandbox = await self._open(run, folder, image, host)
             code, timed_out = await self._harness(run, sandbox, folder, host)
             failed = not await self._score(run, sandbox, folder, code, timed_out)
@@ -313,6 +319,7 @@ class Launcher:
         finally:
             run.t_end = time.time()
             if sandbox is not None:
+                run.enter("cleanup")
                 await asyncio.shield(self._close(run, sandbox, folder, failed))
 
     async def _score(self, run: Execution, sandbox: Sandbox, folder: Path, code: int | None, timed_out: bool) -> bool:
@@ -332,6 +339,7 @@ class Launcher:
         if code != 0 and not called and not timed_out and not self.spec.solution:
             run.status, run.reward, run.valid, run.ref = "placeholder", 0.0, True, f"harness exit {code}"
             return False
+        run.enter("verifier")
         outcome = await self._evaluate(run, sandbox, folder)
         run.reward, run.valid, run.ref = outcome.score, outcome.valid, outcome.ref or (outcome.error or "")
         run.eval_attempts = outcome.attempts
@@ -373,12 +381,16 @@ class Launcher:
         host = self.pool.choose()
         if host is None:
             raise SandboxError("no sandbox host is up, or every one is at its max_concurrent")
+        run.enter("image")
         image = await self.prepare(run.task, host)
+        run.enter("sandbox")
         sandbox = await self._open(run, folder, image, host)
         try:
             code, timed_out = await self._harness(run, sandbox, folder, host)
         finally:
+            run.enter("cleanup")
             await asyncio.shield(self._close(run, sandbox, folder, False))  # never raises
+            run.enter("done")
         return code, timed_out, folder / "workspace"
 
     async def _open(self, run: Execution, folder: Path, image: str | None, host: SandboxHost) -> Sandbox:
@@ -425,6 +437,7 @@ class Launcher:
         the end. Returns (exit code or None if it could not start, timed_out)."""
         recorder = self.proxy.register(run.id, role_rule=self.spec.preset.role_rule)
         run.recorder = recorder
+        run.enter("harness")
         relay = None
         try:
             base = self.proxy.base_url

@@ -1,7 +1,8 @@
 """status.py: the coordinator's state as one JSON-able dict, for the live view and `gyre top`.
 
-`snapshot` reads the counters, roles, routes, the batch in flight and the last
-step; `Rates` keeps a short window of cumulative token counts sampled each tick, so
+`snapshot` reads the counters, roles, routes, the batch in flight, the last step and the
+running executions (`execution_rows`: each one's phase, the slowest first, and the counts by
+phase); `Rates` keeps a short window of cumulative token counts sampled each tick, so
 tokens/s is recent, not averaged over the run. A value nobody measured is None (the view
 shows n/a), never 0. Served at `GET /gyre/status` on the proxy and drawn by cli/live.py.
 Holds no secret (no keys, no prompts). Not a renderer.
@@ -9,11 +10,15 @@ Holds no secret (no keys, no prompts). Not a renderer.
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import deque
 
 WINDOW_S = 10.0
 TIMELINE_KEEP = 64  # role changes kept per cell
+EXECUTION_ROWS = 12  # the slowest running executions listed; the others are counted by phase
+# The phases the view counts: the launcher's (buffer.PHASES), its "harness" told apart by the proxy.
+SHOWN_PHASES = ("queued", "image", "sandbox", "harness", "model call", "tool", "verifier", "cleanup")
 
 
 class Rates:
@@ -45,6 +50,42 @@ class Rates:
             return None
         (t0, _, _, p0), (t1, _, _, p1) = self.samples[0], self.samples[-1]
         return None if p0 is None or p1 is None else (p1 - p0) / (t1 - t0)
+
+
+def shown_phase(run, budgets) -> str:
+    """The execution's phase as the view shows it: the launcher's, except while its harness
+    runs: "model call" when it has a call in flight at the proxy (`budgets`: proxy/budget.py;
+    at an engine or waiting for one), "tool" between calls, "harness" before its first."""
+    if run.phase != "harness" or budgets is None:
+        return run.phase
+    if budgets.in_flight(run.id):
+        return "model call"
+    return "tool" if run.recorder is not None and run.recorder.calls else "harness"
+
+
+def execution_rows(active, *, budgets, last_reward: dict, queued: int, wall: float,
+                   keep: int = EXECUTION_ROWS) -> tuple[list[dict], dict[str, int]]:
+    """The `keep` running executions that have run longest (first), and how many are in each
+    phase (SHOWN_PHASES; `queued`: those waiting for a slot). One pass over the running
+    ones; `wall`: time.time() now. A time not known yet (not started) is None."""
+    phases = dict.fromkeys(SHOWN_PHASES, 0)
+    phases["queued"] = queued
+    rows = []
+    for run in active:
+        phase = shown_phase(run, budgets)
+        phases[phase] = phases.get(phase, 0) + 1
+        rows.append((run, phase, None if run.t_start is None else wall - run.t_start))
+    out = []
+    for run, phase, elapsed in heapq.nlargest(keep, rows, key=lambda r: -1.0 if r[2] is None else r[2]):
+        out.append({
+            "id": run.id, "task": str(run.task.id), "eval": run.group < 0, "phase": phase,
+            "phase_s": None if run.phase_t is None else round(wall - run.phase_t, 1),
+            "calls": len(run.recorder.calls) if run.recorder is not None else 0,  # none before its harness
+            "calls_in_flight": budgets.in_flight(run.id) if budgets is not None else None,
+            "elapsed_s": None if elapsed is None else round(elapsed, 1),
+            "last_reward": last_reward.get(run.task.id),  # the task's last valid outcome; None: none yet
+        })
+    return out, phases
 
 
 def snapshot(c, *, metrics, steps, cells, wl, buffer, executions, rates, probe, gc, table=None, link=None,
@@ -84,14 +125,18 @@ def snapshot(c, *, metrics, steps, cells, wl, buffer, executions, rates, probe, 
     # Prefill is unknown (None), not 0, until an engine has said what it reused.
     prefill_tps = rates.prefill_per_second() if any(r.prefill_reports for r in routes.values()) else None
     last = steps.reports[-1] if steps.reports else None
+    wall = time.time()
+    running, phases = execution_rows(executions.active.values(), budgets=proxy.budgets if proxy else None,
+                                     last_reward=executions.last_reward, queued=counters.queued, wall=wall)
     return {
-        "t": now, "wall": time.time(), "policy": c.policy, "run_dir": str(c.run_dir),
+        "t": now, "wall": wall, "policy": c.policy, "run_dir": str(c.run_dir),
         "state": "finishing" if stopping or steps.steps_done >= c.steps else "running",
         "proxy": proxy.base_url if proxy else None,
         "steps": {"done": steps.steps_done, "target": c.steps},
         "version": steps.version, "trainer_version": steps.trainer_version,
         "burst": {"steps": steps.steps_in_burst, "mu": c.mu, "phi": c.phi,
                   "publications": steps.publications},
+        "groups": {"per_step": c.groups_per_step, "size": c.group_size},  # B and N
         "waterlevel": {"queued": counters.queued, "running": counters.running, "finished": counters.f,
                        "d": counters.d, "p": counters.p, "f": counters.f, "level": counters.waterlevel},
         "ready_groups": buffer.ready_count,
@@ -116,6 +161,8 @@ def snapshot(c, *, metrics, steps, cells, wl, buffer, executions, rates, probe, 
         "gc": gc.status(),
         "statuses": dict(executions.status_counts),
         "cells": rows,
+        # The running executions that have run longest, and the count in each phase (queued first).
+        "executions": running, "phases": phases,
         # Which engine serves which execution: decisions so far, the load bound, every home.
         "routing": table.status() if table else None,
         # Sandbox hosts where executions run in containers: state, running, building, failed.

@@ -1,6 +1,7 @@
 """The live view: rendered from a recorded coordinator state at 80 and 160 columns, its
 legend, what it says while calls wait for their first token (and n/a for what nobody
-measured), the plain line form, and `gyre top` attaching to a status endpoint over HTTP."""
+measured), the executions panel (the slowest first, counts by phase, its terms defined),
+the plain line form, and `gyre top` attaching to a status endpoint over HTTP."""
 
 from __future__ import annotations
 
@@ -119,10 +120,15 @@ def test_calls_without_a_token_yet_show_prefill_and_calls_not_a_bare_0(width):
     assert plain_line(prefilling()).endswith("calls in flight 16 tokens/s generated 0 prefilled 3712")
 
 
-def test_executions_between_calls_say_they_are_not_calling_the_model():
-    s = copy.deepcopy(STATUS)
+def test_executions_between_calls_show_where_they_are_not_that_they_do_not_call():
+    s = copy.deepcopy(STATUS)  # a coordinator from before phases: where they are is not known
     s["calls"] = {"in_flight": 0, "awaiting_first_token": 0}
-    assert "calls 0 in flight (the 16 running executions are not calling the model)" in draw(s, 80)
+    assert "calls 0 in flight (16 executions running, between calls)" in draw(s, 80)
+    s = with_executions(s)  # the phases say it: starting, between calls (tools), scoring
+    s["phases"].update({"model call": 0, "tool": 12})
+    text = draw(s, 80)
+    assert "calls 0 in flight\n" in text and "not calling the model" not in text
+    assert "phases 1 sandbox  1 harness  12 tool  2 verifier" in text
     for cell in s["cells"]:
         cell.update(role="training", accepting=False)
     assert "calls 0 in flight (no cell takes calls now; 16 executions running)" in draw(s, 80)
@@ -139,6 +145,98 @@ def test_what_nobody_measured_reads_na_never_0():
     assert "calls 15 in flight" in recorded  # its cells' running calls
     rows = [line for line in recorded.splitlines() if line.lstrip().startswith(("0 ", "1 "))]
     assert all(row.split()[4] == "n/a" for row in rows)  # no hit rate known yet
+
+
+# --- the executions panel: one row per running execution, the slowest first --------------
+
+# Five of 16 running executions as snapshot lists them (slowest first), and the counts by phase.
+ROWS = [("g00004-03", "sort-csv", "verifier", 4.2, 6, 212.5, 0.5),
+        ("g00004-05", "sort-csv", "model call", 1.3, 5, 201.0, 0.5),
+        ("g00005-00", "fix-the-flaky-test-in-the-parser", "tool", 12.8, 9, 180.2, None),
+        ("g00005-02", "fix-the-flaky-test-in-the-parser", "harness", 3.0, 0, 2.1, None),
+        ("eval001-000-00", "hello-world", "sandbox", 0.4, 0, None, 1.0)]
+EXECUTION_LEGEND = ["B: groups per step", "N: executions per group", "harness: no model call yet",
+                    "model call: one at the proxy", "tool: between calls", "verifier: scoring", "in phase: time in it",
+                    "reward: the task's last valid"]
+
+
+def with_executions(status: dict) -> dict:
+    s = copy.deepcopy(status)
+    s["groups"] = {"per_step": 2, "size": 8}
+    s["executions"] = [{"id": i, "task": t, "eval": i.startswith("eval"), "phase": p, "phase_s": ps, "calls": c,
+                        "calls_in_flight": int(p == "model call"), "elapsed_s": e, "last_reward": r}
+                       for i, t, p, ps, c, e, r in ROWS]
+    s["phases"] = {"queued": 4, "image": 0, "sandbox": 1, "harness": 1, "model call": 3, "tool": 9, "verifier": 2,
+                   "cleanup": 0}
+    return s
+
+
+@pytest.mark.parametrize("width", [80, 160])
+def test_the_executions_panel_lists_the_slowest_first_under_counts_by_phase(width):
+    lines = draw(with_executions(STATUS), width).splitlines()
+    assert max(len(line) for line in lines) <= width
+    assert "executions 16 running  queued 4  B 2  N 8" in lines
+    assert "phases 1 sandbox  1 harness  3 model call  9 tool  2 verifier" in lines
+    top = lines.index(next(line for line in lines if line.startswith("execution ")))
+    assert lines[top].split() == ["execution", "task", "phase", "in", "phase", "calls", "elapsed", "reward"]
+    rows = lines[top + 1: top + 6]
+    assert [r.split()[0] for r in rows] == [r[0] for r in ROWS]  # as snapshot ordered them: the slowest first
+    assert rows[0].split()[2:] == ["verifier", "4s", "6", "3m32s", "0.500"]
+    assert rows[1].split()[2:] == ["model", "call", "1s", "5", "3m21s", "0.500"]
+    assert rows[2].split()[-4:] == ["12s", "9", "3m00s", "n/a"]  # no valid reward of its task yet: n/a, not 0
+    assert rows[4].split()[-3:] == ["0", "n/a", "1.000"]  # not started yet: no elapsed
+    assert ("fix-the-flaky-test-in-the-parser" in rows[2]) == (width == 160)  # cut to fit at 80
+    assert lines[top + 6] == "... and 11 more running (in the phases above)"
+    for phrase in EXECUTION_LEGEND:  # its terms, defined on screen
+        assert any(phrase in line for line in lines), phrase
+
+
+def test_without_executions_the_panel_and_its_terms_are_not_drawn():
+    text = draw(STATUS, 80)  # a coordinator from before the panel (gyre top on an older run)
+    assert "\nexecutions " not in text and "\nphases " not in text
+    assert not any(phrase in text for phrase in EXECUTION_LEGEND)
+    s = with_executions(STATUS)
+    s["executions"], s["phases"] = [], dict.fromkeys(s["phases"], 0)
+    text = draw(s, 80)
+    assert "executions 0 running  queued 0  B 2  N 8\nphases none running\n" in text
+    assert "execution " not in text  # no table header over no rows
+
+
+def test_the_plain_line_counts_executions_by_phase():
+    assert plain_line(with_executions(STATUS)).endswith(
+        "prefilled n/a executions now 1 sandbox, 1 harness, 3 model call, 9 tool, 2 verifier")
+    assert "executions now" not in plain_line(STATUS)
+
+
+async def test_execution_rows_are_the_slowest_first_with_their_phases_and_none_for_unknown():
+    from gyre.coordinator.buffer import Execution
+    from gyre.coordinator.status import execution_rows
+    from gyre.coordinator.tasks import Task
+    from gyre.coordinator.waterlevel import Tracked
+    from gyre.proxy.budget import Budgets
+
+    wall, budgets, runs = 1000.0, Budgets(), []
+    for i, (phase, started) in enumerate([("verifier", 900.0), ("harness", 990.0), ("sandbox", 999.0),
+                                          ("harness", 950.0), ("queued", None)]):
+        run = Execution(f"g00000-{i:02d}", 0, i, Task(id=f"t{i % 2}", prompt="p"), Tracked(), 0)
+        run.t_start = started
+        if started is not None:
+            run.phase, run.phase_t = phase, started + 2.0
+        runs.append(run)
+    await budgets.admit(runs[3].id)  # its harness has a model call at the proxy now
+    rows, phases = execution_rows(runs, budgets=budgets, last_reward={"t0": 0.25}, queued=4, wall=wall, keep=3)
+    assert [(r["id"][-2:], r["phase"], r["elapsed_s"], r["phase_s"]) for r in rows] == [
+        ("00", "verifier", 100.0, 98.0), ("03", "model call", 50.0, 48.0), ("01", "harness", 10.0, 8.0)]
+    assert [r["last_reward"] for r in rows] == [0.25, None, None]  # t1 has no valid outcome yet
+    assert [r["calls_in_flight"] for r in rows] == [0, 1, 0] and [r["calls"] for r in rows] == [0, 0, 0]
+    # one launched that has not started yet counts as queued (with the 4 waiting for a slot)
+    assert phases == {"queued": 5, "image": 0, "sandbox": 1, "harness": 1, "model call": 1, "tool": 0,
+                      "verifier": 1, "cleanup": 0}
+    budgets.release(runs[3].id)
+    rows, _ = execution_rows(runs, budgets=None, last_reward={}, queued=0, wall=wall)
+    assert len(rows) == 5 and rows[-1]["elapsed_s"] is None and rows[-1]["phase_s"] is None
+    assert rows[1]["phase"] == "harness" and rows[1]["calls_in_flight"] is None  # no proxy: not known
+    json.dumps(rows)
 
 
 def test_rates_prefill_is_unknown_until_the_tick_passes_its_count():
@@ -186,7 +284,7 @@ class Run:
 
         from gyre.coordinator.waterlevel import Counters
 
-        self.c = NS(policy="elastic", run_dir="runs/x", steps=3, mu=1, phi=0.0)
+        self.c = NS(policy="elastic", run_dir="runs/x", steps=3, mu=1, phi=0.0, groups_per_step=2, group_size=8)
         self.wl = NS(c=Counters(d=16, p=16, f=0))
         self.metrics, self.rates, self.table = NS(now=lambda: 40.0), Rates(), table
         self.link = self.proxy = self.launcher = None
@@ -194,7 +292,7 @@ class Run:
                         history=[[(0.0, "rollout")], [(0.0, "rollout")]])
         self.steps = NS(reports=[], steps_done=0, version=0, trainer_version=0, steps_in_burst=0, publications=0,
                         in_flight=lambda: None)
-        self.executions, self.should_exit = NS(status_counts={}), False
+        self.executions, self.should_exit = NS(status_counts={}, active={}, last_reward={}), False
         self.buffer, self.probe, self.gc = NS(ready_count=0), NS(samples=[]), NS(status=lambda: {})
 
     def snapshot(self) -> dict:
@@ -246,6 +344,31 @@ async def test_a_call_in_prefill_is_in_flight_awaiting_and_counts_its_prefill_at
     coord.rates.sample(0.0, 0, 0, prefill_tokens=0)
     coord.rates.sample(2.0, 6, 0, prefill_tokens=sum(r.prefilled for r in table.routes.values()))
     assert coord.snapshot()["tokens_per_s"] == {"rollout": 3.0, "training": 0.0, "prefill": 25.5}
+
+
+def test_the_snapshot_carries_the_running_executions_and_b_and_n():
+    import time
+
+    from gyre.coordinator.buffer import Execution
+    from gyre.coordinator.tasks import Task
+    from gyre.coordinator.waterlevel import Tracked
+
+    table = RoutingTable()
+    table.set_nodes(["a", "b"])
+    coord = Run(table)
+    run = Execution("g00001-00", 1, 0, Task(id="sort-csv", prompt="p"), Tracked(), 0)
+    run.t_start = time.time()
+    run.enter("sandbox")
+    coord.executions.active[run.id] = run
+    coord.executions.last_reward["sort-csv"] = 0.75
+    status = json.loads(json.dumps(coord.snapshot()))  # JSON-able, as GET /gyre/status serves it
+    assert status["groups"] == {"per_step": 2, "size": 8}
+    assert status["phases"]["sandbox"] == 1 and status["phases"]["queued"] == 0
+    (row,) = status["executions"]
+    assert (row["id"], row["task"], row["phase"], row["calls"], row["last_reward"]) == (
+        "g00001-00", "sort-csv", "sandbox", 0, 0.75)
+    assert row["calls_in_flight"] is None  # no proxy here: not known, not 0
+    assert "g00001-00 sort-csv" in draw(status, 80)
 
 
 @pytest.fixture
