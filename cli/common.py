@@ -1,6 +1,6 @@
 """common.py: the helpers several `gyre` commands share: a domain error as one `[error]`
-line (`fail`, `guard`), the harness preset a command names, the model directory it serves
-and its default run directory, gyre's version.
+line (`fail`, `guard`), the harness preset a command names, the sandbox its tasks run in,
+the model directory it serves and its default run directory, gyre's version.
 
 A leaf: it imports no other cli/ module, so every command module may import it. Not the
 typer app or any command (main.py and the command modules), not the options (options.py).
@@ -68,6 +68,27 @@ def harness_preset(name: str, config: Path | None, sandbox: str = "process"):
         fail(e)
     check_installed(preset, sandbox)
     return preset
+
+
+def sandbox_for(*, flag: str | None, url: str | None, config: Path | None, tasks,
+                source: str) -> tuple[str, str | None]:
+    """(sandbox, sandbox_url) a command runs `tasks` in: --sandbox, else the run config's
+    `sandbox`, else the default rule (sandbox/preflight.py default_sandbox: podman or docker
+    for tasks that run in an image, else process); --sandbox-url, else the config's. `source`
+    names the task source in the rule's error."""
+    from gyre.coordinator.runconfig import load_config_file
+    from gyre.coordinator.sandbox import BACKENDS
+    from gyre.coordinator.sandbox.preflight import default_sandbox
+
+    values = guard(load_config_file, path=config) if config else {}
+    url = url if url is not None else values.get("sandbox_url")
+    name = flag if flag is not None else values.get("sandbox")
+    if name is None:
+        return guard(default_sandbox, tasks=tasks, source=source, url=url), url
+    if name not in BACKENDS:
+        where = "--sandbox" if flag is not None else f"{config}: sandbox"
+        fail(ValueError(f"{where} must be one of {', '.join(BACKENDS)}, got {name!r}"))
+    return name, url
 
 
 def check_model(model_dir: Path) -> None:

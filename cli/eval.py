@@ -22,8 +22,8 @@ from typing import Annotated
 
 import typer
 
-from gyre.cli.common import default_run_dir, fail, guard, harness_preset, model_or_tiny
-from gyre.cli.options import JsonOpt, ServeConfigOpt, ServeSetOpt
+from gyre.cli.common import default_run_dir, fail, guard, harness_preset, model_or_tiny, sandbox_for
+from gyre.cli.options import JsonOpt, ServeConfigOpt, ServeSetOpt, TaskSandboxOpt
 from gyre.cli.tasks import SandboxUrlOpt, TaskHarnessOpt, TaskTimeoutOpt
 
 EvalModelOpt = Annotated[Path | None, typer.Option(
@@ -33,8 +33,6 @@ EvalStepOpt = Annotated[int | None, typer.Option(
     "--step", help="With --model RUN_DIR: the checkpoint's step (default: the latest, checkpoints/latest).")]
 EvalTasksOpt = Annotated[Path, typer.Option(
     "--tasks", help="The task source: a Harbor task folder or a folder of them, or a JSONL file (SWE-style or gyre).")]
-EvalSandboxOpt = Annotated[str, typer.Option(
-    "--sandbox", help="Where each execution runs: podman, docker, bubblewrap or process.")]
 EvalKOpt = Annotated[int, typer.Option("-k", help="Samples per task: pass@k's k.")]
 EvalThresholdOpt = Annotated[float, typer.Option(
     "--threshold", help="A valid reward at least this passes.")]
@@ -59,7 +57,7 @@ class ModelSource:
 
 
 def eval_cmd(tasks: EvalTasksOpt, model: EvalModelOpt = None, step: EvalStepOpt = None,
-             harness: TaskHarnessOpt = "demo", sandbox: EvalSandboxOpt = "process", sandbox_url: SandboxUrlOpt = None,
+             harness: TaskHarnessOpt = "demo", sandbox: TaskSandboxOpt = None, sandbox_url: SandboxUrlOpt = None,
              k: EvalKOpt = 1, threshold: EvalThresholdOpt = 1.0, set_: ServeSetOpt = None,
              solution: EvalSolutionOpt = False, run_dir: EvalRunDirOpt = None, as_json: JsonOpt = False,
              concurrency: EvalConcurrencyOpt = 8, timeout: TaskTimeoutOpt = None,
@@ -82,6 +80,8 @@ def eval_cmd(tasks: EvalTasksOpt, model: EvalModelOpt = None, step: EvalStepOpt 
     task_list = guard(load_task_source, path=tasks)
     source = guard(resolve_model, model=model, step=step)
     fields = guard(serve_fields, config=config, sets=set_ or [])
+    sandbox, sandbox_url = sandbox_for(flag=sandbox, url=sandbox_url, config=config, tasks=task_list,
+                                       source=str(tasks))
     guard(check_sandbox, backend=sandbox, url=sandbox_url, tasks=task_list)
     # An unknown or uninstalled harness is refused here (its sandbox_pip installed, once per spec).
     preset = harness_preset(harness, config, "process" if solution else sandbox)

@@ -22,6 +22,7 @@ from gyre.cli.common import (
     gyre_version,
     harness_preset,
     model_or_tiny,
+    sandbox_for,
 )
 from gyre.cli.options import (
     CellOpt,
@@ -344,25 +345,44 @@ def _resolve_config(path, sets: list[str], **flags):
     if model:
         guard(check_model, model_dir=Path(model))  # fail early, with the missing file named
     overrides.update(run_dir=run_dir, model_dir=Path(model) if model else Path(run_dir) / "model")
-    return guard(build_config, file_values=file_values, overrides=overrides), file_values, overrides
+    picked = {} if "sandbox" in overrides or "sandbox" in file_values else _default_sandbox(file_values, overrides)
+    return guard(build_config, file_values=file_values, overrides={**overrides, **picked}), file_values, overrides
+
+
+def _default_sandbox(file_values: dict, overrides: dict) -> dict:
+    """{"sandbox": NAME} by the rule every command applies when none is named (podman, else
+    docker, for tasks that run in an image; else process: sandbox/preflight.py), over the
+    run's task sources (tasks_path, eval_tasks_path); {} when there are none, or one cannot
+    be read (preflight says why, as it would)."""
+    from gyre.coordinator.sandbox.preflight import default_sandbox
+    from gyre.coordinator.taskformats import load_task_source
+    from gyre.workerd.wire import GyreError
+
+    values = {**file_values, **overrides}
+    sources = [values[k] for k in ("tasks_path", "eval_tasks_path") if values.get(k)]
+    try:
+        tasks = [t for source in sources for t in load_task_source(Path(source))]
+    except GyreError:
+        return {}
+    if not tasks:
+        return {}
+    return {"sandbox": guard(default_sandbox, tasks=tasks, source=" and ".join(map(str, sources)),
+                             url=values.get("sandbox_url"), url_flag="--set sandbox_url=URL")}
 
 
 @app.command()
 def serve(model: ModelOpt = None, run_dir: RunDirOpt = None, host: HostOpt = "127.0.0.1", port: PortOpt = 0,
           harness: HarnessOpt = None, task: TaskOpt = None, timeout: TimeoutOpt = 600.0,
           max_context: MaxContextOpt = None, config: ServeConfigOpt = None, set_: ServeSetOpt = None,
-          executions: ExecutionsOpt = 1, task_dir: TaskDirOpt = None, sandbox: ServeSandboxOpt = "process",
+          executions: ExecutionsOpt = 1, task_dir: TaskDirOpt = None, sandbox: ServeSandboxOpt = None,
           sandbox_url: ServeSandboxUrlOpt = None) -> None:
     """Run the proxy and a local engine: print one JSON line with base_url and api_key and
     serve until stopped; or, with --harness and --task (or --task-dir), run that harness once
     and exit."""
     from gyre.coordinator.rundir import absolute, claim
-    from gyre.coordinator.sandbox import BACKENDS
     from gyre.coordinator.serve import run_serve, serve_fields, serve_settings
 
     preset = task_obj = None
-    if sandbox not in BACKENDS:
-        fail(ValueError(f"--sandbox must be one of {', '.join(BACKENDS)}, got {sandbox!r}"))
     if harness is not None:
         if bool(task) == (task_dir is not None):
             fail(ValueError("--harness needs --task (the prompt the harness is given) or --task-dir (a Harbor "
@@ -376,11 +396,14 @@ def serve(model: ModelOpt = None, run_dir: RunDirOpt = None, host: HostOpt = "12
             task_obj = found[0]
         from gyre.coordinator.sandbox.preflight import check_sandbox
 
-        guard(check_sandbox, backend=sandbox, url=sandbox_url, tasks=[task_obj] if task_obj else [])
+        found = [task_obj] if task_obj else []
+        sandbox, sandbox_url = sandbox_for(flag=sandbox, url=sandbox_url, config=config, tasks=found,
+                                           source=f"--task-dir {task_dir}")
+        guard(check_sandbox, backend=sandbox, url=sandbox_url, tasks=found)
         preset = harness_preset(harness, config, sandbox)
     elif task is not None or task_dir is not None:
         fail(ValueError("--task and --task-dir are for --harness (without it, serve waits for your own client)"))
-    elif sandbox != "process":
+    elif sandbox is not None:
         fail(ValueError("--sandbox is for --harness (without it, serve waits for your own client)"))
     if executions < 1 or (executions > 1 and harness is not None):
         fail(ValueError("--executions must be >= 1, and is for serving your own clients (not with --harness)"))
@@ -408,7 +431,7 @@ def serve(model: ModelOpt = None, run_dir: RunDirOpt = None, host: HostOpt = "12
             raise
         code = guard(run_serve, model_dir=model_dir, run_dir=run_dir, host=host, port=port, preset=preset,
                      task=task, timeout_s=timeout, settings=settings, executions=executions, task_obj=task_obj,
-                     sandbox=sandbox, sandbox_url=sandbox_url)
+                     sandbox=sandbox or "process", sandbox_url=sandbox_url)
     finally:
         lock.release()
     raise typer.Exit(code)

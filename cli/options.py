@@ -7,6 +7,10 @@ from typing import Annotated
 
 import typer
 
+# The sandbox flag of every command that runs tasks, and the rule when none is named
+# (coordinator/sandbox/preflight.py default_sandbox; cli/common.py sandbox_for).
+BACKENDS_HELP = "process (a folder on this host), podman, docker or bubblewrap"
+AUTO_HELP = "auto: podman, else docker, when a task runs in a container image; process otherwise"
 CoordinatorOpt = Annotated[str, typer.Option("--coordinator", help="Coordinator address, tcp://HOST:PORT or ipc://PATH.")]
 CellOpt = Annotated[int | None, typer.Option("--cell", help="Cell to join (default: the coordinator assigns one).")]
 NodeRankOpt = Annotated[int, typer.Option("--node-rank", help="This node's rank inside its cell.")]
@@ -44,17 +48,18 @@ HarnessOpt = Annotated[str | None, typer.Option("--harness", help="Run this harn
 TaskOpt = Annotated[str | None, typer.Option("--task", help="The task prompt for --harness.")]
 TimeoutOpt = Annotated[float, typer.Option("--timeout", help="Seconds the harness may run (--harness).")]
 TaskDirOpt = Annotated[Path | None, typer.Option("--task-dir", help="A Harbor task folder for --harness: the harness works on it in its sandbox (its image, its instruction) and the task's tests score it.")]
-ServeSandboxOpt = Annotated[str, typer.Option("--sandbox", help="Where --harness runs: process (a folder on this host), podman, docker or bubblewrap.")]
+ServeSandboxOpt = Annotated[str | None, typer.Option("--sandbox", help=f"Where --harness runs: {BACKENDS_HELP} (default: --config's sandbox, else {AUTO_HELP}).")]
+TaskSandboxOpt = Annotated[str | None, typer.Option("--sandbox", help=f"Where each execution runs: {BACKENDS_HELP} (default: --config's sandbox, else {AUTO_HELP}).")]
 ServeSandboxUrlOpt = Annotated[str | None, typer.Option("--sandbox-url", help="The engine's Docker-compatible endpoint for podman/docker (default: gyre's own podman service; docker's socket).")]
 MaxContextOpt = Annotated[int | None, typer.Option("--max-context", help="Prompt + output token limit per call (default, and at most: the model's max_position_embeddings).")]
 ExecutionsOpt = Annotated[int, typer.Option("--executions", help="Keys to print (api_keys): one per execution, each client's calls recorded as its own execution.")]
 ServeSetOpt = Annotated[list[str] | None, typer.Option("--set", help="A serving field of the run config: --set FIELD=VALUE for default_max_tokens, max_tokens_cap, max_context, rollout_temperature, rollout_top_p (repeatable).")]
-ServeConfigOpt = Annotated[Path | None, typer.Option("--config", help="A run config (TOML/JSON): its [harnesses.NAME] tables add or override presets; its serving fields (default_max_tokens, max_tokens_cap, max_context, rollout_temperature, rollout_top_p) apply.")]
+ServeConfigOpt = Annotated[Path | None, typer.Option("--config", help="A run config (TOML/JSON): its [harnesses.NAME] tables add or override presets; its serving fields (default_max_tokens, max_tokens_cap, max_context, rollout_temperature, rollout_top_p) and its sandbox and sandbox_url apply (flags win).")]
 TopTargetArg = Annotated[str | None, typer.Argument(help="Run directory of a running coordinator, or its proxy URL (default: the newest under ./runs).")]
 IntervalOpt = Annotated[float, typer.Option("--interval", help="Seconds between refreshes.")]
 OnceOpt = Annotated[bool, typer.Option("--once", help="Draw the state once and exit.")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override any config field: --set FIELD=VALUE (repeatable; lists and tables as JSON).")]
-UpSandboxOpt = Annotated[str | None, typer.Option("--sandbox", help="Where each execution runs: process (a folder on this host, the default), podman, docker or bubblewrap (the run config's sandbox).")]
+UpSandboxOpt = Annotated[str | None, typer.Option("--sandbox", help=f"Where each execution runs: {BACKENDS_HELP} (the run config's sandbox; default: {AUTO_HELP}).")]
 TasksOpt = Annotated[Path | None, typer.Option("--tasks", help="Task source: a Harbor task folder or a folder of them, or a JSONL file (the run config's tasks_path; default: the embedded tasks).")]
 RunSeedOpt = Annotated[int | None, typer.Option("--seed", help="Random seed (default 0).")]
 KeysOpt = Annotated[Path | None, typer.Option("--keys", help="CURVE key directory (gyre keys init); the link is encrypted and only authorised workers may register.")]

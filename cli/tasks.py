@@ -9,15 +9,14 @@ from typing import Annotated
 
 import typer
 
-from gyre.cli.common import check_model, default_run_dir, fail, guard, harness_preset, model_or_tiny
-from gyre.cli.options import JsonOpt, ModelOpt, RunDirOpt, ServeConfigOpt, ServeSetOpt
+from gyre.cli.common import check_model, default_run_dir, fail, guard, harness_preset, model_or_tiny, sandbox_for
+from gyre.cli.options import JsonOpt, ModelOpt, RunDirOpt, ServeConfigOpt, ServeSetOpt, TaskSandboxOpt
 
 tasks_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
                         help="Task sources (Harbor folders, SWE-style or gyre JSONL): check them, run them once.")
 
 TaskPathArg = Annotated[Path, typer.Argument(help="A Harbor task folder, a folder of them, or a JSONL file (SWE-style rows or gyre tasks).")]
 TaskHarnessOpt = Annotated[str, typer.Option("--harness", help="The harness preset that works on each task (demo, claude-code, codex, or one from --config).")]
-SandboxOpt = Annotated[str, typer.Option("--sandbox", help="Where each task runs: podman, docker, bubblewrap or process.")]
 SandboxUrlOpt = Annotated[str | None, typer.Option("--sandbox-url", help="The engine's Docker-compatible endpoint (default: gyre's own podman service; docker's socket).")]
 SolutionOpt = Annotated[bool, typer.Option("--solution", help="Run each task's own solution/solve.sh instead of a harness: checks that the task is solvable and its tests score it.")]
 ConcurrencyOpt = Annotated[int, typer.Option("--concurrency", help="Tasks running at once.")]
@@ -61,7 +60,7 @@ def check(path: TaskPathArg, as_json: JsonOpt = False) -> None:
 
 
 @tasks_app.command("run")
-def run(path: TaskPathArg, harness: TaskHarnessOpt = "demo", sandbox: SandboxOpt = "podman",
+def run(path: TaskPathArg, harness: TaskHarnessOpt = "demo", sandbox: TaskSandboxOpt = None,
         solution: SolutionOpt = False, as_json: JsonOpt = False, model: ModelOpt = None, run_dir: RunDirOpt = None,
         config: ServeConfigOpt = None, concurrency: ConcurrencyOpt = 2, timeout: TaskTimeoutOpt = None,
         sandbox_url: SandboxUrlOpt = None, keep_sandbox: KeepOpt = "never", set_: ServeSetOpt = None) -> None:
@@ -70,14 +69,11 @@ def run(path: TaskPathArg, harness: TaskHarnessOpt = "demo", sandbox: SandboxOpt
 
     from gyre.coordinator.launcher import KEEP
     from gyre.coordinator.rundir import absolute, claim
-    from gyre.coordinator.sandbox import BACKENDS
     from gyre.coordinator.serve import serve_fields, serve_settings
     from gyre.coordinator.taskformats import load_task_source
     from gyre.coordinator.taskrun import run_tasks
     from gyre.coordinator.tasks import MAX_TIMEOUT_S
 
-    if sandbox not in BACKENDS:
-        fail(ValueError(f"--sandbox must be one of {', '.join(BACKENDS)}, got {sandbox!r}"))
     if keep_sandbox not in KEEP:
         fail(ValueError(f"--keep-sandbox must be one of {', '.join(KEEP)}, got {keep_sandbox!r}"))
     if concurrency < 1:
@@ -85,6 +81,7 @@ def run(path: TaskPathArg, harness: TaskHarnessOpt = "demo", sandbox: SandboxOpt
     if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:  # NaN fails it too
         fail(ValueError(f"--timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S:g} (a week), got {timeout:g}"))
     tasks = guard(load_task_source, path=path)
+    sandbox, sandbox_url = sandbox_for(flag=sandbox, url=sandbox_url, config=config, tasks=tasks, source=str(path))
     preset = harness_preset(harness, config, "process" if solution else sandbox)  # --solution runs no harness
     if model is not None:
         guard(check_model, model_dir=model)

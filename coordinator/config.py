@@ -64,7 +64,9 @@ class CoordinatorConfig:
     tasks_path: Path | None = None  # Harbor task folder(s), SWE-style or gyre JSONL; None: the embedded set
     # Where executions run (coordinator/sandbox/): process (a host folder, no isolation) |
     # podman | docker (a container per execution from the task's image, proxy-only network) |
-    # bubblewrap (a light local sandbox, no image).
+    # bubblewrap (a light local sandbox, no image). Unset (no --sandbox, not in the file): gyre
+    # up, tasks run, eval and serve pick podman, else docker, when a task runs in a container
+    # image, else process; config.json records the one picked.
     sandbox: str = "process"
     # podman/docker: the engine's Docker-compatible endpoint; None: podman's own service, docker's socket
     sandbox_url: str | None = None

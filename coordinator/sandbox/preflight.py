@@ -1,6 +1,9 @@
 """preflight.py: can this run's sandbox backend work here? Asked before the run directory exists.
 
-`check_sandbox` looks and starts nothing: the backend's command on PATH (podman, bwrap),
+`default_sandbox` is the rule every command applies when no sandbox is named (no --sandbox,
+no `sandbox` in the run config): process unless a task runs in a container image, then
+podman where its command is on PATH, else docker where an engine answers. `check_sandbox`
+looks and starts nothing: the backend's command on PATH (podman, bwrap),
 root where bubblewrap needs it, one short ping of each engine URL given (or docker's socket),
 and whether a task is one the run would refuse anyway (`task_refusal`, the launcher's own
 check). It raises SandboxError with one line saying what is missing and how to fix it. It
@@ -20,6 +23,34 @@ from gyre.coordinator.sandbox.base import SandboxError
 
 PING_TIMEOUT_S = 3.0  # an engine that does not answer this fast is reported, not waited for
 ELSEWHERE = "or choose another sandbox (e.g. process)"
+
+
+def needs_container(task) -> bool:
+    """Whether `task` runs only in a container: it names an image or a Dockerfile, or its
+    tests run inside its sandbox (task_refusal's reasons for a backend without images)."""
+    env = task.environment
+    return bool(env is not None and (env.image or env.build_dir)) or bool(task.verifier)
+
+
+def default_sandbox(tasks: Iterable, *, source: str, url: str | None = None,
+                    url_flag: str = "--sandbox-url URL") -> str:
+    """The sandbox for `tasks` when none is named: process unless one needs a container
+    (needs_container); then podman where its command is on PATH, else docker where an engine
+    answers at `url` (else docker's socket). Neither: SandboxError, one line naming `source`
+    (the task source as the user gave it) and the flags. Looks only (one short ping at most)."""
+    tasks = list(tasks)
+    contained = sum(needs_container(t) for t in tasks)
+    if not contained:
+        return "process"
+    from gyre.coordinator.sandbox.podman import unavailable
+
+    if unavailable() is None:
+        return "podman"
+    if ping_engine(url or DOCKER_URL) is None:
+        return "docker"
+    raise SandboxError(f"{source} needs a container image ({contained} of {len(tasks)} task(s) run in one) and "
+                       f"neither podman nor a docker engine is here: install podman (apt-get install -y podman runc), "
+                       f"start docker, or pass --sandbox docker with {url_flag}")
 
 
 def task_refusal(task, *, backend: str, needs_image: bool, internet: bool) -> str | None:

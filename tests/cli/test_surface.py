@@ -1,0 +1,134 @@
+"""One surface over the commands that run tasks (gyre up, tasks run, eval, serve --harness):
+one default sandbox rule (podman, else docker, for tasks that run in an image; else process),
+explicit flags over the config and the preset, the same --help. Real commands, run in
+process; the rule is driven by what is on PATH (a PATH without podman) and by an engine URL
+that answers nothing (a socket that is not there), so no container starts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from gyre.cli.common import sandbox_for
+from gyre.cli.main import _resolve_config, app
+from gyre.coordinator.sandbox.base import SandboxError
+from gyre.coordinator.sandbox.preflight import default_sandbox
+from gyre.coordinator.taskformats import load_task_source
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "examples" / "tasks"
+runner = CliRunner()
+
+
+def one_line_error(r) -> str:
+    assert r.exit_code == 1, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("[error] "), r.output
+    return lines[0]
+
+
+@pytest.fixture
+def no_engine(tmp_path, monkeypatch) -> str:
+    """A PATH without podman, and the URL of an engine that is not there."""
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    monkeypatch.setenv("PATH", str(bare))
+    return f"unix://{tmp_path / 'no-docker.sock'}"
+
+
+@pytest.fixture
+def jsonl(tmp_path) -> Path:
+    """A gyre task that needs no image."""
+    path = tmp_path / "tasks.jsonl"
+    path.write_text(json.dumps({"id": "hello", "prompt": "Write hello to answer.txt.", "target": "hello"}) + "\n")
+    return path
+
+
+@pytest.fixture
+def quick(tmp_path) -> Path:
+    """A run config with a harness that exits at once."""
+    path = tmp_path / "run.toml"
+    path.write_text('[harnesses.quick]\ncommand = ["true"]\n')
+    return path
+
+
+# --- the default sandbox rule --------------------------------------------------------------------
+
+
+def test_the_rule_picks_by_the_tasks_and_what_is_installed(jsonl, no_engine, monkeypatch):
+    harbor = load_task_source(EXAMPLES)  # every example runs in its image
+    assert default_sandbox(load_task_source(jsonl), source="t") == "process"
+    assert default_sandbox([], source="t") == "process"
+    with pytest.raises(SandboxError) as e:
+        default_sandbox(harbor, source="examples/tasks", url=no_engine)
+    assert str(e.value) == (
+        "examples/tasks needs a container image (4 of 4 task(s) run in one) and neither podman nor a docker engine "
+        "is here: install podman (apt-get install -y podman runc), start docker, or pass --sandbox docker with "
+        "--sandbox-url URL")
+    monkeypatch.undo()  # the real PATH
+    if shutil.which("podman") is None:
+        pytest.skip("podman is not installed here")
+    assert default_sandbox(harbor, source="examples/tasks") == "podman"
+
+
+def test_every_command_stops_on_the_same_line_and_makes_nothing(tmp_path, no_engine, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    want = f"[error] {EXAMPLES} needs a container image (4 of 4 task(s) run in one) and neither podman nor a docker"
+    url = ["--sandbox-url", no_engine]
+    cases = {"tasks run": ["tasks", "run", str(EXAMPLES), *url],
+             "eval": ["eval", "--tasks", str(EXAMPLES), *url],
+             "up": ["up", "--tasks", str(EXAMPLES), "--set", f"sandbox_url={no_engine}", "--no-live"]}
+    for name, args in cases.items():
+        line = one_line_error(runner.invoke(app, args))
+        assert line.startswith(want), (name, line)
+    assert one_line_error(runner.invoke(app, cases["up"])).endswith("--sandbox docker with --set sandbox_url=URL")
+    line = one_line_error(runner.invoke(app, ["serve", "--harness", "demo", "--task-dir", str(EXAMPLES / "sort-csv"),
+                                              *url]))
+    assert line.startswith(f"[error] --task-dir {EXAMPLES / 'sort-csv'} needs a container image (1 of 1 task(s)"), line
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_named_sandbox_wins_flag_over_config_over_the_rule(tmp_path, no_engine):
+    harbor = load_task_source(EXAMPLES)
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(f'sandbox = "docker"\nsandbox_url = "{no_engine}"\n')
+    # The rule would refuse here (no podman, no engine): a named sandbox is not the rule's.
+    assert sandbox_for(flag=None, url=None, config=cfg, tasks=harbor, source="x") == ("docker", no_engine)
+    assert sandbox_for(flag="podman", url="unix:///x", config=cfg, tasks=harbor, source="x") == ("podman", "unix:///x")
+    assert sandbox_for(flag="process", url=None, config=None, tasks=harbor, source="x") == ("process", None)
+    bad = tmp_path / "bad.toml"
+    bad.write_text('sandbox = "vm"\n')
+    line = one_line_error(runner.invoke(app, ["tasks", "run", str(EXAMPLES), "--config", str(bad)]))
+    assert line == f"[error] {bad}: sandbox must be one of process, podman, docker, bubblewrap, got 'vm'"
+    line = one_line_error(runner.invoke(app, ["eval", "--tasks", str(EXAMPLES), "--sandbox", "vm"]))
+    assert line == "[error] --sandbox must be one of process, podman, docker, bubblewrap, got 'vm'"
+
+
+def test_gyre_up_records_the_sandbox_the_rule_picked(tmp_path, monkeypatch, jsonl):
+    monkeypatch.chdir(tmp_path)
+    cfg, _, overrides = _resolve_config(None, [], tasks_path=jsonl)
+    assert cfg.sandbox == "process" and "sandbox" not in overrides  # picked, not given
+    (tmp_path / "run.toml").write_text(f'tasks_path = "{EXAMPLES}"\nsandbox = "bubblewrap"\n')
+    assert _resolve_config(tmp_path / "run.toml", [])[0].sandbox == "bubblewrap"
+    assert _resolve_config(tmp_path / "run.toml", [], sandbox="docker")[0].sandbox == "docker"
+    if shutil.which("podman") is None:
+        pytest.skip("podman is not installed here")
+    cfg, file_values, overrides = _resolve_config(None, [], tasks_path=EXAMPLES)
+    assert cfg.sandbox == "podman" and cfg.to_json()["sandbox"] == "podman"  # config.json says what runs
+
+
+def test_tasks_without_an_image_run_in_process_sandboxes_by_default(tmp_path, tiny_dir, jsonl, quick):
+    """tasks run (once podman's default), eval and serve --harness: no --sandbox, no image: process."""
+    common = ["--harness", "quick", "--config", str(quick), "--model", str(tiny_dir)]
+    r = runner.invoke(app, ["tasks", "run", str(jsonl), *common, "--run-dir", str(tmp_path / "t"), "--json"])
+    assert r.exit_code == 0, r.output[-2000:]
+    r = runner.invoke(app, ["eval", "--tasks", str(jsonl), *common, "--run-dir", str(tmp_path / "e"), "--json"])
+    assert r.exit_code in (0, 1), r.output[-2000:]  # scored or not: where it ran is the point
+    r = runner.invoke(app, ["serve", "--task", "t", *common, "--run-dir", str(tmp_path / "s")])
+    assert r.exit_code == 0, r.output[-2000:]
+    for name in ("t", "e", "s"):
+        assert json.loads((tmp_path / name / "config.json").read_text())["sandbox"] == "process", name
