@@ -224,12 +224,12 @@ def _run_training(d: Path) -> list[Check]:
     """What the steps trained: a run whose steps trained no token left the weights as the base
     model's (a warning, with the diagnosis its step events carry: coordinator/diagnosis.py)."""
     from gyre.coordinator.diagnosis import merge, why
-    from gyre.coordinator.metrics import read_events
+    from gyre.coordinator.metrics import counted_steps, read_events
 
     path = d / "metrics.jsonl"
     if not path.exists():
         return []
-    steps = [e for e in read_events(path).events if e.get("event") == "step"]
+    steps = counted_steps(read_events(path).events)  # a resume's retrained steps once
     if not steps:
         return [Check("training", OK, "no step done yet")]
     idle = [e for e in steps if not e.get("tokens_trained")]

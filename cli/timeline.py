@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import NamedTuple
 from xml.sax.saxutils import escape
 
-from gyre.coordinator.metrics import read_events
+from gyre.coordinator.metrics import counted_steps, read_events
 from gyre.coordinator.policies import POLICIES
 from gyre.coordinator.sim import ROLLOUT, SWITCHING, TRAINING, SimResult
 
@@ -182,7 +182,7 @@ def result_from_metrics(path: str | Path) -> RunResult:
             start = max(0.0, e["t"] - e.get("seconds", 0.0)) / 3600
             timeline += [(start, e["cell"], "switching"), (e["t"] / 3600, e["cell"], e["to"])]
     timeline.sort(key=lambda x: x[0])
-    steps = [e for e in events if e["event"] == "step"]
+    steps = counted_steps(events)  # a resume's retrained steps once, not twice
     end = max((e["t"] for e in events), default=0.0) / 3600
     staleness = [e["staleness_mean"] for e in steps]
     share = []

@@ -34,8 +34,9 @@ def run_up(config: CoordinatorConfig, live: bool = False, resume: bool = False) 
     status: 0, or 128 + the signal that stopped the run (130 for Ctrl-C)."""
     import uvloop
 
-    print(f"gyre up: policy {config.policy}, {config.cells} cells, B={config.groups_per_step} N={config.group_size} "
-          f"phi={config.phi} mu={config.mu}, {config.steps} steps -> {config.run_dir}", flush=True)
+    print(f"gyre up: policy {config.policy}, {config.cells} cells, {config.steps} steps of "
+          f"B={config.groups_per_step} groups x N={config.group_size} executions, phi={config.phi} (batches "
+          f"queued ahead), mu={config.mu} (steps per publication) -> {config.run_dir}", flush=True)
     if resume:
         print(f"resuming {config.run_dir} from its latest checkpoint", flush=True)
     coord = Coordinator(config, on_step=_print_step(config.steps), resume=resume, workers=inproc_workers(config))

@@ -131,6 +131,7 @@ class Coordinator:
         t0, restored = None, None
         if self.resume:
             restored = resume.read(c.run_dir)  # fails before anything starts
+            self.checkpoints.counts(restored)  # the view shows the run's step while the workers load
             t0 = time.monotonic() - restored.last_t  # times continue from the journal's last
         (c.run_dir / "config.json").write_text(json.dumps(c.to_json(), indent=2))
         trackers = Trackers(c.trackers, c.tracker_options, c.run_dir, c.to_json()) if c.trackers else None

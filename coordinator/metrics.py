@@ -133,3 +133,16 @@ def read_events(path: str | Path, *, tail: int | None = None, warn: bool = False
     bad.sort()
     last = max((i for i, raw in enumerate(lines) if raw.strip()), default=-1)
     return Events(events, tuple(bad), len(lines), bool(bad) and bad[-1] == last + 1)
+
+
+def counted_steps(events: list[dict]) -> list[dict]:
+    """The run's `step` events that count, in order: a `resume` (its `step`: the checkpoint's)
+    drops those past the checkpoint before it, lost with the coordinator and trained again
+    since, so a 2-step run resumed after its step 2 was lost counts 2 steps, not 3."""
+    out: list[dict] = []
+    for ev in events:
+        if ev.get("event") == "resume" and isinstance(ev.get("step"), int):
+            out = [s for s in out if not isinstance(s.get("step"), int) or s["step"] <= ev["step"]]
+        elif ev.get("event") == "step":
+            out.append(ev)
+    return out

@@ -373,6 +373,23 @@ class Checkpoints:
                  step_dir(self.c.run_dir, self.steps.steps_done) / "trainer.pt")
 
 
+    def counts(self, restored: Restored) -> None:
+        """The run's counts at the checkpoint (steps done and checkpointed, publications, the
+        burst, tokens trained, the version) before anything starts: a resumed run shows step
+        3/5 while its workers load, never 0/5 (`restore` sets them again, the version from the
+        weights loaded)."""
+        st, steps = restored.state, self.steps
+        steps.steps_done, steps.publications = st["step"], st["publications"]
+        steps.checkpointed_step = st["step"] if restored.checkpoint is not None else None
+        steps.trainer_version = steps.version = st.get("version", 0) if restored.checkpoint is not None else 0
+        steps.steps_in_burst = st.get("steps_in_burst", 0)
+        if steps.steps_in_burst >= self.c.mu:
+            # Stopped after a burst's last step, before its publication: loading the trainer's
+            # weights into every engine (restore) is that publication (its dispatch follows).
+            steps.publications += 1
+            steps.steps_in_burst = 0
+        steps.tokens_trained = st.get("tokens_trained", 0)
+
     async def restore(self, restored: Restored) -> None:
         """The latest checkpoint into the core and every engine; the buffer from the journal.
 
@@ -385,22 +402,12 @@ class Checkpoints:
         st, folder = restored.state, restored.checkpoint
         dispatches, outcomes = restored.dispatches, restored.outcomes
         core, link = self.cells.nodes[0], self.link
+        self.counts(restored)  # without a checkpoint: the model directory's weights, which every cell loaded
         if folder is not None:
             path = str(folder / "trainer.pt")
             loaded = await link.request(core, wire.LoadCheckpoint(path=path),
                                         timeout=self.c.checkpoint_timeout_s)
             self.steps.trainer_version = self.steps.version = loaded.version
-            self.steps.checkpointed_step = st["step"]
-        else:  # no checkpoint yet: the model directory's weights, which every cell loaded at start
-            self.steps.trainer_version = self.steps.version = 0
-        self.steps.steps_done, self.steps.publications = st["step"], st["publications"]
-        self.steps.steps_in_burst = st.get("steps_in_burst", 0)
-        if self.steps.steps_in_burst >= self.c.mu:
-            # Stopped after a burst's last step, before its publication: loading the trainer's
-            # weights into every engine below is that publication (its dispatch follows).
-            self.steps.publications += 1
-            self.steps.steps_in_burst = 0
-        self.steps.tokens_trained = st.get("tokens_trained", 0)
         self.weights.forget(self.steps.version)
         if folder is not None:
             await link.request(core, wire.LoadWeights(version=self.steps.version))
