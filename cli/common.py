@@ -56,14 +56,15 @@ def check_installed(preset, sandbox: str = "process") -> None:
         guard(agent_dir, preset=preset.name, packages=preset.sandbox_pip, python=preset.sandbox_python)
 
 
-def harness_preset(name: str, config: Path | None, sandbox: str = "process"):
-    """The named preset (user presets from `config` first), checked for `sandbox`."""
+def harness_preset(name: str | None, config: Path | None, sandbox: str = "process"):
+    """The preset --harness names, else the config's `harness`, else demo (user presets from
+    `config` first), checked for `sandbox`."""
     from gyre.coordinator.harnesses import HarnessError, resolve
     from gyre.coordinator.runconfig import load_config_file
 
-    user = (guard(load_config_file, path=config) if config else {}).get("harnesses", {})
+    values = guard(load_config_file, path=config) if config else {}
     try:
-        preset = resolve(name, user)
+        preset = resolve(name if name is not None else values.get("harness", "demo"), values.get("harnesses", {}))
     except HarnessError as e:
         fail(e)
     check_installed(preset, sandbox)
@@ -89,6 +90,15 @@ def sandbox_for(*, flag: str | None, url: str | None, config: Path | None, tasks
         where = "--sandbox" if flag is not None else f"{config}: sandbox"
         fail(ValueError(f"{where} must be one of {', '.join(BACKENDS)}, got {name!r}"))
     return name, url
+
+
+def check_timeout(timeout: float | None) -> None:
+    """--timeout, where given: seconds, positive, at most a week (NaN fails it too)."""
+    from gyre.coordinator.tasks import MAX_TIMEOUT_S
+
+    if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:
+        fail(ValueError(f"--timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S:g} (a week), "
+                        f"got {timeout:g}"))
 
 
 def check_model(model_dir: Path) -> None:

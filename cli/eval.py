@@ -22,9 +22,9 @@ from typing import Annotated
 
 import typer
 
-from gyre.cli.common import default_run_dir, fail, guard, harness_preset, model_or_tiny, sandbox_for
-from gyre.cli.options import JsonOpt, ServeConfigOpt, ServeSetOpt, TaskSandboxOpt
-from gyre.cli.tasks import SandboxUrlOpt, TaskHarnessOpt, TaskTimeoutOpt
+from gyre.cli.common import check_timeout, default_run_dir, fail, guard, harness_preset, model_or_tiny, sandbox_for
+from gyre.cli.options import JsonOpt, ServeConfigOpt, ServeSetOpt, TaskSandboxOpt, TimeoutOpt
+from gyre.cli.tasks import SandboxUrlOpt, TaskHarnessOpt
 
 EvalModelOpt = Annotated[Path | None, typer.Option(
     "--model", help="A Hugging Face model directory, or a gyre run directory (gyre up): its latest checkpoint's "
@@ -57,10 +57,10 @@ class ModelSource:
 
 
 def eval_cmd(tasks: EvalTasksOpt, model: EvalModelOpt = None, step: EvalStepOpt = None,
-             harness: TaskHarnessOpt = "demo", sandbox: TaskSandboxOpt = None, sandbox_url: SandboxUrlOpt = None,
+             harness: TaskHarnessOpt = None, sandbox: TaskSandboxOpt = None, sandbox_url: SandboxUrlOpt = None,
              k: EvalKOpt = 1, threshold: EvalThresholdOpt = 1.0, set_: ServeSetOpt = None,
              solution: EvalSolutionOpt = False, run_dir: EvalRunDirOpt = None, as_json: JsonOpt = False,
-             concurrency: EvalConcurrencyOpt = 8, timeout: TaskTimeoutOpt = None,
+             concurrency: EvalConcurrencyOpt = 8, timeout: TimeoutOpt = None,
              config: ServeConfigOpt = None) -> None:
     """pass@k of a model (a model directory, or a run's checkpoint) over a task source: each
     task k times, one row per task, then pass@k, pass@1 and the reward mean."""
@@ -75,6 +75,7 @@ def eval_cmd(tasks: EvalTasksOpt, model: EvalModelOpt = None, step: EvalStepOpt 
     # 1) Everything checked before the run directory exists: a refused eval leaves nothing.
     guard(_check_flags, k=k, threshold=threshold, concurrency=concurrency, solution=solution, model=model,
           step=step)
+    check_timeout(timeout)
     if not tasks.exists():
         fail(FileNotFoundError(f"--tasks {tasks}: no such file or directory"))
     task_list = guard(load_task_source, path=tasks)

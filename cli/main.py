@@ -16,6 +16,7 @@ from gyre.cli import common
 from gyre.cli.common import (
     check_installed,
     check_model,
+    check_timeout,
     default_run_dir,
     fail,
     guard,
@@ -372,7 +373,7 @@ def _default_sandbox(file_values: dict, overrides: dict) -> dict:
 
 @app.command()
 def serve(model: ModelOpt = None, run_dir: RunDirOpt = None, host: HostOpt = "127.0.0.1", port: PortOpt = 0,
-          harness: HarnessOpt = None, task: TaskOpt = None, timeout: TimeoutOpt = 600.0,
+          harness: HarnessOpt = None, task: TaskOpt = None, timeout: TimeoutOpt = None,
           max_context: MaxContextOpt = None, config: ServeConfigOpt = None, set_: ServeSetOpt = None,
           executions: ExecutionsOpt = 1, task_dir: TaskDirOpt = None, sandbox: ServeSandboxOpt = None,
           sandbox_url: ServeSandboxUrlOpt = None) -> None:
@@ -405,6 +406,9 @@ def serve(model: ModelOpt = None, run_dir: RunDirOpt = None, host: HostOpt = "12
         fail(ValueError("--task and --task-dir are for --harness (without it, serve waits for your own client)"))
     elif sandbox is not None:
         fail(ValueError("--sandbox is for --harness (without it, serve waits for your own client)"))
+    check_timeout(timeout)
+    if timeout is not None and harness is None:
+        fail(ValueError("--timeout is for --harness (without it, serve waits for your own client)"))
     if executions < 1 or (executions > 1 and harness is not None):
         fail(ValueError("--executions must be >= 1, and is for serving your own clients (not with --harness)"))
     if model is not None:

@@ -9,18 +9,26 @@ from typing import Annotated
 
 import typer
 
-from gyre.cli.common import check_model, default_run_dir, fail, guard, harness_preset, model_or_tiny, sandbox_for
-from gyre.cli.options import JsonOpt, ModelOpt, RunDirOpt, ServeConfigOpt, ServeSetOpt, TaskSandboxOpt
+from gyre.cli.common import (
+    check_model,
+    check_timeout,
+    default_run_dir,
+    fail,
+    guard,
+    harness_preset,
+    model_or_tiny,
+    sandbox_for,
+)
+from gyre.cli.options import JsonOpt, ModelOpt, RunDirOpt, ServeConfigOpt, ServeSetOpt, TaskSandboxOpt, TimeoutOpt
 
 tasks_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
                         help="Task sources (Harbor folders, SWE-style or gyre JSONL): check them, run them once.")
 
 TaskPathArg = Annotated[Path, typer.Argument(help="A Harbor task folder, a folder of them, or a JSONL file (SWE-style rows or gyre tasks).")]
-TaskHarnessOpt = Annotated[str, typer.Option("--harness", help="The harness preset that works on each task (demo, claude-code, codex, or one from --config).")]
+TaskHarnessOpt = Annotated[str | None, typer.Option("--harness", help="The harness preset that works on each task (demo, claude-code, codex, or one from --config; default: --config's harness, else demo).")]
 SandboxUrlOpt = Annotated[str | None, typer.Option("--sandbox-url", help="The engine's Docker-compatible endpoint (default: gyre's own podman service; docker's socket).")]
 SolutionOpt = Annotated[bool, typer.Option("--solution", help="Run each task's own solution/solve.sh instead of a harness: checks that the task is solvable and its tests score it.")]
 ConcurrencyOpt = Annotated[int, typer.Option("--concurrency", help="Tasks running at once.")]
-TaskTimeoutOpt = Annotated[float | None, typer.Option("--timeout", help="Seconds each agent may run where its task sets none ([agent].timeout_sec wins); over the preset's timeout_s; default: the preset's, else 600.")]
 KeepOpt = Annotated[str, typer.Option("--keep-sandbox", help="Keep sandboxes afterwards: never, on_failure or always.")]
 
 
@@ -60,9 +68,9 @@ def check(path: TaskPathArg, as_json: JsonOpt = False) -> None:
 
 
 @tasks_app.command("run")
-def run(path: TaskPathArg, harness: TaskHarnessOpt = "demo", sandbox: TaskSandboxOpt = None,
+def run(path: TaskPathArg, harness: TaskHarnessOpt = None, sandbox: TaskSandboxOpt = None,
         solution: SolutionOpt = False, as_json: JsonOpt = False, model: ModelOpt = None, run_dir: RunDirOpt = None,
-        config: ServeConfigOpt = None, concurrency: ConcurrencyOpt = 2, timeout: TaskTimeoutOpt = None,
+        config: ServeConfigOpt = None, concurrency: ConcurrencyOpt = 2, timeout: TimeoutOpt = None,
         sandbox_url: SandboxUrlOpt = None, keep_sandbox: KeepOpt = "never", set_: ServeSetOpt = None) -> None:
     """Run every task once (no training) and print each one's status and score."""
     import uvloop
@@ -72,14 +80,12 @@ def run(path: TaskPathArg, harness: TaskHarnessOpt = "demo", sandbox: TaskSandbo
     from gyre.coordinator.serve import serve_fields, serve_settings
     from gyre.coordinator.taskformats import load_task_source
     from gyre.coordinator.taskrun import run_tasks
-    from gyre.coordinator.tasks import MAX_TIMEOUT_S
 
     if keep_sandbox not in KEEP:
         fail(ValueError(f"--keep-sandbox must be one of {', '.join(KEEP)}, got {keep_sandbox!r}"))
     if concurrency < 1:
         fail(ValueError("--concurrency must be >= 1"))
-    if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:  # NaN fails it too
-        fail(ValueError(f"--timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S:g} (a week), got {timeout:g}"))
+    check_timeout(timeout)
     tasks = guard(load_task_source, path=path)
     sandbox, sandbox_url = sandbox_for(flag=sandbox, url=sandbox_url, config=config, tasks=tasks, source=str(path))
     preset = harness_preset(harness, config, "process" if solution else sandbox)  # --solution runs no harness

@@ -30,15 +30,18 @@ from gyre.coordinator.waterlevel import Tracked
 from gyre.proxy.server import ProxyServer
 from gyre.proxy.serving import SERVING_FIELDS, ProxyConfig
 
+DEFAULT_TIMEOUT_S = 600.0  # a harness's seconds where the task, --timeout and the preset set none
+
 
 async def run_harness_once(proxy: ProxyServer, preset: HarnessPreset, prompt: str, *, run_dir: Path,
-                           execution: str = "serve", timeout_s: float = 600.0, task: Task | None = None,
+                           execution: str = "serve", timeout_s: float | None = None, task: Task | None = None,
                            sandbox: str = "process", sandbox_url: str | None = None) -> dict:
     """Run `preset` once against a started proxy, in a sandbox of `sandbox`; with `task` (a
-    Harbor task, say) on that task, scored by its tests. The summary is also written to
-    RUN_DIR/executions/<execution>/summary.json."""
-    spec = LaunchSpec(preset=preset, timeout_s=timeout_s, eval_attempts=1, eval_budget_s=600.0 if task else 0.0,
-                      limits=Limits(pids=4096))
+    Harbor task, say) on that task, scored by its tests. `timeout_s`: the --timeout given, over
+    the preset's timeout_s and under the task's own (harness_timeout). The summary is also
+    written to RUN_DIR/executions/<execution>/summary.json."""
+    spec = LaunchSpec(preset=preset, timeout_s=timeout_s or DEFAULT_TIMEOUT_S, timeout_flag_s=timeout_s,
+                      eval_attempts=1, eval_budget_s=600.0 if task else 0.0, limits=Limits(pids=4096))
     run = Execution(id=execution, group=0, index=0, task=task or Task(id=execution, prompt=prompt), tracked=Tracked(),
                     version_dispatched=0)
     folder = run_dir / "executions" / execution
@@ -64,6 +67,12 @@ async def run_harness_once(proxy: ProxyServer, preset: HarnessPreset, prompt: st
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def harness_timeout(preset: HarnessPreset, timeout_s: float | None, task: Task | None = None) -> float:
+    """The seconds a harness run once gets, as the launcher picks them: the task's own, else
+    --timeout, else the preset's timeout_s, else DEFAULT_TIMEOUT_S."""
+    return (task.timeout_s if task else None) or timeout_s or preset.timeout_s or DEFAULT_TIMEOUT_S
 
 
 # What `gyre serve`, `tasks run` and `eval` take of a run config's serving fields (--host and
@@ -118,7 +127,7 @@ def serve_settings(*, model_dir: Path, fields: dict | None = None) -> ProxyConfi
 
 async def serve(*, model_dir: Path, run_dir: Path, host: str, port: int, execution: str = "serve",
                 ready_file: Path | None = None, preset: HarnessPreset | None = None, task: str | None = None,
-                timeout_s: float = 600.0, settings: ProxyConfig | None = None, executions: int = 1,
+                timeout_s: float | None = None, settings: ProxyConfig | None = None, executions: int = 1,
                 task_obj: Task | None = None, sandbox: str = "process", sandbox_url: str | None = None) -> int:
     loop = asyncio.get_running_loop()
     settings = settings if settings is not None else serve_settings(model_dir=model_dir)
@@ -169,7 +178,7 @@ def recorded(settings: ProxyConfig) -> dict:
 
 
 def run_serve(*, model_dir: Path, run_dir: Path, host: str, port: int, preset: HarnessPreset | None = None,
-              task: str | None = None, timeout_s: float = 600.0, settings: ProxyConfig | None = None,
+              task: str | None = None, timeout_s: float | None = None, settings: ProxyConfig | None = None,
               executions: int = 1, task_obj: Task | None = None, sandbox: str = "process",
               sandbox_url: str | None = None) -> int:
     import uvloop
@@ -177,7 +186,8 @@ def run_serve(*, model_dir: Path, run_dir: Path, host: str, port: int, preset: H
     settings = settings if settings is not None else serve_settings(model_dir=model_dir)
     (run_dir / "config.json").write_text(json.dumps({
         "command": "serve", "model": str(model_dir), "host": host, "port": port,
-        "harness": None if preset is None else preset.name, "task": task, "timeout_s": timeout_s,
+        "harness": None if preset is None else preset.name, "task": task,
+        "timeout_s": None if preset is None else harness_timeout(preset, timeout_s, task_obj),
         "task_dir": None if task_obj is None else task_obj.id, "sandbox": sandbox,
         **recorded(settings)}, indent=2))
     return uvloop.run(serve(model_dir=model_dir, run_dir=run_dir, host=host, port=port, preset=preset, task=task,

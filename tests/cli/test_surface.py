@@ -132,3 +132,54 @@ def test_tasks_without_an_image_run_in_process_sandboxes_by_default(tmp_path, ti
     assert r.exit_code == 0, r.output[-2000:]
     for name in ("t", "e", "s"):
         assert json.loads((tmp_path / name / "config.json").read_text())["sandbox"] == "process", name
+
+
+# --- explicit flags over the config and the preset ----------------------------------------------
+
+
+def test_serve_timeout_beats_the_presets_own(tmp_path, tiny_dir):
+    """`gyre serve --harness --timeout` is over a preset's timeout_s (its default of 600 could
+    not be told from a flag: the preset's always won) and the preset's over the default: a
+    harness that naps 2 s under a preset of 0.5 s times out, and completes with --timeout 30."""
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('[harnesses.nap]\ncommand = ["sh", "-c", "sleep 2"]\ntimeout_s = 0.5\n')
+
+    def serve(name: str, *flags: str) -> tuple[str, float]:
+        run = tmp_path / name
+        r = runner.invoke(app, ["serve", "--harness", "nap", "--task", "nap", "--config", str(cfg), "--model",
+                                str(tiny_dir), "--run-dir", str(run), *flags])
+        summary = json.loads(r.stdout.strip().splitlines()[-1])
+        assert r.exit_code == (0 if summary["status"] == "completed" else 1), r.output[-2000:]
+        return summary["status"], json.loads((run / "config.json").read_text())["timeout_s"]
+
+    assert serve("preset") == ("timed_out", 0.5)
+    assert serve("flag", "--timeout", "30") == ("completed", 30.0)
+
+
+def test_timeout_refusals_are_the_same_everywhere(tmp_path, jsonl):
+    want = "[error] --timeout must be a positive number of seconds, at most 604800 (a week), got 0"
+    for args in (["tasks", "run", str(jsonl)], ["eval", "--tasks", str(jsonl)], ["serve", "--harness", "demo",
+                                                                                  "--task", "t"]):
+        assert one_line_error(runner.invoke(app, [*args, "--timeout", "0"])) == want, args
+    line = one_line_error(runner.invoke(app, ["serve", "--timeout", "5"]))
+    assert line == "[error] --timeout is for --harness (without it, serve waits for your own client)"
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_configs_harness_applies_and_harness_wins(tmp_path, tiny_dir, jsonl):
+    """tasks run and eval take --config's harness where no --harness is given (it read "demo"
+    before, whatever the config said); --harness wins over it."""
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('harness = "quick"\n[harnesses.quick]\ncommand = ["true"]\n[harnesses.other]\ncommand = ["true"]\n')
+
+    def harness(*args: str) -> str:
+        run = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        r = runner.invoke(app, [*args, "--config", str(cfg), "--model", str(tiny_dir), "--run-dir", str(run),
+                                "--json"])
+        assert r.exit_code in (0, 1) and (run / "config.json").exists(), r.output[-2000:]
+        return json.loads((run / "config.json").read_text())["harness"]
+
+    assert harness("tasks", "run", str(jsonl)) == "quick"
+    assert harness("tasks", "run", str(jsonl), "--harness", "other") == "other"
+    assert harness("eval", "--tasks", str(jsonl)) == "quick"
+    assert harness("eval", "--tasks", str(jsonl), "--harness", "other") == "other"
