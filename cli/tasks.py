@@ -19,13 +19,21 @@ from gyre.cli.common import (
     model_or_tiny,
     sandbox_for,
 )
-from gyre.cli.options import JsonOpt, ModelOpt, RunDirOpt, ServeConfigOpt, ServeSetOpt, TaskSandboxOpt, TimeoutOpt
+from gyre.cli.options import (
+    JsonOpt,
+    ModelOpt,
+    ServeConfigOpt,
+    ServeSetOpt,
+    TaskHarnessOpt,
+    TaskSandboxOpt,
+    TasksRunDirOpt,
+    TimeoutOpt,
+)
 
 tasks_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
                         help="Task sources (Harbor folders, SWE-style or gyre JSONL): check them, run them once.")
 
 TaskPathArg = Annotated[Path, typer.Argument(help="A Harbor task folder, a folder of them, or a JSONL file (SWE-style rows or gyre tasks).")]
-TaskHarnessOpt = Annotated[str | None, typer.Option("--harness", help="The harness preset that works on each task (demo, claude-code, codex, or one from --config; default: --config's harness, else demo).")]
 SandboxUrlOpt = Annotated[str | None, typer.Option("--sandbox-url", help="The engine's Docker-compatible endpoint (default: gyre's own podman service; docker's socket).")]
 SolutionOpt = Annotated[bool, typer.Option("--solution", help="Run each task's own solution/solve.sh instead of a harness: checks that the task is solvable and its tests score it.")]
 ConcurrencyOpt = Annotated[int, typer.Option("--concurrency", help="Tasks running at once.")]
@@ -69,14 +77,14 @@ def check(path: TaskPathArg, as_json: JsonOpt = False) -> None:
 
 @tasks_app.command("run")
 def run(path: TaskPathArg, harness: TaskHarnessOpt = None, sandbox: TaskSandboxOpt = None,
-        solution: SolutionOpt = False, as_json: JsonOpt = False, model: ModelOpt = None, run_dir: RunDirOpt = None,
+        solution: SolutionOpt = False, as_json: JsonOpt = False, model: ModelOpt = None, run_dir: TasksRunDirOpt = None,
         config: ServeConfigOpt = None, concurrency: ConcurrencyOpt = 2, timeout: TimeoutOpt = None,
         sandbox_url: SandboxUrlOpt = None, keep_sandbox: KeepOpt = "never", set_: ServeSetOpt = None) -> None:
     """Run every task once (no training) and print each one's status and score."""
     import uvloop
 
     from gyre.coordinator.launcher import KEEP
-    from gyre.coordinator.rundir import absolute, claim
+    from gyre.coordinator.rundir import absolute, claim, fresh
     from gyre.coordinator.serve import serve_fields, serve_settings
     from gyre.coordinator.taskformats import load_task_source
     from gyre.coordinator.taskrun import run_tasks
@@ -92,7 +100,8 @@ def run(path: TaskPathArg, harness: TaskHarnessOpt = None, sandbox: TaskSandboxO
     if model is not None:
         guard(check_model, model_dir=model)
     fields = guard(serve_fields, config=config, sets=set_ or [])
-    run_dir = absolute(run_dir or default_run_dir("tasks"))
+    # The default name, made here: unique even within a second (as eval's and serve's).
+    run_dir = absolute(run_dir) if run_dir else guard(fresh, path=default_run_dir("tasks"))
     lock = guard(claim, run_dir=run_dir, command="serve")
     try:
         model_dir = model_or_tiny(absolute(model) if model else None, run_dir, 0)

@@ -183,3 +183,50 @@ def test_the_configs_harness_applies_and_harness_wins(tmp_path, tiny_dir, jsonl)
     assert harness("tasks", "run", str(jsonl), "--harness", "other") == "other"
     assert harness("eval", "--tasks", str(jsonl)) == "quick"
     assert harness("eval", "--tasks", str(jsonl), "--harness", "other") == "other"
+
+
+# --- the same --help ------------------------------------------------------------------------------
+
+
+def _params(*path: str) -> dict:
+    """The click parameters of `gyre PATH...`, by their long flag."""
+    import typer
+
+    command = typer.main.get_command(app)
+    for name in path:
+        command = command.commands[name]
+    return {opt: p for p in command.params for opt in p.opts if opt.startswith("--")}
+
+
+COMMANDS = {("up",): "up", ("serve",): "serve", ("tasks", "run"): "tasks", ("eval",): "eval"}
+
+
+def test_every_harness_help_lists_the_registrys_presets_and_its_real_run_dir(tmp_path, monkeypatch):
+    from gyre.cli.common import default_run_dir
+    from gyre.coordinator.harnesses import BUILTIN
+
+    presets = f"({', '.join(BUILTIN)}, or one from the config's [harnesses.NAME])"
+    for path, prefix in COMMANDS.items():
+        params = _params(*path)
+        assert presets in params["--harness"].help, path
+        assert f"default: runs/{prefix}-<timestamp>, -2, -3, ... when taken" in params["--run-dir"].help, path
+        assert "auto: podman, else docker, when a task runs in a container image" in params["--sandbox"].help, path
+        assert default_run_dir(prefix).name.startswith(f"{prefix}-")  # what the command names it
+        text = runner.invoke(app, [*path, "--help"], terminal_width=1000).output
+        assert presets in text and f"runs/{prefix}-<timestamp>" in text, path
+    timeouts = {_params(*path)["--timeout"].help for path in (("serve",), ("tasks", "run"), ("eval",))}
+    assert len(timeouts) == 1 and "over the preset's timeout_s" in timeouts.pop()
+    # The names the commands really give a default run directory.
+    monkeypatch.chdir(tmp_path)
+    assert _resolve_config(None, [])[0].run_dir.name.startswith("up-")
+
+
+def test_tasks_run_names_its_run_directory_as_its_help_says(tmp_path, monkeypatch, tiny_dir, jsonl, quick):
+    """runs/tasks-<timestamp> (-2 when taken): each run its own directory."""
+    monkeypatch.chdir(tmp_path)
+    for _ in range(2):
+        r = runner.invoke(app, ["tasks", "run", str(jsonl), "--harness", "quick", "--config", str(quick),
+                                "--model", str(tiny_dir), "--json"])
+        assert r.exit_code == 0, r.output[-2000:]
+    made = sorted(p.name for p in (tmp_path / "runs").iterdir())
+    assert len(made) == 2 and all(name.startswith("tasks-") for name in made), made
