@@ -36,25 +36,39 @@ from gyre.coordinator.tasks import (
 HARBOR_NEEDS = ("a Harbor task needs instruction.md, task.toml, environment/Dockerfile or [environment].docker_image, "
                 "tests/test.sh")
 # task.toml's keys: the sections and keys gyre reads (HARBOR_SECTIONS), and the keys Harbor's format
-# defines that gyre does not use (HARBOR_TOP_KEYS, HARBOR_IGNORED: the section ones are listed in
-# meta["unknown_keys"] for `gyre tasks check`). Any other key is refused, the closest known one
-# named: Harbor itself drops it, so a typo (`timout_sec`) would silently run with the default.
-HARBOR_TOP_KEYS = frozenset({"version", "schema_version", "source", "task"})
+# defines that gyre does not use (HARBOR_TOP_KEYS, HARBOR_IGNORED, each with why: the ignored ones
+# are listed in meta["unknown_keys"] for `gyre tasks check`). Any other key is refused, the closest
+# known one named: Harbor itself drops it, so a typo (`timout_sec`) would silently run with the
+# default. Checked against Harbor's TaskConfig (src/harbor/models/task/config.py, schema_version
+# 1.4: AlienKevin/sprint@49e3cd77, a fork carrying it; 1.1: LegoX/harbor@73fd120e).
+HARBOR_TOP_KEYS = frozenset({"version", "schema_version", "source", "task"})  # identity, read by no one
 HARBOR_SECTIONS: dict[str, frozenset[str] | None] = {  # None: any key (free-form)
     "metadata": None,
-    "verifier": frozenset({"timeout_sec", "env", "environment"}),
+    "verifier": frozenset({"timeout_sec", "env", "environment"}),  # environment: gyre's (fresh | agent)
     "agent": frozenset({"timeout_sec", "user"}),
     "environment": frozenset({"docker_image", "build_timeout_sec", "cpus", "memory_mb", "memory",
-                              "storage_mb", "storage", "allow_internet", "gpus"}),
+                              "storage_mb", "storage", "allow_internet", "gpus", "workdir"}),
     "solution": frozenset({"env"}),
 }
-HARBOR_IGNORED: dict[str, frozenset[str]] = {
-    "verifier": frozenset({"user", "network_mode", "allowed_hosts"}),
-    "agent": frozenset({"network_mode", "allowed_hosts"}),
-    "environment": frozenset({"gpu_types", "network_mode", "allowed_hosts", "mcp_servers", "env", "skills_dir",
-                              "healthcheck"}),
-    "solution": frozenset(),
+_NETWORK = "gyre's network is the proxy only, or the internet with allow_internet and sandbox_internet"
+HARBOR_IGNORED: dict[str, dict[str, str]] = {
+    "": {"artifacts": "gyre keeps each execution's own records and copies out the workspace",
+         "multi_step_reward_strategy": "for [[steps]] tasks, which gyre refuses"},
+    "verifier": {"user": "the verifier runs as the image's user",
+                 "network_mode": _NETWORK, "allowed_hosts": _NETWORK,
+                 "environment_mode": "gyre's [verifier].environment chooses: fresh (default) or agent",
+                 "collect": "no compose services: the tests read the agent's workspace"},
+    "agent": {"network_mode": _NETWORK, "allowed_hosts": _NETWORK},
+    "environment": {"gpu_types": "a sandbox gets no accelerator type", "tpu": "a sandbox gets no TPU",
+                    "os": "gyre runs Linux images", "network_mode": _NETWORK, "allowed_hosts": _NETWORK,
+                    "mcp_servers": "a harness preset brings its own tools",
+                    "env": "host variables are not passed into a task's sandbox",
+                    "skills_dir": "a harness preset brings its own files",
+                    "healthcheck": "the agent starts once the container runs"},
+    "solution": {},
 }
+HARBOR_STEPS = ("[[steps]] (a multi-step task) is not supported: gyre runs one instruction and one verifier "
+                "per task")
 SWE_FIELDS = frozenset({"instance_id", "problem_statement", "image", "dockerfile", "test_cmd", "FAIL_TO_PASS",
                         "PASS_TO_PASS", "test_patch", "workdir", "timeout_s", "test_timeout_s", "cpus",
                         "memory_mb", "allow_internet"})
@@ -332,6 +346,7 @@ def _harbor_environment(folder: Path, env: _Fields) -> Environment:
         _required(folder, "environment/Dockerfile")
     # Both given: the Dockerfile is the task's own recipe, so it wins; the image name stays known.
     return Environment(image=image, build_dir=str(build_dir) if has_dockerfile else None,
+                       workdir=env.get("workdir", _container_path),
                        build_timeout_s=env.get("build_timeout_sec", _timeout, DEFAULT_BUILD_TIMEOUT_S),
                        cpus=env.get("cpus", _cpus),
                        memory_mb=_harbor_size(env, "memory_mb", "memory", MEMORY_MB_RANGE),
@@ -387,12 +402,17 @@ def _ignored_keys(toml: dict, where: str) -> list[str]:
     for key, value in toml.items():
         if key in HARBOR_TOP_KEYS:
             continue
+        if key == "steps":
+            raise TaskError(f"{where}: {HARBOR_STEPS}")
+        if key in HARBOR_IGNORED[""]:
+            ignored.append(key)
+            continue
         if key not in HARBOR_SECTIONS:
             raise _unknown_key(where, f"[{key}]" if isinstance(value, dict) else key, key,
-                               [*HARBOR_SECTIONS, *HARBOR_TOP_KEYS])
+                               [*HARBOR_SECTIONS, *HARBOR_TOP_KEYS, *HARBOR_IGNORED[""], "steps"])
         if HARBOR_SECTIONS[key] is None:  # free-form
             continue
-        known = HARBOR_SECTIONS[key] | HARBOR_IGNORED[key]
+        known = HARBOR_SECTIONS[key] | set(HARBOR_IGNORED[key])
         for name in value:
             if name not in known:
                 raise _unknown_key(where, f"[{key}].{name}", name, sorted(known))

@@ -192,7 +192,7 @@ def test_harbors_own_keys_are_listed_as_ignored_and_known_extras_kept(tmp_path):
 @pytest.mark.parametrize("edit, says", [
     (("[agent]\ntimeout_sec", "[agent]\ntimout_sec"), "unknown key [agent].timout_sec: did you mean 'timeout_sec'?"),
     (("cpus = 2", "cpu = 2"), "unknown key [environment].cpu: did you mean 'cpus'?"),
-    (("[verifier]\n", "[verifier]\nfancy = true\n"), "unknown key [verifier].fancy: known: allowed_hosts, env, "),
+    (("[verifier]\n", "[verifier]\nfancy = true\n"), "unknown key [verifier].fancy: known: allowed_hosts, collect, env, "),
     (("[agent]\n", "[agent.extra]\nx = 1\n\n[agent]\n"), "unknown key [agent].extra: known: "),
     (("[environment]", "[enviroment]"), "unknown key [enviroment]: did you mean 'environment'?"),
     (('version = "1.0"', 'versoin = "1.0"'), "unknown key versoin: did you mean 'version'?"),
@@ -308,3 +308,22 @@ def test_describe_harbor_and_swe(tmp_path):
     row = describe(swe)
     assert row["format"] == "swe" and row["verifier"] == "swe" and row["image"].startswith("swebench/")
     assert row["cpus"] == 2.0 and row["solution"] is False and row["build"] is None
+
+
+def test_harbor_schema_1_4_keys_are_read_ignored_or_refused(tmp_path):
+    """Harbor's TaskConfig at schema 1.4: [environment].workdir is read (where the agent starts);
+    artifacts, multi_step_reward_strategy, [environment].os and tpu, [verifier].environment_mode
+    and collect are listed as ignored, each with why; [[steps]] (a multi-step task) is refused."""
+    toml = 'artifacts = ["/app/out.txt"]\nmulti_step_reward_strategy = "mean"\n' + TOML.replace(
+        "[environment]\n", '[environment]\nworkdir = "/app"\nos = "linux"\n').replace(
+        "[verifier]\n", '[verifier]\nenvironment_mode = "separate"\n')
+    [task] = load_task_source(harbor_task(tmp_path / "t", toml=toml))
+    assert task.environment.workdir == "/app"
+    assert task.meta["unknown_keys"] == ["artifacts", "environment.os", "multi_step_reward_strategy",
+                                         "verifier.environment_mode"]
+    from gyre.coordinator.taskformats import HARBOR_IGNORED
+
+    assert all(why for section in HARBOR_IGNORED.values() for why in section.values())
+    steps = harbor_task(tmp_path / "s", toml=TOML + '\n[[steps]]\nname = "one"\n')
+    with pytest.raises(TaskError, match=r"task\.toml: \[\[steps\]\] \(a multi-step task\) is not supported"):
+        load_task_source(steps)
