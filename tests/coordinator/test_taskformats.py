@@ -192,7 +192,8 @@ def test_harbors_own_keys_are_listed_as_ignored_and_known_extras_kept(tmp_path):
 @pytest.mark.parametrize("edit, says", [
     (("[agent]\ntimeout_sec", "[agent]\ntimout_sec"), "unknown key [agent].timout_sec: did you mean 'timeout_sec'?"),
     (("cpus = 2", "cpu = 2"), "unknown key [environment].cpu: did you mean 'cpus'?"),
-    (("[verifier]\n", "[verifier]\nfancy = true\n"), "unknown key [verifier].fancy: known: allowed_hosts, collect, env, "),
+    (("[verifier]\n", "[verifier]\nfancy = true\n"),
+     "unknown key [verifier].fancy: known: allowed_hosts, collect, env, "),
     (("[agent]\n", "[agent.extra]\nx = 1\n\n[agent]\n"), "unknown key [agent].extra: known: "),
     (("[environment]", "[enviroment]"), "unknown key [enviroment]: did you mean 'environment'?"),
     (('version = "1.0"', 'versoin = "1.0"'), "unknown key versoin: did you mean 'version'?"),
