@@ -156,7 +156,9 @@ def pytest_collection_modifyitems(config, items):
     missing = [m for m in (*HEAVY, *FIRST) if not (config.rootpath / m).is_file()]
     if missing:
         raise pytest.UsageError(f"tests/conftest.py: HEAVY / FIRST name no test file: {', '.join(missing)}")
-    if hasattr(config, "workerinput") and config.getvalue("dist") == "loadgroup":  # an xdist worker of the lanes
+    # An xdist worker of the lanes (xdist sets a worker's dist to "no" and keeps `loadgroup`): the
+    # controller takes the units in the order the workers collected them.
+    if hasattr(config, "workerinput") and getattr(config.option, "loadgroup", False):
         items.sort(key=lambda item: _lane(item.nodeid)[0])  # stable: collection order within a lane
     if os.environ.get("GYRE_TEST_GPU") == "1":
         return
