@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import importlib.util
+import importlib.metadata
 import json
 import logging
 import os
@@ -77,9 +77,19 @@ def agent_dir(preset: str, packages: Sequence[str], python: str) -> Path:
     return out
 
 
+def _has_pip() -> bool:
+    """Whether gyre's Python has pip, asked of its installed distributions: importlib's
+    find_spec("pip") runs setuptools' distutils hook, which warns once distutils is imported."""
+    try:
+        importlib.metadata.distribution("pip")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def _install(preset: str, packages: list[str], python: str, out: Path) -> None:
     where = f"harness preset {preset!r}"
-    if importlib.util.find_spec("pip") is None:
+    if not _has_pip():
         raise AgentInstallError(f"{where}: sandbox_pip needs pip in gyre's Python ({sys.executable} -m ensurepip)")
     log.info("%s: installing %s for Python %s into %s (once per spec; later runs reuse it)", where,
              " ".join(packages), python, out)

@@ -110,7 +110,10 @@ def test_the_resume_hint_names_the_run_as_typed(tmp_path, monkeypatch):
 @pytest.mark.parametrize("args, says", [
     (["--sandbox", "bubblewrap"], "sandbox bubblewrap: the `bwrap` command is not on PATH"),
     (["--sandbox", "podman"], "sandbox podman: the `podman` command is not on PATH"),
-    (["--tasks", "EXAMPLES"], "sandbox 'process' runs no images"),
+    (["--sandbox", "process", "--tasks", "EXAMPLES"], "sandbox 'process' runs no images"),
+    # No --sandbox: the default rule wants a container for tasks with an image, and none is here.
+    (["--tasks", "EXAMPLES"], "needs a container image (4 of 4 task(s) run in one) and neither podman nor a docker "
+                              "engine is here"),
 ])
 def test_a_missing_sandbox_backend_is_one_line_before_anything_starts(tmp_path, monkeypatch, args, says):
     """Before: found after the workers started (25-46 s), leaving a run directory that a retry
