@@ -75,8 +75,9 @@ def _count(items) -> dict:
 
 @dataclass
 class RunLog:
-    """What a run directory's own files say: `command` "up" or "serve", `state` (for `gyre up`
-    runs) finished / stopped / running / crashed, and metrics.jsonl's events, the last of each
+    """What a run directory's own files say: `command` "up", "serve", "tasks run" or "eval",
+    `state` (for `gyre up` runs) finished / stopped / running / crashed (for `tasks run` and
+    `eval`: finished, or interrupted before its tasks.json), and metrics.jsonl's events, the last of each
     kind per execution or step (a resumed run may redo both)."""
 
     command: str
@@ -96,6 +97,8 @@ def read_run_log(run_dir: Path) -> RunLog:
     config = json_file(run_dir / "config.json")
     if config is None or config.get("command") == "serve":  # `gyre serve` keeps no metrics
         log = RunLog("serve")
+    elif config.get("command") in ("tasks run", "eval"):  # no steps: its tasks.json says when it ended
+        log = RunLog(config["command"], "finished" if (run_dir / "tasks.json").exists() else "interrupted")
     else:
         s = state(run_dir)  # the authority `gyre up --resume` reads; "crashed": no closing summary
         running = s.kind == "crashed" and live_coordinator(run_dir)
@@ -174,6 +177,8 @@ def render_run(run: dict) -> list[str]:
     """The summary's lines: progress, executions by status, rewards and tokens, prefill."""
     if run["command"] == "serve":
         head = f"[bold]{escape(run['run_dir'])}[/]: gyre serve run"
+    elif run["command"] in ("tasks run", "eval"):
+        head = f"[bold]{escape(run['run_dir'])}[/]: gyre {run['command']}, {run['state']}"
     else:
         target = "?" if run["steps_target"] is None else run["steps_target"]
         head = f"[bold]{escape(run['run_dir'])}[/]: {run['state']}, step {run['steps_done']}/{target}"

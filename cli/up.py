@@ -46,7 +46,7 @@ def run_up(config: CoordinatorConfig, live: bool = False, resume: bool = False) 
     print(f"done: step {total}/{config.steps} ({len(reports)} this session); reward by step: {rewards or '(none)'}",
           flush=True)
     write_timeline(config.run_dir)
-    _print_outputs(config.run_dir, coord, reports)
+    _print_outputs(config.run_dir, coord)
     _print_lost(coord)
     if coord.stop_signal is not None:
         print(f"stopped at step {coord.steps.steps_done}/{config.steps}; continue with: "
@@ -87,28 +87,31 @@ def _print_lost(coord: Coordinator) -> None:
         f"a resume continues from {f'step {saved}' if saved else 'the start'}", style="bold red", markup=False)
 
 
-def _print_outputs(run_dir: Path, coord: Coordinator, reports: list[StepReport]) -> None:
+def _print_outputs(run_dir: Path, coord: Coordinator) -> None:
     """Where the run's results are: the trained weights (the newest checkpoint) and the timeline;
     a run that trained no token says so, and why, instead of naming "trained" weights."""
     from gyre.coordinator.resume import step_dir
 
     saved = coord.steps.checkpointed_step
     if coord.steps.steps_done and not coord.steps.tokens_trained:
-        _print_untrained(coord.steps.steps_done, reports, saved)
+        _print_untrained(run_dir, coord.steps.steps_done, saved)
     elif saved:
         print(f"trained weights (step {saved}): {shown(step_dir(run_dir, saved) / 'trainer.pt')}", flush=True)
     print(f"role timeline: {shown(run_dir / 'timeline.svg')}; metrics: {shown(run_dir / 'metrics.jsonl')}",
           flush=True)
 
 
-def _print_untrained(steps_done: int, reports: list[StepReport], saved: int | None) -> None:
-    """No step of the run trained a token: the weights are the base model's. Why, over this
-    session's steps (coordinator/diagnosis.py), in yellow."""
+def _print_untrained(run_dir: Path, steps_done: int, saved: int | None) -> None:
+    """No step of the run trained a token: the weights are the base model's. Why, over the
+    run's steps (its step events, a resumed run's earlier sessions too: coordinator/diagnosis.py,
+    as `gyre doctor` says it), in yellow."""
     from rich.console import Console
 
     from gyre.coordinator.diagnosis import merge, why
+    from gyre.coordinator.metrics import counted_steps, read_events
 
-    reason = why(merge(r.diagnosis for r in reports), sum(r.groups for r in reports)) if reports else ""
+    steps = counted_steps(read_events(run_dir / "metrics.jsonl").events)
+    reason = why(merge(steps), sum(e.get("groups") or 0 for e in steps)) if steps else ""
     where = f" (the checkpoint of step {saved} holds them)" if saved else ""
     Console(highlight=False, soft_wrap=True).print(
         f"trained nothing: {steps_done} step{'s' if steps_done > 1 else ''} trained 0 tokens, so the weights "

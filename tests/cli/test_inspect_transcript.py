@@ -195,3 +195,8 @@ async def test_a_tasks_run_directory_takes_its_outcome_from_tasks_json(tmp_path,
     assert r.exit_code == 0, r.output
     row = next(e for e in json.loads(r.output)["executions"] if e["execution"] == EX)
     assert (row["execution_status"], row["reward"], row["valid"]) == ("completed", 0.25, True)
+    # Its head says what it is: a tasks run that ended (tasks.json), not "crashed, step 0/?" (before).
+    r = runner.invoke(app, ["inspect", str(run)])
+    assert r.output.splitlines()[0] == f"{run}: gyre tasks run, finished", r.output
+    (run / "tasks.json").unlink()
+    assert runner.invoke(app, ["inspect", str(run)]).output.splitlines()[0] == f"{run}: gyre tasks run, interrupted"
