@@ -113,3 +113,37 @@ def test_relative_links_resolve(page):
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
             broken.append(f"{page.relative_to(ROOT)}:{n}: {target} (no heading #{anchor})")
     assert broken == []
+
+
+EMITTED = re.compile(r"""\.emit\(\s*["'](\w+)["']""")
+
+
+def emitted_kinds() -> set[str]:
+    """Every event kind the code journals: `.emit("kind", ...)` in coordinator/, proxy/, workerd/, cli/."""
+    kinds: set[str] = set()
+    for part in ("coordinator", "proxy", "workerd", "cli"):
+        for path in (ROOT / part).rglob("*.py"):
+            kinds.update(EMITTED.findall(path.read_text()))
+    return kinds
+
+
+def _sections(text: str) -> dict[str, str]:
+    """`## name` -> its text up to the next `## `."""
+    parts = re.split(r"^## (.+?)\s*$", text, flags=re.M)
+    return {name: body for name, body in zip(parts[1::2], parts[2::2])}
+
+
+def test_metrics_events_reference_has_every_kind_and_step_field():
+    from gyre.coordinator.diagnosis import diagnose
+    from gyre.coordinator.report import StepReport
+
+    sections = _sections((ROOT / "docs" / "reference" / "metrics-events.md").read_text())
+    kinds = emitted_kinds()
+    assert {"step", "publish", "execution", "dispatch", "summary"} <= kinds
+    assert sorted(kinds - set(sections)) == [], "event kinds emitted but not documented"
+    assert sorted(set(sections) - kinds) == [], "sections for event kinds nothing emits"
+    step = set(re.findall(r"^\|\s*`(\w+)`", sections["step"], re.M))
+    fields = [f.name for f in dataclasses.fields(StepReport) if f.name != "diagnosis"]
+    assert [f for f in [*fields, *diagnose([])] if f not in step] == [], "step fields not in its table"
+    publish = set(re.findall(r"^\|\s*`(\w+)`", sections["publish"], re.M))
+    assert "unchanged" in publish
