@@ -14,53 +14,29 @@ import pytest
 os.environ.setdefault("PYENV_REHASH_TIMEOUT", "1")
 
 
-# The suite's command (README) runs two xdist workers (`-n 2 --dist loadgroup`) in lanes, chosen
-# by node id (the one thing xdist's controller sees; xdist 3.8's own xdist_group cannot rename
-# pytest 9.2's node ids):
-# - waiting: the tests that only wait (the harness_stall tier: Claude Code's 300 s watchdog, a
-#   CPU-idle 5.5 minutes), first on one worker, so the wait overlaps the rest;
-# - heavy: one unit, in order on the other worker: the long end-to-end runs and the tests whose
-#   deadlines are real time (signals, SIGKILLs, floods, slow bodies), so no two of them compete
-#   for the 2 cores;
-# - the rest, one unit per module, taken by whichever worker is free (FIRST first), so the
-#   lanes end together whatever the machine's speed.
-# A test of a waiting tier missing here is a usage error. Without -n, nothing changes.
+# The suite's command (README) runs two xdist workers in two lanes: the tests that only wait
+# (the harness_stall tier: Claude Code's 300 s watchdog, a CPU-idle 5.5 minutes) on one,
+# everything else in order on the other, so the wait overlaps the rest of the suite and no
+# two CPU-bound tests compete for the 2 cores. The lanes are chosen by node id, the one thing
+# xdist's controller sees (xdist 3.8's own xdist_group cannot rename pytest 9.2's node ids);
+# a test of a waiting tier missing here is a usage error. Without -n, nothing changes.
 WAITING_TIERS = ("harness_stall",)
 WAITING_TESTS = frozenset({
     "tests/harness/test_claude_code.py::test_a_pause_past_the_300s_watchdog_inside_a_streamed_answer",
 })
-HEAVY = frozenset({
-    "tests/faults/test_matrix.py", "tests/faults/test_worker_port.py", "tests/faults/test_http.py",
-    "tests/coordinator/test_coordinator_e2e.py", "tests/coordinator/test_resume.py",
-    "tests/coordinator/test_resume_parity.py", "tests/coordinator/test_worker_death.py",
-    "tests/real_model/test_runs.py", "tests/real_model/test_sandbox_runs.py", "tests/real_model/test_tito.py",
-    "tests/real_model/test_smollm2.py",
-})
-FIRST = ("tests/coordinator/test_learning.py",)  # one 5-minute test: started early, it ends no lane late
-
-
-def _lane(nodeid: str) -> tuple[int, str]:
-    """(the order of its unit, the unit) of a test: waiting, heavy, FIRST's modules, the rest."""
-    module = nodeid.split("::")[0]
-    if nodeid in WAITING_TESTS:
-        return 0, "waiting"
-    if module in HEAVY:
-        return 1, "heavy"
-    return (2 if module in FIRST else 3), module
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook; absent without it
 def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadgroup`: the lanes above (any other --dist: xdist's own)."""
+    """`--dist loadgroup`: the two lanes above (any other --dist: xdist's own)."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
     class Lanes(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return _lane(nodeid)[1]
+            return "waiting" if nodeid in WAITING_TESTS else "suite"
 
-    config.option.loadscopereorder = False  # units in collection order: the order _lane sorts them in
     return Lanes(config, log)
 
 
@@ -153,13 +129,6 @@ def pytest_collection_modifyitems(config, items):
                 and any(item.get_closest_marker(tier) for tier in WAITING_TIERS)]
     if unlisted:
         raise pytest.UsageError(f"tests/conftest.py: add {', '.join(unlisted)} to WAITING_TESTS (its tier only waits)")
-    missing = [m for m in (*HEAVY, *FIRST) if not (config.rootpath / m).is_file()]
-    if missing:
-        raise pytest.UsageError(f"tests/conftest.py: HEAVY / FIRST name no test file: {', '.join(missing)}")
-    # An xdist worker of the lanes (xdist sets a worker's dist to "no" and keeps `loadgroup`): the
-    # controller takes the units in the order the workers collected them.
-    if hasattr(config, "workerinput") and getattr(config.option, "loadgroup", False):
-        items.sort(key=lambda item: _lane(item.nodeid)[0])  # stable: collection order within a lane
     if os.environ.get("GYRE_TEST_GPU") == "1":
         return
     skip = pytest.mark.skip(reason="GPU test: set GYRE_TEST_GPU=1 on a GPU machine")
