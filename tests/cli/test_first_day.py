@@ -13,15 +13,9 @@ from typer.testing import CliRunner
 
 from gyre.cli.main import app
 from gyre.coordinator.rundir import fresh
+from tests.cli.errors import one_line_error
 
 runner = CliRunner()
-
-
-def one_line_error(r) -> str:
-    assert r.exit_code == 1, r.output
-    lines = r.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("[error] "), r.output
-    return lines[0]
 
 
 @pytest.fixture

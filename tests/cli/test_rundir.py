@@ -18,15 +18,9 @@ from typer.testing import CliRunner
 from gyre.cli.main import _latest_run, _resolve_config, app
 from gyre.coordinator.resume import STATE_KEYS, step_dir, write_state
 from gyre.coordinator.rundir import RunDirError, claim, state
+from tests.cli.errors import one_line_error
 
 runner = CliRunner()
-
-
-def one_line_error(r) -> str:
-    assert r.exit_code == 1, r.output
-    lines = r.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("[error] "), r.output
-    return lines[0]
 
 
 def test_paths_are_resolved_absolute_and_nothing_is_created(tmp_path, monkeypatch):

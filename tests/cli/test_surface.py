@@ -18,17 +18,11 @@ from gyre.cli.main import _resolve_config, app
 from gyre.coordinator.sandbox.base import SandboxError
 from gyre.coordinator.sandbox.preflight import default_sandbox
 from gyre.coordinator.taskformats import load_task_source
+from tests.cli.errors import one_line_error
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples" / "tasks"
 runner = CliRunner()
-
-
-def one_line_error(r) -> str:
-    assert r.exit_code == 1, r.output
-    lines = r.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("[error] "), r.output
-    return lines[0]
 
 
 @pytest.fixture
