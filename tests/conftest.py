@@ -14,16 +14,37 @@ import pytest
 os.environ.setdefault("PYENV_REHASH_TIMEOUT", "1")
 
 
-# The suite's command (README) runs two xdist workers in two lanes: the tests that only wait
-# (the harness_stall tier: Claude Code's 300 s watchdog, a CPU-idle 5.5 minutes) on one,
-# everything else in order on the other, so the wait overlaps the rest of the suite and no
-# two CPU-bound tests compete for the 2 cores. The lanes are chosen by node id, the one thing
-# xdist's controller sees (xdist 3.8's own xdist_group cannot rename pytest 9.2's node ids);
-# a test of a waiting tier missing here is a usage error. Without -n, nothing changes.
+# The suite's command (README) runs two xdist workers in two lanes. The main lane holds every
+# test that starts a process, a container or a harness, or asserts a deadline, in order, at the
+# normal priority. The side lane holds the tests that only wait (the harness_stall tier: Claude
+# Code's 300 s watchdog, a CPU-idle 5.5 minutes) and CPU-bound tests with no deadline shorter
+# than minutes (in-process runs, megatron's parity, the learning run), and runs the latter at
+# nice SIDE_NICE: they take the cores the main lane leaves idle and cannot delay its deadlines
+# (running both lanes at one priority failed four deadline tests under contention). The lanes
+# are chosen by node id, the one thing xdist's controller sees (xdist 3.8's own xdist_group
+# cannot rename pytest 9.2's node ids); a test of a waiting tier missing here is a usage error.
+# Without -n, nothing changes.
 WAITING_TIERS = ("harness_stall",)
 WAITING_TESTS = frozenset({
     "tests/harness/test_claude_code.py::test_a_pause_past_the_300s_watchdog_inside_a_streamed_answer",
 })
+SIDE_MODULES = frozenset({
+    "tests/coordinator/test_learning.py", "tests/coordinator/test_heldout.py",
+    "tests/coordinator/test_keep_checkpoints.py", "tests/coordinator/test_release.py",
+    "tests/coordinator/test_reroute.py", "tests/coordinator/test_sim.py", "tests/cli/test_sim_cli.py",
+    "tests/real_model/test_tito.py", "tests/real_model/test_smollm2.py", "tests/real_model/test_properties.py",
+    "tests/workerd/test_megatron.py", "tests/workerd/test_reducer.py", "tests/workerd/test_learning.py",
+    "tests/workerd/test_tree_training.py", "tests/cli/test_export.py",
+})
+SIDE_TESTS = frozenset({
+    "tests/coordinator/test_inproc.py::test_a_run_on_inproc_workers_starts_no_workerd[inproc]",
+    "tests/real_model/test_runs.py::test_two_steps_of_gyre_up_on_smollm2",
+})
+SIDE_NICE = 10
+
+
+def side_lane(nodeid: str) -> bool:
+    return nodeid in WAITING_TESTS or nodeid in SIDE_TESTS or nodeid.split("::", 1)[0] in SIDE_MODULES
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook; absent without it
@@ -35,9 +56,34 @@ def pytest_xdist_make_scheduler(config, log):
 
     class Lanes(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "waiting" if nodeid in WAITING_TESTS else "suite"
+            return "side" if side_lane(nodeid) else "suite"
 
     return Lanes(config, log)
+
+
+def _renice(niceness: int) -> None:
+    """Every thread of this process (Linux's nice is per thread; torch's pool is already up)
+    to `niceness`; children started later inherit it. Raising it back needs CAP_SYS_NICE,
+    without which a side-lane worker stays low for its waiting test too (it only waits)."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(tid), niceness)
+        except (PermissionError, ProcessLookupError):
+            pass
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook, on the controller; a worker's own dist is "no"
+def pytest_configure_node(node):
+    node.workerinput["gyre_lanes"] = node.config.getvalue("dist") == "loadgroup"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    if not getattr(item.config, "workerinput", {}).get("gyre_lanes"):
+        return
+    want = SIDE_NICE if side_lane(item.nodeid) and item.nodeid not in WAITING_TESTS else 0
+    if os.getpriority(os.PRIO_PROCESS, 0) != want:
+        _renice(want)
 
 
 @pytest.fixture(scope="session")
@@ -129,6 +175,11 @@ def pytest_collection_modifyitems(config, items):
                 and any(item.get_closest_marker(tier) for tier in WAITING_TIERS)]
     if unlisted:
         raise pytest.UsageError(f"tests/conftest.py: add {', '.join(unlisted)} to WAITING_TESTS (its tier only waits)")
+    stale = [m for m in SIDE_MODULES if not (config.rootpath / m).is_file()]
+    collected = {item.nodeid for item in items}
+    stale += [t for t in SIDE_TESTS if t not in collected and any(i.startswith(t.split("::")[0]) for i in collected)]
+    if stale:
+        raise pytest.UsageError(f"tests/conftest.py: SIDE_MODULES/SIDE_TESTS name no test: {', '.join(sorted(stale))}")
     if os.environ.get("GYRE_TEST_GPU") == "1":
         return
     skip = pytest.mark.skip(reason="GPU test: set GYRE_TEST_GPU=1 on a GPU machine")
