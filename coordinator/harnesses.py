@@ -133,9 +133,15 @@ class HarnessPreset:
         if self.container_only:
             return (f"{where} runs only in a container (it gives sandbox_command and no command): use --sandbox "
                     "podman or docker (sandbox = \"podman\" in the run config)")
-        if self.executable() is None:
+        exe = self.executable()
+        if exe is None:
             hint = f"; install: {self.install}" if self.install else ""
             return f"{where}: {self.command[0]!r} is not on PATH{hint}"
+        if contained and "{" not in exe:  # mounted into the container: a node launcher needs its native binary
+            try:
+                npm_native(os.path.realpath(exe), self.name)
+            except HarnessError as e:
+                return str(e)
         return None
 
     def executable(self) -> str | None:
@@ -169,8 +175,9 @@ class HarnessPreset:
             raise HarnessError(f"harness preset {self.name!r}: {self.command[0]!r} is not on this host to mount "
                                "into the sandbox; set sandbox_command (the argv in the image) and install it there "
                                "or with sandbox_pip")
+        real = npm_native(os.path.realpath(exe), self.name)
         inside = f"/opt/gyre/bin/{os.path.basename(exe)}"
-        mounts[os.path.realpath(exe)] = inside
+        mounts[real] = inside
         return replace(self, command=(inside, *self.command[1:])), mounts
 
     def expand(self, **values: str) -> tuple[list[str], dict[str, str], dict[str, str]]:
@@ -180,6 +187,46 @@ class HarnessPreset:
         env = {k: v.format_map(values) for k, v in self.env.items()}
         files = {path: text.format_map(values) for path, text in self.files.items()}
         return argv, env, files
+
+
+NPM_ARCH = {"x86_64": "x64", "amd64": "x64", "aarch64": "arm64", "arm64": "arm64"}
+
+
+def npm_native(path: str, preset: str) -> str:
+    """The file to mount for the executable at `path` (resolved): itself, unless it is an npm
+    package's node launcher (`npm install -g @openai/codex` puts `codex` -> `bin/codex.js` on
+    PATH), which a container without node cannot run. Then the native binary of the same name
+    that the package's platform package ships (`@openai/codex-linux-x64/vendor/*/bin/codex`,
+    `@anthropic-ai/claude-code-linux-x64/claude`), found beside it in node_modules; HarnessError,
+    naming the fix, when there is none."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(128)
+    except OSError:
+        return path
+    if head.startswith(b"\x7fELF") or not (head.startswith(b"#!") and b"node" in head.split(b"\n", 1)[0]):
+        return path
+    parts = Path(path).parts
+    name = Path(path).name
+    for suffix in (".js", ".cjs", ".mjs", ".exe"):
+        name = name.removesuffix(suffix)
+    if "node_modules" in parts:
+        modules = Path(*parts[:len(parts) - parts[::-1].index("node_modules")])
+        rest = parts[len(modules.parts):]
+        package = "/".join(rest[:2]) if rest and rest[0].startswith("@") else rest[0] if rest else ""
+        arch = NPM_ARCH.get(os.uname().machine.lower(), os.uname().machine.lower())
+        for folder in sorted(modules.glob(f"{package}-linux-{arch}*")) if package else []:
+            for candidate in sorted(folder.rglob(name)):
+                if candidate.is_file() and os.access(candidate, os.X_OK) and _is_elf(candidate):
+                    return str(candidate)
+    raise HarnessError(f"harness preset {preset!r}: {path} is a node script, which a container without node cannot "
+                       "run, and no native binary of it was found beside it in node_modules; point command at the "
+                       "native binary, or set sandbox_command to an argv the image can run")
+
+
+def _is_elf(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"\x7fELF"
 
 
 def _demo() -> HarnessPreset:

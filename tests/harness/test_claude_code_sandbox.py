@@ -12,6 +12,7 @@ import pytest
 from gyre.coordinator.serve import run_harness_once
 from gyre.coordinator.taskformats import load_harbor_task
 from tests.harness.test_claude_code import preset, tool_results
+from tests.harness.test_example_harnesses import example, on_path
 from tests.sandbox.conftest import harbor_task, podman_ready  # noqa: F401  (the fixture)
 from tests.scripted import tool_call
 
@@ -21,8 +22,13 @@ SCORE = ('[ "$(cat /app/counter.txt)" = 2 ] && echo 1 > /logs/verifier/reward.tx
          '|| echo 0 > /logs/verifier/reward.txt\n')
 
 
-async def test_claude_code_works_a_task_inside_a_container(cc_proxy, claude_bin, podman_ready, tmp_path):
+async def test_claude_code_works_a_task_inside_a_container(cc_proxy, claude_bin, podman_ready, tmp_path,
+                                                           monkeypatch):
+    """examples/harnesses/claude-code.toml as a user runs it: `claude` on PATH as npm leaves it."""
     server, engine = cc_proxy
+    on_path(monkeypatch, tmp_path, claude_bin, "claude")
+    preset = example("claude-code")
+    assert preset.missing(contained=True) is None
     folder = harbor_task(tmp_path, "counter", harness_files={"counter.txt": "1\n"}, test_sh=SCORE)
     task = load_harbor_task(folder)
 
@@ -31,7 +37,7 @@ async def test_claude_code_works_a_task_inside_a_container(cc_proxy, claude_bin,
                 "Done: counter.txt holds 2."][min(tool_results(prompt), 1)]
 
     engine.script = script
-    summary = await run_harness_once(server, preset(claude_bin), "", run_dir=server.run_dir, execution="cc",
+    summary = await run_harness_once(server, preset, "", run_dir=server.run_dir, execution="cc",
                                      task=task, sandbox="podman")
     log = Path(summary["harness_log"]).read_text()
     assert summary["status"] == "completed" and summary["score"] == 1.0, (summary, log[-3000:])
