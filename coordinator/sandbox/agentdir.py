@@ -49,9 +49,12 @@ class AgentInstallError(ImageBuildError):
 
 
 def platforms(arch: str | None = None) -> list[str]:
-    """The wheel platforms pip may take: manylinux up to GLIBC (pip takes the older ones too)."""
+    """The wheel platforms pip may take: every manylinux up to GLIBC, each named (given
+    --platform, pip 25 takes exactly those: with only manylinux_2_36 and manylinux2014 named it
+    refused tiktoken 0.12.0's one Linux wheel, tagged manylinux_2_28, and so aider-chat)."""
     arch = arch or platform.machine()
-    return [f"manylinux_{GLIBC[0]}_{GLIBC[1]}_{arch}", f"manylinux2014_{arch}"]
+    return [*(f"manylinux_{GLIBC[0]}_{minor}_{arch}" for minor in range(GLIBC[1], 4, -1)),
+            f"manylinux2014_{arch}", f"manylinux2010_{arch}", f"manylinux1_{arch}"]
 
 
 def agent_key(packages: Sequence[str], python: str, arch: str | None = None) -> str:

@@ -28,6 +28,16 @@ def test_the_key_follows_the_spec_and_names_the_package():
     assert agent_key(["Aider-Chat[extra]>=0.1"], "3.11").startswith("aider-chat-")
 
 
+def test_every_manylinux_up_to_the_images_glibc_is_named_to_pip():
+    """pip given --platform takes exactly the tags named: tiktoken 0.12.0's one Linux wheel is
+    manylinux_2_28, which naming only manylinux_2_36 and manylinux2014 refused (aider-chat)."""
+    tags = agentdir.platforms("x86_64")
+    for tag in ("manylinux_2_36_x86_64", "manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux_2_5_x86_64",
+                "manylinux2014_x86_64", "manylinux1_x86_64"):
+        assert tag in tags
+    assert not any(t.startswith("manylinux_2_37") or "aarch64" in t for t in tags)
+
+
 def test_the_default_python_is_the_base_images():
     from gyre.coordinator.harnesses import HarnessPreset
 
