@@ -56,6 +56,29 @@ def check_installed(preset, sandbox: str = "process") -> None:
         guard(agent_dir, preset=preset.name, packages=preset.sandbox_pip, python=preset.sandbox_python)
 
 
+def flag_or_config(flag, *, config: Path | None, key: str, option: str, default, check=None):
+    """An explicit flag, else the run config's `key`, else `default` (flags win over the config,
+    as in `gyre up`). `check(value) -> str | None` says what is wrong with a value; its error
+    names where the value came from (`option` or the config file's field)."""
+    from gyre.coordinator.runconfig import load_config_file
+
+    values = guard(load_config_file, path=config) if config and flag is None else {}
+    value, where = (flag, option) if flag is not None else (values.get(key), f"{config}: {key}")
+    if value is None:
+        return default
+    why = check(value) if check is not None else None
+    if why:
+        fail(ValueError(f"{where} {why}, got {value!r}"))
+    return value
+
+
+def positive_seconds(value) -> str | None:
+    from gyre.coordinator.tasks import MAX_TIMEOUT_S
+
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= MAX_TIMEOUT_S
+    return None if ok else f"must be a positive number of seconds, at most {MAX_TIMEOUT_S:g} (a week)"
+
+
 def harness_preset(name: str | None, config: Path | None, sandbox: str = "process"):
     """The preset --harness names, else the config's `harness`, else demo (user presets from
     `config` first), checked for `sandbox`."""

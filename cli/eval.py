@@ -22,7 +22,17 @@ from typing import Annotated
 
 import typer
 
-from gyre.cli.common import check_timeout, default_run_dir, fail, guard, harness_preset, model_or_tiny, sandbox_for
+from gyre.cli.common import (
+    check_timeout,
+    default_run_dir,
+    fail,
+    flag_or_config,
+    guard,
+    harness_preset,
+    model_or_tiny,
+    positive_seconds,
+    sandbox_for,
+)
 from gyre.cli.options import (
     EvalRunDirOpt,
     JsonOpt,
@@ -41,9 +51,10 @@ EvalStepOpt = Annotated[int | None, typer.Option(
     "--step", help="With --model RUN_DIR: the checkpoint's step (default: the latest, checkpoints/latest).")]
 EvalTasksOpt = Annotated[Path, typer.Option(
     "--tasks", help="The task source: a Harbor task folder or a folder of them, or a JSONL file (SWE-style or gyre).")]
-EvalKOpt = Annotated[int, typer.Option("-k", help="Samples per task: pass@k's k.")]
-EvalThresholdOpt = Annotated[float, typer.Option(
-    "--threshold", help="A valid reward at least this passes.")]
+EvalKOpt = Annotated[int | None, typer.Option(
+    "-k", help="Samples per task: pass@k's k (default: the config's eval_k, else 1).")]
+EvalThresholdOpt = Annotated[float | None, typer.Option(
+    "--threshold", help="A valid reward at least this passes (default: the config's eval_pass_threshold, else 1.0).")]
 EvalSolutionOpt = Annotated[bool, typer.Option(
     "--solution", help="Each task's own solution/solve.sh instead of a model and harness: checks the task source "
     "(pass@k 1.0 when every task is solvable and its tests score it).")]
@@ -64,7 +75,7 @@ class ModelSource:
 
 def eval_cmd(tasks: EvalTasksOpt, model: EvalModelOpt = None, step: EvalStepOpt = None,
              harness: TaskHarnessOpt = None, sandbox: TaskSandboxOpt = None, sandbox_url: SandboxUrlOpt = None,
-             k: EvalKOpt = 1, threshold: EvalThresholdOpt = 1.0, set_: ServeSetOpt = None,
+             k: EvalKOpt = None, threshold: EvalThresholdOpt = None, set_: ServeSetOpt = None,
              solution: EvalSolutionOpt = False, run_dir: EvalRunDirOpt = None, as_json: JsonOpt = False,
              concurrency: EvalConcurrencyOpt = 8, timeout: TimeoutOpt = None,
              config: ServeConfigOpt = None) -> None:
@@ -79,6 +90,14 @@ def eval_cmd(tasks: EvalTasksOpt, model: EvalModelOpt = None, step: EvalStepOpt 
     from gyre.coordinator.taskformats import load_task_source
 
     # 1) Everything checked before the run directory exists: a refused eval leaves nothing.
+    #    Flags win over the run config's fields, which win over the defaults.
+    k = flag_or_config(k, config=config, key="eval_k", option="-k", default=1,
+                       check=lambda v: None if isinstance(v, int) and not isinstance(v, bool) else "must be an integer")
+    threshold = flag_or_config(threshold, config=config, key="eval_pass_threshold", option="--threshold", default=1.0,
+                               check=lambda v: None if isinstance(v, (int, float)) and not isinstance(v, bool)
+                               else "must be a number")
+    base_timeout = flag_or_config(None, config=config, key="execution_timeout_s", option="", default=600.0,
+                                  check=positive_seconds)
     guard(_check_flags, k=k, threshold=threshold, concurrency=concurrency, solution=solution, model=model,
           step=step)
     check_timeout(timeout)
@@ -119,7 +138,7 @@ def eval_cmd(tasks: EvalTasksOpt, model: EvalModelOpt = None, step: EvalStepOpt 
             report = guard(uvloop.run, main=evaluate(
                 task_list, k=k, threshold=threshold, run_dir=out, about=about, preset=preset, model_dir=model_dir,
                 sandbox=sandbox, sandbox_url=sandbox_url, solution=solution, concurrency=concurrency,
-                timeout_s=timeout, settings=settings, on_result=progress))
+                timeout_s=timeout, default_timeout_s=base_timeout, settings=settings, on_result=progress))
         finally:
             _drop_export(source, out)
     finally:

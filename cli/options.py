@@ -62,7 +62,7 @@ NoLiveOpt = Annotated[bool, typer.Option("--no-live", help="Plain log lines inst
 ParentPidOpt = Annotated[int | None, typer.Option("--parent-pid", help="Exit when this process (the coordinator that started us) is gone.")]
 HarnessOpt = Annotated[str | None, typer.Option("--harness", help=f"Run this harness preset once ({PRESETS_HELP}, or one from the config's [harnesses.NAME]) instead of waiting for clients.")]
 TaskOpt = Annotated[str | None, typer.Option("--task", help="The task prompt for --harness.")]
-TimeoutOpt = Annotated[float | None, typer.Option("--timeout", help="Seconds each harness may run where its task sets none ([agent].timeout_sec wins); over the preset's timeout_s; default: the preset's, else 600.")]
+TimeoutOpt = Annotated[float | None, typer.Option("--timeout", help="Seconds each harness may run where its task sets none ([agent].timeout_sec wins); over the preset's timeout_s; default: the preset's, else the config's execution_timeout_s, else 600.")]
 TaskDirOpt = Annotated[Path | None, typer.Option("--task-dir", help="A Harbor task folder for --harness: the harness works on it in its sandbox (its image, its instruction) and the task's tests score it.")]
 ServeSandboxOpt = Annotated[str | None, typer.Option("--sandbox", help=f"Where --harness runs: {BACKENDS_HELP} (default: --config's sandbox, else {AUTO_HELP}).")]
 TaskSandboxOpt = Annotated[str | None, typer.Option("--sandbox", help=f"Where each execution runs: {BACKENDS_HELP} (default: --config's sandbox, else {AUTO_HELP}).")]

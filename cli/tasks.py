@@ -14,9 +14,11 @@ from gyre.cli.common import (
     check_timeout,
     default_run_dir,
     fail,
+    flag_or_config,
     guard,
     harness_preset,
     model_or_tiny,
+    positive_seconds,
     sandbox_for,
 )
 from gyre.cli.options import (
@@ -37,7 +39,7 @@ TaskPathArg = Annotated[Path, typer.Argument(help="A Harbor task folder, a folde
 SandboxUrlOpt = Annotated[str | None, typer.Option("--sandbox-url", help="The engine's Docker-compatible endpoint (default: gyre's own podman service; docker's socket).")]
 SolutionOpt = Annotated[bool, typer.Option("--solution", help="Run each task's own solution/solve.sh instead of a harness: checks that the task is solvable and its tests score it.")]
 ConcurrencyOpt = Annotated[int, typer.Option("--concurrency", help="Tasks running at once.")]
-KeepOpt = Annotated[str, typer.Option("--keep-sandbox", help="Keep sandboxes afterwards: never, on_failure or always.")]
+KeepOpt = Annotated[str | None, typer.Option("--keep-sandbox", help="Keep sandboxes afterwards: never, on_failure or always (default: the config's keep_sandbox, else never).")]
 
 
 @tasks_app.command("check")
@@ -79,7 +81,7 @@ def check(path: TaskPathArg, as_json: JsonOpt = False) -> None:
 def run(path: TaskPathArg, harness: TaskHarnessOpt = None, sandbox: TaskSandboxOpt = None,
         solution: SolutionOpt = False, as_json: JsonOpt = False, model: ModelOpt = None, run_dir: TasksRunDirOpt = None,
         config: ServeConfigOpt = None, concurrency: ConcurrencyOpt = 2, timeout: TimeoutOpt = None,
-        sandbox_url: SandboxUrlOpt = None, keep_sandbox: KeepOpt = "never", set_: ServeSetOpt = None) -> None:
+        sandbox_url: SandboxUrlOpt = None, keep_sandbox: KeepOpt = None, set_: ServeSetOpt = None) -> None:
     """Run every task once (no training) and print each one's status and score."""
     import uvloop
 
@@ -89,11 +91,14 @@ def run(path: TaskPathArg, harness: TaskHarnessOpt = None, sandbox: TaskSandboxO
     from gyre.coordinator.taskformats import load_task_source
     from gyre.coordinator.taskrun import run_tasks
 
-    if keep_sandbox not in KEEP:
-        fail(ValueError(f"--keep-sandbox must be one of {', '.join(KEEP)}, got {keep_sandbox!r}"))
+    keep_sandbox = flag_or_config(keep_sandbox, config=config, key="keep_sandbox", option="--keep-sandbox",
+                                  default="never", check=lambda v: None if v in KEEP else f"must be one of "
+                                  f"{', '.join(KEEP)}")
     if concurrency < 1:
         fail(ValueError("--concurrency must be >= 1"))
     check_timeout(timeout)
+    base_timeout = flag_or_config(None, config=config, key="execution_timeout_s", option="", default=600.0,
+                                  check=positive_seconds)
     tasks = guard(load_task_source, path=path)
     sandbox, sandbox_url = sandbox_for(flag=sandbox, url=sandbox_url, config=config, tasks=tasks, source=str(path))
     preset = harness_preset(harness, config, "process" if solution else sandbox)  # --solution runs no harness
@@ -108,7 +113,8 @@ def run(path: TaskPathArg, harness: TaskHarnessOpt = None, sandbox: TaskSandboxO
         settings = guard(serve_settings, model_dir=model_dir, fields=fields)
         (run_dir / "config.json").write_text(json.dumps({
             "command": "tasks run", "path": str(absolute(path)), "harness": preset.name, "sandbox": sandbox,
-            "solution": solution, "model": str(model_dir)}, indent=2))
+            "solution": solution, "model": str(model_dir), "timeout_s": timeout, "execution_timeout_s": base_timeout,
+            "keep_sandbox": keep_sandbox}, indent=2))
 
         def progress(r: dict) -> None:
             if not as_json:
@@ -117,8 +123,8 @@ def run(path: TaskPathArg, harness: TaskHarnessOpt = None, sandbox: TaskSandboxO
 
         results = guard(uvloop.run, main=run_tasks(
             tasks, preset=preset, model_dir=model_dir, run_dir=run_dir, sandbox=sandbox, sandbox_url=sandbox_url,
-            solution=solution, concurrency=concurrency, timeout_s=timeout, settings=settings,
-            keep_sandbox=keep_sandbox, on_result=progress))
+            solution=solution, concurrency=concurrency, timeout_s=timeout, default_timeout_s=base_timeout,
+            settings=settings, keep_sandbox=keep_sandbox, on_result=progress))
     finally:
         lock.release()
     if as_json:

@@ -35,13 +35,15 @@ def execution_id(index: int, task: Task, sample: int | None = None) -> str:
 
 async def run_tasks(tasks: list[Task], *, preset: HarnessPreset, model_dir: Path, run_dir: Path,
                     sandbox: str = "podman", sandbox_url: str | None = None, solution: bool = False,
-                    concurrency: int = 2, timeout_s: float | None = None, settings: ProxyConfig | None = None,
+                    concurrency: int = 2, timeout_s: float | None = None, default_timeout_s: float = 600.0,
+                    settings: ProxyConfig | None = None,
                     infra_failure: str = "aborted_infra", keep_sandbox: str = "never", allow_internet: bool = False,
                     swe_score: str = "all", eval_attempts: int = 1, k: int = 1, on_result=None) -> list[dict]:
     """Every task `k` times (at most `concurrency` executions at once); one result per
     execution, in task then sample order. `timeout_s`: the --timeout given (over the
-    preset's own, under the task's), None: the preset's, else 600 s."""
-    spec = LaunchSpec(preset=preset, timeout_s=timeout_s or 600.0, timeout_flag_s=timeout_s,
+    preset's own, under the task's), None: the preset's, else `default_timeout_s` (the run
+    config's execution_timeout_s where one was given)."""
+    spec = LaunchSpec(preset=preset, timeout_s=timeout_s or default_timeout_s, timeout_flag_s=timeout_s,
                       eval_attempts=eval_attempts, eval_budget_s=60.0,
                       infra_failure=infra_failure, keep_sandbox=keep_sandbox, allow_internet=allow_internet,
                       swe_score=swe_score, solution=solution, limits=Limits(pids=4096))

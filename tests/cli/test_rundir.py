@@ -216,3 +216,32 @@ def test_an_explicit_timeout_beats_the_presets_own(tmp_path, tiny_dir):
 
     assert status("preset") == "timed_out"
     assert status("flag", "--timeout", "30") == "completed"
+    # Under the preset, the run config's execution_timeout_s and keep_sandbox (flags still win).
+    cfg.write_text('execution_timeout_s = 1\nkeep_sandbox = "on_failure"\n[harnesses.nap]\ncommand = ["sh", "-c", '
+                   '"sleep 3"]\n')
+    assert status("config") == "timed_out"
+    recorded = json.loads((tmp_path / "config" / "config.json").read_text())
+    assert (recorded["execution_timeout_s"], recorded["keep_sandbox"], recorded["timeout_s"]) == (1, "on_failure", None)
+    assert status("config-flag", "--timeout", "30", "--keep-sandbox", "never") == "completed"
+    assert json.loads((tmp_path / "config-flag" / "config.json").read_text())["keep_sandbox"] == "never"
+
+
+@pytest.mark.parametrize("command, field, value, message", [
+    (["tasks", "run"], "keep_sandbox", '"sometimes"', "keep_sandbox must be one of never, on_failure, always, got "
+                                                      "'sometimes'"),
+    (["tasks", "run"], "execution_timeout_s", "-5", "execution_timeout_s must be a positive number of seconds"),
+    (["eval", "--tasks"], "eval_k", '"two"', "eval_k must be an integer, got 'two'"),
+    (["eval", "--tasks"], "eval_pass_threshold", "true", "eval_pass_threshold must be a number, got True"),
+])
+def test_a_bad_config_field_that_tasks_run_and_eval_take_is_one_line_naming_the_file(tmp_path, command, field,
+                                                                                        value, message):
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"id": "t", "prompt": "Hi.", "target": "x"}) + "\n")
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(f"{field} = {value}\n")
+    r = runner.invoke(app, [*command, str(tasks), "--config", str(cfg), "--sandbox", "process",
+                            "--run-dir", str(tmp_path / "run")])
+    assert r.exit_code == 1, r.output
+    line = one_line_error(r)
+    assert line.startswith(f"[error] {cfg}: ") and message in line, line
+    assert not (tmp_path / "run").exists()  # refused before anything was made
