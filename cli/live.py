@@ -29,6 +29,8 @@ from rich.table import Table
 from rich.text import Text
 
 ROLE_STYLE = {"rollout": ("-", "cyan"), "training": ("#", "magenta")}
+SIDE_BY_SIDE = 170  # from this width the executions panel is drawn beside the cells, not under them
+PANEL_WIDTH = 86  # its width there (its task column takes what the other columns leave)
 FIXED_COLUMNS = 64  # cell, role, running, homes, hit, claimed, in-role and the table's borders
 # The view's abbreviations, in the order they appear; an entry is never split across lines.
 LEGEND = (
@@ -195,7 +197,9 @@ def render(status: dict, width: int = 80) -> Group:
     for name, justify in (("cell", "right"), ("role", "left"), ("run", "right"), ("homes", "right"),
                           ("hit", "right"), ("claim", "right"), ("in role", "right"), ("timeline", "left")):
         cells.add_column(name, justify=justify, no_wrap=True)
-    strip_width = max(8, width - FIXED_COLUMNS)
+    beside = s.get("phases") is not None and width >= SIDE_BY_SIDE
+    cells_width = width - PANEL_WIDTH - 2 if beside else width
+    strip_width = max(8, cells_width - FIXED_COLUMNS)
     for cell in s["cells"]:
         dead = cell.get("alive") is False and s.get("state") == "running"  # not the shutdown's deregistration
         label = f"-> {cell['role']}" if cell.get("switching") else cell["role"]
@@ -218,9 +222,15 @@ def render(status: dict, width: int = 80) -> Group:
     switches = Text("switches ", style="dim")
     recent = s["role_switches"][-3:]
     switches.append("  ".join(f"{x['t']:.0f}s c{x['cell']}->{x['to']}" for x in recent) if recent else "none yet")
+    panel = [executions_panel(s, PANEL_WIDTH if beside else width)] if s.get("phases") is not None else []
+    if beside:  # a wide terminal: the agents beside the cells they run on
+        grid = Table.grid(padding=(0, 2, 0, 0))
+        grid.add_column(width=cells_width, no_wrap=True)
+        grid.add_column(width=PANEL_WIDTH)
+        grid.add_row(cells, panel.pop())
+        cells = grid
     parts = [head, progress, water, quality, _speed(s), _calls(s), cells] + ([hosts] if hosts is not None else [])
-    panel = [executions_panel(s, width)] if s.get("phases") is not None else []
-    skip = (() if phi else ("phi",)) + (() if panel else EXECUTION_TERMS)
+    skip = (() if phi else ("phi",)) + (() if s.get("phases") is not None else EXECUTION_TERMS)
     return Group(*parts, *panel, switches, legend(width, skip=skip))
 
 

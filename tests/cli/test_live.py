@@ -191,6 +191,22 @@ def test_the_executions_panel_lists_the_slowest_first_under_counts_by_phase(widt
         assert any(phrase in line for line in lines), phrase
 
 
+@pytest.mark.parametrize("width", [170, 240])
+def test_a_wide_terminal_draws_the_executions_beside_the_cells(width):
+    lines = draw(with_executions(STATUS), width).splitlines()
+    assert max(len(line) for line in lines) <= width
+    header = next(line for line in lines if line.lstrip().startswith("cell "))
+    assert header.split()[:2] == ["cell", "role"] and "executions 16 running  queued 4" in header  # one row
+    beside = lines[lines.index(header) + 1]
+    assert "phases 1 sandbox  1 harness  3 model call  9 tool  2 verifier" in beside
+    top = next(line for line in lines if "execution " in line and "task" in line)
+    assert top.split()[-8:] == ["execution", "task", "phase", "in", "phase", "calls", "elapsed", "reward"]
+    assert any(line.rstrip().endswith("... and 11 more running (in the phases above)") for line in lines)
+    assert not any(line.startswith("executions ") for line in lines)  # not drawn again under the cells
+    for phrase in EXECUTION_LEGEND:
+        assert any(phrase in line for line in lines), phrase
+
+
 def test_without_executions_the_panel_and_its_terms_are_not_drawn():
     text = draw(STATUS, 80)  # a coordinator from before the panel (gyre top on an older run)
     assert "\nexecutions " not in text and "\nphases " not in text
