@@ -5,6 +5,14 @@ tool-calling agent), N steps of gyre's RL loop on this machine.
     python bench/learn.py [--model DIR] [--steps 10] [--groups 2] [--group-size 8]
                           [--eval-every 5] [--eval-k 4] [--threshold 0.5] [--lr 3e-5]
                           [--max-tokens 24] [--sandbox podman] [--run-dir DIR] [--out DIR]
+                          [--harness NAME [--preset FILE]]
+
+`--harness NAME` trains through another agent than the demo harness: a built-in preset, or
+one of FILE's [harnesses.*] tables (a run config such as examples/harnesses/mini-swe-agent.toml).
+The shout verifier reads /app/answer.txt, which the demo harness writes with the model's reply;
+another agent scores only where the model makes it write that file. The step table gives the
+diagnosis of each step's calls (how many, cut at max_tokens, with no tool call parsed) and the
+step's note, so a run that trains nothing says why.
 
 The run trains on examples/learn/train (24 words) and evaluates examples/learn/heldout (12
 other words) with gyre's held-out evaluation (`eval_every`): the base model at step 0, then
@@ -46,14 +54,35 @@ def model_dir(given: str | None) -> Path:
     return path
 
 
+def harness_tables(path: str | None) -> list[str]:
+    """FILE's [harnesses.*] tables, written back as TOML (strings, numbers, lists and tables)."""
+    if not path:
+        return []
+    import tomllib
+
+    lines: list[str] = []
+
+    def table(name: str, values: dict) -> None:
+        lines.append(f"[{name}]")
+        lines.extend(f"{k} = {json.dumps(v)}" for k, v in values.items() if not isinstance(v, dict))
+        for k, v in values.items():
+            if isinstance(v, dict):
+                table(f"{name}.{json.dumps(k)}", v)
+
+    for preset, values in tomllib.loads(Path(path).read_text()).get("harnesses", {}).items():
+        table(f"harnesses.{json.dumps(preset)}", values)
+    return lines
+
+
 def config_text(a, model: Path) -> str:
     return "\n".join([
         f"steps = {a.steps}", f"groups_per_step = {a.groups}", f"group_size = {a.group_size}",
         f"min_valid = {min(2, a.group_size)}", f'model_dir = "{model}"', f'tasks_path = "{TASKS / "train"}"',
-        f'sandbox = "{a.sandbox}"', 'harness = "demo"', f"default_max_tokens = {a.max_tokens}",
+        f'sandbox = "{a.sandbox}"', f"harness = {json.dumps(a.harness)}", f"default_max_tokens = {a.max_tokens}",
         f"max_tokens_cap = {a.max_tokens}", f"lr = {a.lr}", f"eval_every = {a.eval_every}",
         f'eval_tasks_path = "{TASKS / "heldout"}"', f"eval_k = {a.eval_k}", f"eval_pass_threshold = {a.threshold}",
-        f"checkpoint_every = {a.steps}", f"seed = {a.seed}", f"exec_slots_per_cell = {a.slots}", ""])
+        f"checkpoint_every = {a.steps}", f"seed = {a.seed}", f"exec_slots_per_cell = {a.slots}",
+        *harness_tables(a.preset), ""])
 
 
 def events(run_dir: Path) -> list[dict]:
@@ -81,11 +110,12 @@ def steps_table(evs: list[dict]) -> list[dict]:
                      round(statistics.mean(spreads), 4) if spreads else None,
                      "equal_reward_groups": e.get("equal_reward_groups"), "groups": e["groups"],
                      "tokens_trained": e["tokens_trained"], "mismatch": e.get("mismatch"), "loss": e["loss"],
-                     "seconds": e["seconds"]})
+                     "seconds": e["seconds"], "calls": e.get("calls"), "at_max_tokens": e.get("calls_at_max_tokens"),
+                     "no_tool_call": e.get("calls_without_tool_call"), "note": e.get("note")})
     return rows
 
 
-def plot(out: Path, rows: list[dict], rounds: list[dict], k: int) -> Path | None:
+def plot(out: Path, rows: list[dict], rounds: list[dict], k: int, title: str = "demo harness") -> Path | None:
     try:
         import matplotlib
 
@@ -101,7 +131,7 @@ def plot(out: Path, rows: list[dict], rounds: list[dict], k: int) -> Path | None
     ax.plot(steps, [r["pass_at_1"] for r in rounds], "^:", label="held-out pass@1")
     ax.set_xlabel("step")
     ax.set_ylim(-0.02, 1.02)
-    ax.set_title("SmolLM2-135M on shout (examples/learn), demo harness in podman")
+    ax.set_title(f"SmolLM2-135M on shout (examples/learn), {title} in podman")
     ax.legend(loc="upper left")
     ax.grid(alpha=0.3)
     path = out / "learn.png"
@@ -123,6 +153,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--slots", type=int, default=8, help="executions a rollout cell serves at once")
     ap.add_argument("--sandbox", default="podman")
+    ap.add_argument("--harness", default="demo", help="the agent: a built-in preset or one of --preset's")
+    ap.add_argument("--preset", help="a run config whose [harnesses.*] tables --harness may name "
+                    "(e.g. examples/harnesses/mini-swe-agent.toml)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--run-dir")
     ap.add_argument("--out", help="where learn.png and learn.json go (default: the run directory)")
@@ -142,10 +175,13 @@ def main() -> None:
     rows = steps_table(evs)
     rounds = [e for e in evs if e["event"] == "eval"]
     print(f"\n{'step':>4} {'reward':>7} {'grp std':>8} {'equal':>5} {'tokens':>7} {'mismatch':>9} {'loss':>10} "
-          f"{'s':>6}")
+          f"{'s':>6} {'calls':>5} {'at max':>6} {'no tool':>7}")
     for r in rows:
         print(f"{r['step']:>4} {_f(r['reward'])} {_f(r['group_reward_std'], 8)} {r['equal_reward_groups']!s:>5} "
-              f"{r['tokens_trained']:>7} {_f(r['mismatch'], 9, '.2e')} {_f(r['loss'], 10, '.3e')} {r['seconds']:>6.1f}")
+              f"{r['tokens_trained']:>7} {_f(r['mismatch'], 9, '.2e')} {_f(r['loss'], 10, '.3e')} {r['seconds']:>6.1f} "
+              f"{r['calls']!s:>5} {r['at_max_tokens']!s:>6} {r['no_tool_call']!s:>7}")
+        if r["note"]:
+            print(f"     {r['note']}")
     print(f"\n{'round':>5} {'step':>4} {'version':>7} pass@{a.eval_k:<3} {'pass@1':>7} {'reward':>7} tasks")
     for r in rounds:
         print(f"{r['round']:>5} {r['step']:>4} {r['version']:>7} {_f(r['pass_at_k'])} {_f(r['pass_at_1'])} "
@@ -160,7 +196,7 @@ def main() -> None:
               f"after (step {after['step']}){verdict}")
     out = Path(a.out).resolve() if a.out else run_dir
     out.mkdir(parents=True, exist_ok=True)
-    png = plot(out, rows, rounds, a.eval_k)
+    png = plot(out, rows, rounds, a.eval_k, "demo harness" if a.harness == "demo" else a.harness)
     result = {"run_dir": str(run_dir), "wall_s": round(wall, 1), "settings": vars(a), "model": str(model),
               "steps": rows, "evals": [{k: r[k] for k in ("round", "step", "version", "pass_at_k", "pass_at_1",
                                                           "reward_mean", "scored_tasks", "tasks")} for r in rounds],
