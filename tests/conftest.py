@@ -18,7 +18,7 @@ os.environ.setdefault("PYENV_REHASH_TIMEOUT", "1")
 # test that starts a process, a container or a harness, or asserts a deadline, in order, at the
 # normal priority. The side lane holds the tests that only wait (the harness_stall tier: Claude
 # Code's 300 s watchdog, a CPU-idle 5.5 minutes) and CPU-bound tests with no deadline shorter
-# than minutes (in-process runs, megatron's parity, the learning run), and runs the latter at
+# than minutes (in-process runs, megatron's cells and parity, eval, the learning runs), and runs the latter at
 # nice SIDE_NICE: they take the cores the main lane leaves idle and cannot delay its deadlines
 # (running both lanes at one priority failed four deadline tests under contention). The lanes
 # are chosen by node id, the one thing xdist's controller sees (xdist 3.8's own xdist_group
@@ -34,11 +34,14 @@ SIDE_MODULES = frozenset({
     "tests/coordinator/test_reroute.py", "tests/coordinator/test_sim.py", "tests/cli/test_sim_cli.py",
     "tests/real_model/test_tito.py", "tests/real_model/test_smollm2.py", "tests/real_model/test_properties.py",
     "tests/workerd/test_megatron.py", "tests/workerd/test_reducer.py", "tests/workerd/test_learning.py",
-    "tests/workerd/test_tree_training.py", "tests/cli/test_export.py",
+    "tests/workerd/test_tree_training.py", "tests/cli/test_export.py", "tests/cli/test_eval.py",
+    "tests/real_model/test_sandbox_runs.py",
 })
 SIDE_TESTS = frozenset({
     "tests/coordinator/test_inproc.py::test_a_run_on_inproc_workers_starts_no_workerd[inproc]",
     "tests/real_model/test_runs.py::test_two_steps_of_gyre_up_on_smollm2",
+    "tests/coordinator/test_coordinator_e2e.py::test_a_run_on_tensor_parallel_megatron_cells",
+    "tests/coordinator/test_coordinator_e2e.py::test_an_elastic_run_on_pipeline_parallel_megatron_trainers",
 })
 SIDE_NICE = 10
 
