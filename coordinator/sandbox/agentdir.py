@@ -168,6 +168,8 @@ def _wrap_scripts(src: Path, dest: Path, python: str) -> list[str]:
     names = []
     major, minor = python.split(".")
     for path in sorted(src.glob("*")) if src.is_dir() else []:
+        if not path.is_file():  # pip compiles a package's .py scripts there: bin/__pycache__
+            continue
         lines = path.read_text(errors="replace").splitlines(keepends=True)
         if not lines or not lines[0].startswith("#!"):
             continue

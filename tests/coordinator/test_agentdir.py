@@ -117,6 +117,7 @@ def test_scripts_run_on_the_images_python_with_their_own_path(tmp_path):
     long = "#!/bin/sh\n'''exec' /a/very/long/python \"$0\" \"$@\"\n' '''\nimport sys\nprint(sys.path[0])\n"
     (src / "long").write_text(long)
     (src / "shell").write_text("#!/bin/sh\necho hi\n")
+    (src / "__pycache__").mkdir()  # pip compiled a package's .py script (mini-swe-agent's install has one)
     mine = f"{sys.version_info[0]}.{sys.version_info[1]}"
     assert agentdir._wrap_scripts(src, dest, mine) == ["long", "tool"]
     for name in ("long", "tool"):
