@@ -20,7 +20,8 @@ os.environ.setdefault("PYENV_REHASH_TIMEOUT", "1")
 # Code's 300 s watchdog, a CPU-idle 5.5 minutes) and CPU-bound tests with no deadline shorter
 # than minutes (in-process runs, megatron's cells and parity, eval, the learning runs), and runs the latter at
 # nice SIDE_NICE: they take the cores the main lane leaves idle and cannot delay its deadlines
-# (running both lanes at one priority failed four deadline tests under contention). The lanes
+# (running both lanes at one priority failed four deadline tests under contention; .ci/run turns
+# the kernel's autogroup off, under which nice would hold only within a session). The lanes
 # are chosen by node id, the one thing xdist's controller sees (xdist 3.8's own xdist_group
 # cannot rename pytest 9.2's node ids); a test of a waiting tier missing here is a usage error.
 # Without -n, nothing changes.
