@@ -14,17 +14,18 @@ import pytest
 os.environ.setdefault("PYENV_REHASH_TIMEOUT", "1")
 
 
-# The suite's command (README) runs two xdist workers in two lanes. The main lane holds every
+# The suite's command (README) runs three xdist workers in three lanes. The main lane holds every
 # test that starts a process, a container or a harness, or asserts a deadline, in order, at the
-# normal priority. The side lane holds the tests that only wait (the harness_stall tier: Claude
-# Code's 300 s watchdog, a CPU-idle 5.5 minutes) and CPU-bound tests with no deadline shorter
-# than minutes (in-process runs, megatron's cells and parity, eval, the learning runs), and runs the latter at
-# nice SIDE_NICE: they take the cores the main lane leaves idle and cannot delay its deadlines
-# (running both lanes at one priority failed four deadline tests under contention; .ci/run turns
-# the kernel's autogroup off, under which nice would hold only within a session). The lanes
-# are chosen by node id, the one thing xdist's controller sees (xdist 3.8's own xdist_group
-# cannot rename pytest 9.2's node ids); a test of a waiting tier missing here is a usage error.
-# Without -n, nothing changes.
+# normal priority. The waiting lane holds the tests that only wait (the harness_stall tier:
+# Claude Code's 300 s watchdog, a CPU-idle 5.5 minutes), at the normal priority. The side lane
+# holds CPU-bound tests with no deadline shorter than minutes (in-process runs, megatron's cells
+# and parity, eval, the learning runs) at nice SIDE_NICE: they take the cores the main lane
+# leaves idle and cannot delay its deadlines (running both at one priority failed four deadline
+# tests under contention; .ci/run turns the kernel's autogroup off, under which nice would hold
+# only within a session). The lanes are chosen by node id, the one thing xdist's controller sees
+# (xdist 3.8's own xdist_group cannot rename pytest 9.2's node ids); a test of a waiting tier
+# missing here is a usage error. With -n 2 the waiting lane queues behind another; without -n,
+# nothing changes.
 WAITING_TIERS = ("harness_stall",)
 WAITING_TESTS = frozenset({
     "tests/harness/test_claude_code.py::test_a_pause_past_the_300s_watchdog_inside_a_streamed_answer",
@@ -48,7 +49,7 @@ SIDE_NICE = 10
 
 
 def side_lane(nodeid: str) -> bool:
-    return nodeid in WAITING_TESTS or nodeid in SIDE_TESTS or nodeid.split("::", 1)[0] in SIDE_MODULES
+    return nodeid not in WAITING_TESTS and (nodeid in SIDE_TESTS or nodeid.split("::", 1)[0] in SIDE_MODULES)
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook; absent without it
@@ -60,7 +61,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class Lanes(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "side" if side_lane(nodeid) else "suite"
+            return "waiting" if nodeid in WAITING_TESTS else "side" if side_lane(nodeid) else "suite"
 
     return Lanes(config, log)
 
@@ -85,7 +86,7 @@ def pytest_configure_node(node):
 def pytest_runtest_setup(item):
     if not getattr(item.config, "workerinput", {}).get("gyre_lanes"):
         return
-    want = SIDE_NICE if side_lane(item.nodeid) and item.nodeid not in WAITING_TESTS else 0
+    want = SIDE_NICE if side_lane(item.nodeid) else 0
     if os.getpriority(os.PRIO_PROCESS, 0) != want:
         _renice(want)
 
