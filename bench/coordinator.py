@@ -24,6 +24,7 @@ import uvloop
 
 from gyre.coordinator.config import CoordinatorConfig
 from gyre.coordinator.main import Coordinator
+from gyre.coordinator.metrics import read_events
 from gyre.coordinator.sim import matched_settings
 from gyre.workerd.modeldir import init_tiny
 
@@ -34,7 +35,7 @@ def run_policy(policy: str, phi: float, mu: int, args, model_dir: Path, root: Pa
     t0 = time.monotonic()
     uvloop.run(Coordinator(cfg).run())
     wall = time.monotonic() - t0
-    events = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    events = read_events(cfg.run_dir / "metrics.jsonl", warn=True).events
     summary = next(e for e in events if e["event"] == "summary")
     steps = [e for e in events if e["event"] == "step"]
     loop_s = summary["wall_s"]

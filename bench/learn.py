@@ -86,13 +86,13 @@ def config_text(a, model: Path) -> str:
 
 
 def events(run_dir: Path) -> list[dict]:
-    out = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
+    """The run's events, as gyre reads them (a torn line skipped, with a warning); the step
+    events those a resume kept (gyre.coordinator.metrics.counted_steps)."""
+    from gyre.coordinator.metrics import counted_steps, read_events
+
+    evs = read_events(run_dir / "metrics.jsonl", warn=True).events
+    counted = {id(e) for e in counted_steps(evs)}
+    return [e for e in evs if e.get("event") != "step" or id(e) in counted]
 
 
 def steps_table(evs: list[dict]) -> list[dict]:

@@ -273,8 +273,11 @@ def sample(run: Path, pid: int, t0: float, neighbour: Neighbour | None) -> dict:
 
 def check_journal(run: Path) -> list[str]:
     """What must hold in metrics.jsonl after the stop; returns the failures."""
-    evs = [json.loads(x) for x in (run / "metrics.jsonl").read_bytes().splitlines() if x.strip()]
-    fails = []
+    from gyre.coordinator.metrics import read_events
+
+    read = read_events(run / "metrics.jsonl", warn=True)
+    evs = read.events
+    fails = [f"metrics.jsonl lines {list(read.mid[:5])} are not whole events"] if read.mid else []
     ids = Counter(e["id"] for e in evs if e["event"] == "execution")
     if twice := [i for i, n in ids.items() if n > 1]:
         fails.append(f"executions ended twice: {twice[:5]}")
