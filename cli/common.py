@@ -79,6 +79,15 @@ def positive_seconds(value) -> str | None:
     return None if ok else f"must be a positive number of seconds, at most {MAX_TIMEOUT_S:g} (a week)"
 
 
+def config_timeout(config: Path | None) -> float:
+    """The seconds a harness gets where the task, --timeout and the preset set none: the run
+    config's execution_timeout_s (checked), else serve.DEFAULT_TIMEOUT_S."""
+    from gyre.coordinator.serve import DEFAULT_TIMEOUT_S
+
+    return flag_or_config(None, config=config, key="execution_timeout_s", option="--timeout",
+                          default=DEFAULT_TIMEOUT_S, check=positive_seconds)
+
+
 def harness_preset(name: str | None, config: Path | None, sandbox: str = "process"):
     """The preset --harness names, else the config's `harness`, else demo (user presets from
     `config` first), checked for `sandbox`."""

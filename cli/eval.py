@@ -24,13 +24,13 @@ import typer
 
 from gyre.cli.common import (
     check_timeout,
+    config_timeout,
     default_run_dir,
     fail,
     flag_or_config,
     guard,
     harness_preset,
     model_or_tiny,
-    positive_seconds,
     sandbox_for,
 )
 from gyre.cli.options import (
@@ -96,8 +96,7 @@ def eval_cmd(tasks: EvalTasksOpt, model: EvalModelOpt = None, step: EvalStepOpt 
     threshold = flag_or_config(threshold, config=config, key="eval_pass_threshold", option="--threshold", default=1.0,
                                check=lambda v: None if isinstance(v, (int, float)) and not isinstance(v, bool)
                                else "must be a number")
-    base_timeout = flag_or_config(None, config=config, key="execution_timeout_s", option="", default=600.0,
-                                  check=positive_seconds)
+    base_timeout = config_timeout(config)
     guard(_check_flags, k=k, threshold=threshold, concurrency=concurrency, solution=solution, model=model,
           step=step)
     check_timeout(timeout)

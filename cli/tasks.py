@@ -12,13 +12,13 @@ import typer
 from gyre.cli.common import (
     check_model,
     check_timeout,
+    config_timeout,
     default_run_dir,
     fail,
     flag_or_config,
     guard,
     harness_preset,
     model_or_tiny,
-    positive_seconds,
     sandbox_for,
 )
 from gyre.cli.options import (
@@ -97,8 +97,7 @@ def run(path: TaskPathArg, harness: TaskHarnessOpt = None, sandbox: TaskSandboxO
     if concurrency < 1:
         fail(ValueError("--concurrency must be >= 1"))
     check_timeout(timeout)
-    base_timeout = flag_or_config(None, config=config, key="execution_timeout_s", option="", default=600.0,
-                                  check=positive_seconds)
+    base_timeout = config_timeout(config)
     tasks = guard(load_task_source, path=path)
     sandbox, sandbox_url = sandbox_for(flag=sandbox, url=sandbox_url, config=config, tasks=tasks, source=str(path))
     preset = harness_preset(harness, config, "process" if solution else sandbox)  # --solution runs no harness
