@@ -134,10 +134,9 @@ class CoordinatorConfig:
     rollout_temperature: float = 1.0
     rollout_top_p: float = 1.0  # top-p of every call; < 1 needs allow_rollout_top_p
     # Each execution's share of the proxy, so one cannot starve the rest (proxy/budget.py): at
-    # most this many model calls in flight at once (0: unlimited; beside an execution keeping
-    # 32 in flight, a neighbour's median call took 2.6x its time alone at 2, 2.9x at 4, 4.2x
-    # at 8, 9.9x unlimited: bench/fuzz_proxy.py --flood, the tiny model's CPU engine, whose
-    # steps slow with the batch; 4 leaves room for a harness's parallel sub-agents) ...
+    # most this many model calls in flight at once, shared while several executions call (n
+    # calling: max(1, this // n) each; 0: unlimited; 4 leaves room for a harness's parallel
+    # sub-agents; a neighbour's calls beside one keeping 32 in flight: docs/benchmarks.md) ...
     max_calls_in_flight_per_execution: int = 4
     # ... and this many tokens a minute, prefilled (new to its history) and generated (0:
     # unlimited; a bucket one minute deep, so a burst of that many is let through) ...
