@@ -16,7 +16,8 @@ under the default 32 MiB limit, beside a neighbour execution making small calls,
 coordinator's loop probe running: each must be refused in the API's overflow shape, or
 served, and the loop's longest block is reported. `--flood` runs the flooding-execution
 case (`flood`): a neighbour's median call latency alone and beside an execution keeping 32
-calls in flight, on the tiny model's CPU engine, at the per-execution budgets given.
+calls in flight, through `gyre serve` (the proxy and a real workerd, each its own process, the
+tiny model's CPU engine), at the per-execution budgets given.
 Not a test (tests/faults/test_fuzz_proxy.py runs it small). Run:
     python bench/fuzz_proxy.py [--inputs N] [--seed S] [--concurrency C] [--json PATH]
     python bench/fuzz_proxy.py --big [--sizes-mib 4,30] [--json PATH]
@@ -569,49 +570,60 @@ async def _one_big(session, url: str, api: str, body: bytes, headers: dict, neig
 # --- a flooding execution ---------------------------------------------------------------------
 
 
-async def flood(model_dir: Path, *, budgets: tuple[int, ...], flood_calls: int = 32, rounds: int = 3,
-                per_round: int = 10, max_tokens: int = 32, run_dir: Path | None = None) -> dict:
+async def flood(model_dir: Path | None = None, *, budgets: tuple[int, ...], flood_calls: int = 32, rounds: int = 3,
+                per_round: int = 10, max_tokens: int = 32) -> dict:
     """A neighbour execution's call latency alone, then beside a flooder keeping
     `flood_calls` calls in flight (retrying its 429s after retry-after, as harnesses do), at
-    each per-execution budget of calls in flight (0: unlimited, the proxy before budgets),
-    on the tiny model's CPU engine behind a real ProxyServer. The phases alternate round
-    by round, so a busy machine weighs on each alike; medians over all rounds."""
-    from gyre.proxy.chat import ChatTokenizer
-    from gyre.workerd.engines.base import SamplingParams
-    from gyre.workerd.engines.cpu import CpuEngine
-    from gyre.workerd.model import load_model
+    each per-execution budget of calls in flight (0: unlimited, the proxy before budgets).
+    As a run has them: `gyre serve --executions 2` (the proxy in its process, the engine in
+    a real workerd, the tiny model's CPU engine unless `model_dir`), this process the two
+    clients; one server per budget. The phases alternate round by round, so a busy machine
+    weighs on each alike; medians over all rounds, the ratio against that server's alone."""
+    rows: dict[str, dict] = {}
+    for b in budgets:
+        with tempfile.TemporaryDirectory(prefix="gyre-flood-") as d:
+            sets = [f"max_calls_in_flight_per_execution={b}", f"default_max_tokens={max_tokens}",
+                    f"max_tokens_cap={max_tokens}"]
+            async with _served(Path(d) / "run", sets, model_dir) as (url, (neighbour, flooder)):
+                took: dict[str, list[float]] = {"alone": [], "flooded": []}
+                answers: Counter = Counter()
+                async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                                 timeout=aiohttp.ClientTimeout(total=600)) as session:
+                    await _latencies(session, url, neighbour, 2)  # warm: the first calls compile nothing twice
+                    for _ in range(rounds):
+                        took["alone"] += await _latencies(session, url, neighbour, per_round)
+                        stop = asyncio.Event()
+                        floods = [asyncio.create_task(_flood_loop(session, url, flooder, stop, answers))
+                                  for _ in range(flood_calls)]
+                        took["flooded"] += await _latencies(session, url, neighbour, per_round)
+                        stop.set()
+                        await asyncio.gather(*floods)
+        alone, flooded = statistics.median(took["alone"]), statistics.median(took["flooded"])
+        rows[f"budget {b}"] = {"alone_s": round(alone, 3), "flooded_s": round(flooded, 3),
+                               "ratio": round(flooded / alone, 2), "flood_answers": dict(answers)}
+    return {"flood_calls": flood_calls, "max_tokens": max_tokens, "neighbour_calls": rounds * per_round,
+            "budgets": rows}
 
-    tmp = tempfile.TemporaryDirectory(prefix="gyre-flood-") if run_dir is None else None
-    backend = ThreadEngineBackend(CpuEngine(load_model(model_dir), seed=0), sampling_cls=SamplingParams)
-    server = ProxyServer(ChatTokenizer(model_dir), backend,
-                         ProxyConfig(default_max_tokens=max_tokens, max_tokens_cap=max_tokens),
-                         run_dir=Path(tmp.name if tmp else run_dir) / "run")
-    url = await server.start()
-    took: dict[str, list[float]] = {"alone": [], **{f"budget {b}": [] for b in budgets}}
-    answers: dict[str, Counter] = {f"budget {b}": Counter() for b in budgets}
-    try:
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                         timeout=aiohttp.ClientTimeout(total=600)) as session:
-            neighbour, flooder = server.register("neighbour").key, server.register("flooder").key
-            for _ in range(rounds):
-                took["alone"] += await _latencies(session, url, neighbour, per_round)
-                for b in budgets:
-                    server.budgets.max_in_flight = b  # (no call in flight between phases)
-                    stop = asyncio.Event()
-                    floods = [asyncio.create_task(_flood_loop(session, url, flooder, stop, answers[f"budget {b}"]))
-                              for _ in range(flood_calls)]
-                    took[f"budget {b}"] += await _latencies(session, url, neighbour, per_round)
-                    stop.set()
-                    await asyncio.gather(*floods)
-    finally:
-        await server.stop()
-        backend.close()
-        if tmp is not None:
-            tmp.cleanup()
-    medians = {k: round(statistics.median(v), 3) for k, v in took.items()}
-    return {"flood_calls": flood_calls, "max_tokens": max_tokens, "neighbour_calls": len(took["alone"]),
-            "median_s": medians, "ratio": {k: round(v / medians["alone"], 2) for k, v in medians.items()},
-            "flood_answers": {k: dict(c) for k, c in answers.items()}}
+
+class _served:
+    """`gyre serve --executions 2` on a free port: (base url, its two keys); SIGINT at the end."""
+
+    def __init__(self, run_dir: Path, sets: list[str], model_dir: Path | None):
+        self.cmd = [sys.executable, "-m", "gyre.cli", "serve", "--executions", "2", "--run-dir", str(run_dir)]
+        self.cmd += [a for kv in sets for a in ("--set", kv)] + (["--model", str(model_dir)] if model_dir else [])
+
+    async def __aenter__(self):
+        self.proc = await asyncio.create_subprocess_exec(*self.cmd, stdout=asyncio.subprocess.PIPE,
+                                                         stderr=asyncio.subprocess.DEVNULL)
+        line = await asyncio.wait_for(self.proc.stdout.readline(), 300)
+        if not line:
+            raise RuntimeError(f"gyre serve exited {await self.proc.wait()} before serving: {' '.join(self.cmd)}")
+        told = json.loads(line)
+        return told["base_url"].removesuffix("/v1"), told["api_keys"]
+
+    async def __aexit__(self, *exc):
+        self.proc.send_signal(2)
+        await asyncio.wait_for(self.proc.wait(), 120)
 
 
 def _chat(key: str, text: str) -> tuple[dict, dict]:
@@ -665,9 +677,7 @@ def main() -> None:
     from gyre.workerd.modeldir import init_tiny
 
     if args.flood is not None:
-        with tempfile.TemporaryDirectory(prefix="gyre-fuzz-tiny-") as d:
-            tiny = init_tiny(Path(d) / "tiny", seed=0)
-            rows = [asyncio.run(flood(tiny, budgets=tuple(int(b) for b in args.flood.split(","))))]
+        rows = [asyncio.run(flood(budgets=tuple(int(b) for b in args.flood.split(","))))]
         for row in rows:
             print(json.dumps(row))
         if args.json:
