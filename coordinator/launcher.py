@@ -52,6 +52,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -443,6 +444,9 @@ class Launcher:
             base = self.proxy.base_url
             if self.backend.isolated_network:
                 relay, base = await self._relay(sandbox, host)
+            if self.backend.binds_keys and host.node is None:  # siblings can read the key: bind it
+                self.proxy.bindings.bind(run.id)
+                sandbox.on_session = partial(self.proxy.bindings.add, run.id)
             return await self._run_harness(run, sandbox, folder, recorder.key, base)
         finally:
             self.proxy.revoke(run.id)  # the key stops working; the records stay

@@ -33,6 +33,7 @@ from aiohttp import web
 
 from gyre.proxy import api_anthropic, api_openai, api_responses
 from gyre.proxy.backend import Backend
+from gyre.proxy.binding import Bindings
 from gyre.proxy.budget import Budgets, OverBudget
 from gyre.proxy.call import ProxiedCall, api_error, dumps_str, http_error, is_refusal, json_error
 from gyre.proxy.chat import ChatTokenizer
@@ -75,6 +76,7 @@ class ProxyServer:
         self._parser_gaps = Tally("request parser gap, answered 400: %s at %s")
         self._over_budget = Tally("model calls answered 429, over their execution's budget: %s (execution %s)")
         c = self.config
+        self.bindings = Bindings()  # keys that work only from their harness's sessions (the process backend)
         self.budgets = Budgets(c.max_calls_in_flight_per_execution, c.max_tokens_per_minute_per_execution,
                                c.budget_wait_s)
         # Parsing, rendering and tokenizing run on these threads, never on the event loop (one
@@ -106,6 +108,7 @@ class ProxyServer:
         self._by_key.pop(ex.key, None)
         self.backend.forget(exec_id)
         self.budgets.forget(exec_id)
+        self.bindings.forget(exec_id)
         self._prompt_locks.pop(exec_id, None)
         if not ex.closed:
             ex.close()
@@ -203,7 +206,7 @@ class ProxyServer:
     async def _count_tokens(self, request: web.Request) -> web.Response:
         """Counted on the prompt threads, within the execution's budget (tokenizing is work)."""
         try:
-            execution = self._auth(request, api_anthropic)
+            execution = await self._authed(request, api_anthropic)
             await self.budgets.admit(execution.id)
         except HttpError as e:
             return http_error(api_anthropic, e)
@@ -243,6 +246,16 @@ class ProxyServer:
         ex = self._by_key.get(key or "")
         if ex is None:
             raise HttpError(401, "invalid API key: this proxy accepts only per-execution keys")
+        return ex
+
+    async def _authed(self, request: web.Request, api: ModuleType) -> Recorder:
+        """`_auth`, and where the key is bound to its harness's sessions (bindings.py), the
+        connecting process one of them."""
+        ex = self._auth(request, api)
+        if self.bindings.bound(ex.id):
+            why = await self.bindings.refusal(ex.id, request.transport)
+            if why is not None:
+                raise HttpError(401, f"invalid API key here: {why}")
         return ex
 
     async def _off_loop(self, fn: Callable[[], Any]) -> Any:
@@ -307,7 +320,7 @@ class ProxyServer:
     async def _handle(self, request: web.Request, api: ModuleType) -> web.StreamResponse:
         """Authenticate, wait for the execution's budget (429 past it), serve the call."""
         try:
-            execution = self._auth(request, api)
+            execution = await self._authed(request, api)
             await self.budgets.admit(execution.id)
         except HttpError as e:
             return http_error(api, e)

@@ -300,6 +300,9 @@ class SandboxBackend(abc.ABC):
     name: str
     isolated_network: bool = False  # sandboxes have their own network namespace
     needs_image: bool = False  # a task must name an image (or a Dockerfile)
+    # Harnesses share the coordinator's host and user (the process backend): a key works only
+    # from the sessions its sandbox started (`Sandbox.on_session`, proxy/binding.py).
+    binds_keys: bool = False
     enforces: frozenset[str] = frozenset()  # the Limits fields it enforces
 
     async def open(self) -> None:

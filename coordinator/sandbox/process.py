@@ -7,9 +7,10 @@ what is left of the group when the command ends is SIGKILLed. Every process it s
 carries GYRE_SANDBOX_OWNER / GYRE_SANDBOX_RUN_DIR (and the maker's process and the
 execution) in its environment, which is how `cancel` finds what left the group (a `setsid`
 daemon) and `reap` the harnesses a killed coordinator left behind. A process that drops its
-environment (`env -i`) escapes both: this backend isolates nothing (ISOLATION), keys included:
-every harness runs as the coordinator's user, so each can read the others' environments
-(/proc/PID/environ), their API keys among them, and act as them against the proxy.
+environment (`env -i`) escapes both: this backend isolates nothing (ISOLATION). Every harness
+runs as the coordinator's user, so each can read the others' environments (/proc/PID/environ),
+their API keys among them; the proxy serves a key only to the sessions its sandbox started
+(`binds_keys`, proxy/binding.py), so a sibling cannot act as another with it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import os
 import select
 import shutil
 import signal
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import BinaryIO
 
@@ -46,7 +47,8 @@ KILL_ROUNDS = 100  # `cancel` sweeps for marked processes until one finds none, 
 ENV_OWNER, ENV_RUN_DIR, ENV_PROCESS = "GYRE_SANDBOX_OWNER", "GYRE_SANDBOX_RUN_DIR", "GYRE_SANDBOX_PROCESS"
 ENV_EXECUTION = "GYRE_SANDBOX_EXECUTION"
 ISOLATION = ("isolates nothing: harnesses run as the coordinator's user with its files, its environment and "
-             "network, and each can read the others' API keys (/proc/PID/environ) and act as them")
+             "network; each can read the others' environments, but a key works only from its own "
+             "execution's processes")
 _ENV_MARKERS = {ENV_OWNER.encode(), ENV_RUN_DIR.encode(), ENV_PROCESS.encode(), ENV_EXECUTION.encode()}
 
 
@@ -111,9 +113,11 @@ def killpg(pid: int, sig: int) -> bool:
 
 
 async def run_group(argv: list[str], *, env: Mapping[str, str], cwd: str | None, timeout_s: float | None,
-                    grace_s: float, log: BinaryIO | None, procs: set) -> ExecResult:
+                    grace_s: float, log: BinaryIO | None, procs: set,
+                    started: Callable[[int], None] | None = None) -> ExecResult:
     """`argv` as a session leader; its group is stopped at the deadline or on cancellation,
-    and what is left of it SIGKILLed when the leader ends."""
+    and what is left of it SIGKILLed when the leader ends. `started` is told the session's
+    id (the leader's pid) once it runs."""
     # A plain log file takes the output directly (no copy through the event loop); a capped
     # one (no fileno) is written through here.
     direct = log is not None and hasattr(log, "fileno")
@@ -127,6 +131,8 @@ async def run_group(argv: list[str], *, env: Mapping[str, str], cwd: str | None,
     except OSError as e:
         raise SandboxError(f"cannot start {argv[0]!r}: {e}") from None
     procs.add(proc)
+    if started is not None:
+        started(proc.pid)
     tail = bytearray()
     reader = asyncio.ensure_future(_read_tail(None if direct else proc.stdout, log, tail))
     exited = exit_of(proc.pid)
@@ -245,6 +251,7 @@ class ProcessSandbox(Sandbox):
         self.spec = spec
         self.workdir = spec.workdir or ""
         self._procs: set[asyncio.subprocess.Process] = set()
+        self.on_session: Callable[[int], None] | None = None  # told each exec's session (the proxy binds keys)
 
     def _host(self, path: str) -> Path:
         return Path(self.workdir, path) if not os.path.isabs(path) else Path(path)
@@ -252,7 +259,8 @@ class ProcessSandbox(Sandbox):
     async def exec(self, argv, *, env=None, cwd=None, timeout_s=None, grace_s=5.0, log=None, user=None):
         full = {**os.environ, **(env or {}), **markers(self.spec.labels)}
         return await run_group(argv, env=full, cwd=str(self._host(cwd)) if cwd else self.workdir,
-                               timeout_s=timeout_s, grace_s=grace_s, log=log, procs=self._procs)
+                               timeout_s=timeout_s, grace_s=grace_s, log=log, procs=self._procs,
+                               started=self.on_session)
 
     async def upload(self, src: Path, dest: str) -> None:
         await asyncio.to_thread(_copy, Path(src), self._host(dest))
@@ -283,6 +291,7 @@ class ProcessBackend(SandboxBackend):
     name = "process"
     enforces = frozenset()
     isolation = ISOLATION
+    binds_keys = True  # harnesses share the host: a key works only from its own sessions (proxy/binding.py)
 
     async def create(self, spec: SandboxSpec) -> Sandbox:
         if not spec.workdir:

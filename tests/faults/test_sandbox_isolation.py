@@ -103,7 +103,7 @@ async def test_a_bubblewrap_sandbox_started_by_root_holds(bwrap_ready, scripted_
 
 
 def test_doctor_and_the_start_line_say_what_each_backend_isolates(caplog):
-    """The process backend says it isolates nothing, keys included; bubblewrap what it now does."""
+    """The process backend says it isolates nothing but keys; bubblewrap what it now does."""
     import logging
 
     from gyre.cli.doctor import _isolation
@@ -111,7 +111,8 @@ def test_doctor_and_the_start_line_say_what_each_backend_isolates(caplog):
 
     lines = {c.check: c.detail for c in _isolation()}
     assert set(lines) == {"sandbox process", "sandbox podman", "sandbox docker", "sandbox bubblewrap"}
-    assert lines["sandbox process"].startswith("isolates nothing") and "API keys" in lines["sandbox process"]
+    process = lines["sandbox process"]
+    assert process.startswith("isolates nothing") and "a key works only from its own" in process
     assert "unprivileged uid" in lines["sandbox bubblewrap"] and "no capabilities" in lines["sandbox bubblewrap"]
     assert "container" in lines["sandbox podman"]
     caplog.set_level(logging.INFO, logger="gyre.coordinator")
