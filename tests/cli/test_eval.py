@@ -61,7 +61,8 @@ def test_the_examples_own_solutions_pass_at_2(podman_ready, tmp_path):
     assert got["pass_at_k"] == 1.0 and got["pass_at_1"] == 1.0 and got["reward_mean"] == 1.0 and got["k"] == 2
     assert got["model"] is None and got["solution"] and got["unscored"] == []
     assert [t["task"] for t in got["tasks"]] == list(EXAMPLES)
-    assert all(t["samples"] == 2 and t["passed"] == 2 and t["statuses"] == {"completed": 2} for t in got["tasks"])
+    assert all(t["samples"] == 2 and t["passed"] == 2 and t["statuses"] == {"completed": 2} for t in got["tasks"]), \
+        [(t["task"], t["statuses"]) for t in got["tasks"]]
     assert len(list((run / "executions").iterdir())) == 8
 
 
