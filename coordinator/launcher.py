@@ -444,14 +444,26 @@ class Launcher:
             base = self.proxy.base_url
             if self.backend.isolated_network:
                 relay, base = await self._relay(sandbox, host)
-            if self.backend.binds_keys and host.node is None:  # siblings can read the key: bind it
+            bind = self.backend.binds_keys and host.node is None  # siblings can read the key: bind it
+            if bind:
                 self.proxy.bindings.bind(run.id)
-                sandbox.on_session = partial(self.proxy.bindings.add, run.id)
-            return await self._run_harness(run, sandbox, folder, recorder.key, base)
+            return await self._run_harness(run, sandbox, folder, recorder.key, base, bind)
         finally:
             self.proxy.revoke(run.id)  # the key stops working; the records stay
             if relay is not None:
                 await relay.close()
+
+    def _started(self, run: Execution, folder: Path, bind: bool, timeout_s: float, info: dict) -> None:
+        """The harness's exec started: its session bound to the key (process backends), and
+        what finds it again recorded in sandbox.json under "harness" (with its deadline)."""
+        if bind and "session" in info:
+            self.proxy.bindings.add(run.id, info["session"])
+        try:
+            record = json.loads((folder / "sandbox.json").read_text())
+            record["harness"] = {**info, "started": time.time(), "timeout_s": timeout_s}
+            (folder / "sandbox.json").write_text(json.dumps(record))
+        except (OSError, ValueError) as e:
+            log.warning("execution %s: harness start not recorded in sandbox.json: %s", run.id, e)
 
     async def _relay(self, sandbox: Sandbox, host: SandboxHost):
         """The proxy's listener inside the sandbox's network namespace: made here when the
@@ -475,7 +487,7 @@ class Launcher:
             raise SandboxError(str(e)) from None
         return relay, f"http://127.0.0.1:{port}"
 
-    async def _run_harness(self, run: Execution, sandbox: Sandbox, folder: Path, key: str, base: str):
+    async def _run_harness(self, run: Execution, sandbox: Sandbox, folder: Path, key: str, base: str, bind: bool):
         preset = self._presets.pop(run.id, self.spec.preset)
         contained = self.backend.needs_image
         spec = self.spec  # the task's own deadline, then an explicit flag, then the preset's, then the run's
@@ -503,6 +515,7 @@ class Launcher:
                 raise SandboxError(f"task {run.task.id!r} has no solution/solve.sh")
             await sandbox.upload(Path(run.task.solution_dir), SOLUTION_DIR)
             argv = ["bash", f"{SOLUTION_DIR}/solve.sh"]
+        sandbox.on_start = partial(self._started, run, folder, bind, timeout)
         with open(folder / "harness.log", "ab") as logf:  # gyre's own lines go to logf, past the cap
             try:
                 result = await self._exec_held(sandbox, argv, env, timeout, logf)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import abc
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -201,6 +201,10 @@ class Sandbox(abc.ABC):
 
     spec: SandboxSpec
     workdir: str  # where the agent starts (inside)
+    # Told, on the event loop, what identifies each exec as it starts: {"session": sid} on the
+    # process backends (the proxy binds keys to it), {"exec": id, "token": t} in a container
+    # (what finds the exec again after a restart: ContainerSandbox.wait_detached).
+    on_start: Callable[[dict], None] | None = None
 
     @abc.abstractmethod
     async def exec(self, argv: list[str], *, env: Mapping[str, str] | None = None, cwd: str | None = None,
@@ -301,7 +305,7 @@ class SandboxBackend(abc.ABC):
     isolated_network: bool = False  # sandboxes have their own network namespace
     needs_image: bool = False  # a task must name an image (or a Dockerfile)
     # Harnesses share the coordinator's host and user (the process backend): a key works only
-    # from the sessions its sandbox started (`Sandbox.on_session`, proxy/binding.py).
+    # from the sessions its sandbox started (`Sandbox.on_start`, proxy/binding.py).
     binds_keys: bool = False
     enforces: frozenset[str] = frozenset()  # the Limits fields it enforces
 

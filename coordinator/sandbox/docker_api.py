@@ -5,8 +5,13 @@ One implementation for both engines, with the `docker` Python SDK (it drives doc
 containers.conf. A sandbox is a container started `--init --network none ... sleep
 infinity` from the task's image, with the image's working directory and files as the agent's
 workspace; `exec` runs a command in it under `timeout -k GRACE T` (the deadline is enforced
-inside: killing the host-side client would leave the process running) and records the
-wrapper's pid, so a cancelled call kills its process group inside. `cancel` SIGKILLs the
+inside: killing the host-side client would leave the process running) and records its pid,
+so a cancelled call kills its process group inside. The command does not depend on the
+coordinator: its output goes to a file inside (PID_DIR/TOKEN.out, copied out when it ends)
+and its exit code to another (TOKEN.exit) besides the exec's own, so it runs on when the
+coordinator (and the podman service with it) dies, and a new coordinator finds its end by
+the exec's id, or by that file once the engine has let the exec go (`wait_detached`). The
+exec's stream carries nothing but its end. `cancel` SIGKILLs the
 container's init, which takes every process of its PID namespace with it (a daemon the agent
 left, whatever group it is in); the files stay for copying out, and the container never runs
 again (a restart would run `sleep` from the agent's files). `run_fresh` is the verifier's: a
@@ -55,9 +60,10 @@ from gyre.coordinator.sandbox.base import (
     SandboxBackend,
     SandboxError,
     SandboxSpec,
+    keep_output,
 )
 from gyre.coordinator.sandbox.engineio import api_error, follow, own_thread, released, tar_into
-from gyre.coordinator.sandbox.files import untar_capped
+from gyre.coordinator.sandbox.files import first_file, untar_capped
 
 log = logging.getLogger("gyre.coordinator")
 VERIFY_IMAGE_PREFIX = "localhost/gyre-verify-"  # the agent environment's temporary images (committed containers)
@@ -67,6 +73,18 @@ HOST_SLACK_S = 60.0  # the host-side wait past an exec's deadline + grace before
 OPEN_PING_S = 10.0  # an engine that does not answer a ping this fast at open is refused
 PUT_ATTEMPTS = 3  # an archive put the engine failed (a 5xx) is made again: it replaces what it wrote
 SLEEP = ["sleep", "infinity"]  # an agent's container's own command: the harness runs by exec
+DETACHED_POLL_S = 1.0  # how often an exec found again after a restart is asked whether it still runs
+OUTPUT_READ_BYTES = 64 << 20  # of a command's output file, copied out (harness.log caps what it keeps)
+
+
+def detached_script(token: str) -> str:
+    """The wrapper every exec runs: the command (`$@`) in the background with its output to
+    PID_DIR/TOKEN.out, its pid to PID_DIR/TOKEN (what `_kill` signals), its exit code to
+    PID_DIR/TOKEN.exit and as the wrapper's own. Nothing of it goes through the exec's stream,
+    so it outlives the stream (a coordinator that died)."""
+    at = f"{PID_DIR}/{token}"
+    return (f'mkdir -p {PID_DIR} || exit 125; "$@" > {at}.out 2>&1 & p=$!; echo $p > {at}; '
+            f'wait $p; c=$?; echo $c > {at}.exit; exit $c')
 
 
 class ContainerSandbox(Sandbox):
@@ -96,31 +114,42 @@ class ContainerSandbox(Sandbox):
         token = secrets.token_hex(6)
         # `timeout` leads its own process group and forwards a signal it gets to all of it; 0: no deadline.
         limit = "0" if timeout_s is None else f"{max(timeout_s, 0.001):.3f}"
-        wrapped = ["sh", "-c", f'mkdir -p {PID_DIR} && echo $$ > {PID_DIR}/{token} && exec "$@"', "sh",
-                   "timeout", "-k", f"{grace_s:g}", limit, *argv]
+        wrapped = ["sh", "-c", detached_script(token), "sh", "timeout", "-k", f"{grace_s:g}", limit, *argv]
         self._execs.add(token)
         start = time.monotonic()
         host_wait = None if timeout_s is None else timeout_s + grace_s + HOST_SLACK_S
-        job = own_thread(self._run, wrapped, dict(env or {}), cwd or self.workdir, user, log)
+        tail = bytearray()
+        started = None
+        if self.on_start is not None:
+            loop, told = asyncio.get_running_loop(), self.on_start
+            started = lambda exec_id: loop.call_soon_threadsafe(told, {"exec": exec_id, "token": token})  # noqa: E731
+        job = own_thread(self._run, wrapped, dict(env or {}), cwd or self.workdir, user, log, tail, started)
         try:
-            code, output = await asyncio.wait_for(asyncio.shield(job), host_wait)
+            code = await asyncio.wait_for(asyncio.shield(job), host_wait)
         except TimeoutError:
             await self._kill(token)
-            code, output = None, b"gyre: the engine did not end the exec after its deadline\n"
+            code = None
         except asyncio.CancelledError:
             await asyncio.shield(self._kill(token))
             raise
         finally:
             self._execs.discard(token)
+        if code is None:
+            keep_output(b"gyre: the engine did not end the exec after its deadline\n", log, tail)
+        else:
+            await self._output(token, log, tail)
         elapsed = time.monotonic() - start
         timed_out = timeout_s is not None and code in (124, 137) and elapsed >= timeout_s * 0.99
-        return ExecResult(code, timed_out or code is None, output)
+        return ExecResult(code, timed_out or code is None, bytes(tail))
 
-    def _run(self, argv, env, cwd, user, log: BinaryIO | None) -> tuple[int | None, bytes]:
+    def _run(self, argv, env, cwd, user, log: BinaryIO | None, tail: bytearray, started) -> int | None:
+        """Start the exec and follow its stream to its end (the wrapper's own words only: its
+        command's go to a file): its exit code."""
         api = self.backend.client.api
         try:
             ex = api.exec_create(self.container.id, argv, environment=env, workdir=cwd, user=user or "")
-            tail = bytearray()
+            if started is not None:
+                started(ex["Id"])
             stream = api.exec_start(ex["Id"], stream=True)
             try:
                 follow(stream, log, tail)
@@ -133,7 +162,71 @@ class ContainerSandbox(Sandbox):
         except api_error() as e:
             released(e)
             raise SandboxError(f"exec in {self.container.short_id}: {e}") from None
-        return code, bytes(tail)
+        return code
+
+    async def wait_detached(self, exec_id: str, token: str, *, log: BinaryIO | None = None,
+                            poll_s: float = DETACHED_POLL_S) -> int | None:
+        """The end of an exec this process did not start (found again after a restart): its
+        exit code from the engine while it keeps the exec, else from TOKEN.exit inside; None
+        when neither says (the container was stopped, or the wrapper killed). Its output then
+        goes to `log`."""
+        import docker.errors
+
+        def state() -> tuple[bool, int | None]:
+            try:
+                info = self.backend.client.api.exec_inspect(exec_id)
+            except docker.errors.APIError as e:  # podman answers an exec it let go 404 or 500 "no such exec"
+                if e.status_code == 404 or "no such exec" in str(e).lower():
+                    return False, None
+                raise
+            return bool(info.get("Running")), info.get("ExitCode")
+
+        self._execs.add(token)
+        try:
+            while True:
+                try:
+                    running, code = await self.backend.io(state)
+                except api_error() as e:
+                    released(e)
+                    raise SandboxError(f"exec {exec_id[:12]} in {self.container.short_id}: {e}") from None
+                if not running:
+                    break
+                await asyncio.sleep(poll_s)
+        except asyncio.CancelledError:
+            await asyncio.shield(self._kill(token))
+            raise
+        finally:
+            self._execs.discard(token)
+        if code is None:
+            told = await self._read(f"{PID_DIR}/{token}.exit", 64)
+            code = int(told) if told is not None and told.strip().isdigit() else None
+        await self._output(token, log, bytearray())
+        return code
+
+    async def _output(self, token: str, log: BinaryIO | None, tail: bytearray) -> None:
+        """The command's output file, into `log` (or `tail`), at most OUTPUT_READ_BYTES of it."""
+        data = await self._read(f"{PID_DIR}/{token}.out", OUTPUT_READ_BYTES)
+        if data:
+            keep_output(data, log, tail)
+
+    async def _read(self, path: str, limit: int) -> bytes | None:
+        """A file's first `limit` bytes from inside, by the archive endpoint (no exec); None
+        when it is not there or cannot be read."""
+        def pull() -> bytes | None:
+            api = self.backend.client.api
+            res = api._get(api._url("/containers/{0}/archive", self.container.id), params={"path": path},
+                           stream=True)
+            try:
+                return first_file(res.iter_content(1 << 16, False), limit) if res.status_code == 200 else None
+            finally:
+                res.close()
+
+        try:
+            return await self.backend.io(pull)
+        except api_error() as e:
+            released(e)
+            log.warning("sandbox %s: could not read %s: %s", self.container.short_id, path, e)
+            return None
 
     async def _kill(self, token: str) -> None:
         """SIGTERM the exec's group inside (timeout forwards it, then SIGKILLs after the grace)."""
@@ -452,6 +545,28 @@ class DockerAPIBackend(SandboxBackend):
 
     async def create(self, spec: SandboxSpec) -> Sandbox:
         return await self.container(spec, SLEEP)
+
+    async def adopt(self, container_id: str, spec: SandboxSpec) -> ContainerSandbox | None:
+        """A sandbox an earlier coordinator made, found again by its id while it still runs
+        (its execs with it: `wait_detached`); None when it is gone or stopped."""
+        import docker.errors
+
+        def find():
+            try:
+                container = self.client.containers.get(container_id)
+            except docker.errors.NotFound:
+                return None
+            return container if container.status == "running" else None
+
+        try:
+            container = await self.io(find)
+        except api_error() as e:
+            released(e)
+            raise SandboxError(f"{self.name}: cannot look up sandbox {container_id[:12]}: {e}") from None
+        if container is None:
+            return None
+        workdir = container.attrs.get("Config", {}).get("WorkingDir") or "/"
+        return ContainerSandbox(self, container, spec, workdir, container.attrs.get("State", {}).get("Pid") or None)
 
     async def container(self, spec: SandboxSpec, command: list[str], *, env: Mapping[str, str] | None = None,
                         start: bool = True, role: str = "") -> ContainerSandbox:

@@ -43,6 +43,19 @@ class _Chunks(io.RawIOBase):
         return n
 
 
+def first_file(chunks, limit: int) -> bytes | None:
+    """The first `limit` bytes of a get_archive stream's one entry when it is a regular file;
+    None when it is anything else, or the archive is cut."""
+    try:
+        with tarfile.open(fileobj=io.BufferedReader(_Chunks(chunks)), mode="r|") as tar:
+            for member in tar:
+                f = tar.extractfile(member) if member.isfile() else None
+                return f.read(limit) if f is not None else None
+    except (tarfile.TarError, OSError):
+        return None
+    return None
+
+
 def untar_capped(chunks, dest: Path, is_dir: bool, limit: int = COPY_LIMIT_BYTES) -> CopyReport:
     """Extract a get_archive stream (one top-level entry) as `dest`: a folder's contents into
     it, a file as it. Entry by entry, as it streams: what the "data" filter refuses (a link

@@ -251,7 +251,6 @@ class ProcessSandbox(Sandbox):
         self.spec = spec
         self.workdir = spec.workdir or ""
         self._procs: set[asyncio.subprocess.Process] = set()
-        self.on_session: Callable[[int], None] | None = None  # told each exec's session (the proxy binds keys)
 
     def _host(self, path: str) -> Path:
         return Path(self.workdir, path) if not os.path.isabs(path) else Path(path)
@@ -260,7 +259,11 @@ class ProcessSandbox(Sandbox):
         full = {**os.environ, **(env or {}), **markers(self.spec.labels)}
         return await run_group(argv, env=full, cwd=str(self._host(cwd)) if cwd else self.workdir,
                                timeout_s=timeout_s, grace_s=grace_s, log=log, procs=self._procs,
-                               started=self.on_session)
+                               started=self._started)
+
+    def _started(self, session: int) -> None:
+        if self.on_start is not None:
+            self.on_start({"session": session})
 
     async def upload(self, src: Path, dest: str) -> None:
         await asyncio.to_thread(_copy, Path(src), self._host(dest))

@@ -51,6 +51,8 @@ async def test_links_out_of_the_workdir_are_left_out_and_the_score_stands(podman
     error = _record(tmp_path / "run")["copy_out_error"]
     assert "3 entries left out" in error and "abs" in error, error
     assert run.copy_out_error == error
+    harness = _record(tmp_path / "run")["harness"]  # what finds the harness again after a restart (issue 34)
+    assert set(harness) == {"exec", "token", "started", "timeout_s"} and len(harness["exec"]) >= 12, harness
     assert containers(podman, **{LABEL_OWNER: "links1"}) == []
 
 
