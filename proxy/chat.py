@@ -473,6 +473,13 @@ def display_key(text: str) -> str:
     return text.replace(C_OPEN, "\ue002").replace(C_CLOSE, "\ue003") if _NONCE in text else text
 
 
+def live_key(shown: str) -> str:
+    """`display_key` undone in this process: a recorded segment's text with this process's
+    content markers, as its tree keys it (a resumed Recorder's tree, Recorder.resumed)."""
+    return shown.replace("\ue002", C_OPEN).replace("\ue003", C_CLOSE) if "\ue002" in shown or "\ue003" in shown \
+        else shown
+
+
 def _content_leaves(obj: Any) -> Any:
     """Tool-call arguments with every string (keys too) marked as content: text the harness
     sent, encoded plain wherever the template puts it (its `tojson` keeps the markers)."""

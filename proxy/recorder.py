@@ -28,9 +28,9 @@ import orjson
 
 from gyre.proxy import api_anthropic, api_openai, api_responses
 from gyre.proxy.admission import J_MAX, Rows, Trajectory, admit, materialise
-from gyre.proxy.chat import ChatTokenizer, Ref, display_key, token_chars
+from gyre.proxy.chat import ChatTokenizer, Ref, display_key, live_key, token_chars
 from gyre.proxy.parser import OutputParser
-from gyre.proxy.records import SENT_KEEP, Journal, JournalError, sync_dir, transcript_fields
+from gyre.proxy.records import SENT_KEEP, TRANSCRIPT_KEYS, Journal, JournalError, sync_dir, transcript_fields
 from gyre.proxy.roles import CallInfo, RoleRule, delegation_prompt
 from gyre.proxy.segmenter import Segmenter
 from gyre.proxy.tree import Node, Tree
@@ -106,6 +106,42 @@ class Recorder:
         self._sent: list[tuple[str, list]] = []  # (call id, messages) of the latest recorded calls, newest first
         if self.dir is not None:
             self.dir.mkdir(parents=True, exist_ok=True)
+
+    @classmethod
+    def resumed(cls, id: str, key: str, tokenizer: ChatTokenizer, rule: RoleRule, dir: Path) -> Recorder:
+        """The Recorder of an execution that outlived the coordinator that recorded it (issue
+        34): its tree, calls and every lookup a later call follows (outputs, tool-call ids and
+        arguments, replies by text, delegations, roles, the first call's model and tools)
+        rebuilt from its folder, so a harness's next call (or its retry of the call the crash
+        cut) extends the same tree: no duplicate root, nothing recorded twice. Its journals
+        append where the files end (a torn last line is cut, as on any open). RecordsError when
+        the files do not make a tree."""
+        from gyre.proxy.records import load_execution
+
+        recorded = load_execution(dir, transcript=True, text=live_key)
+        ex = cls(id, key, tokenizer, rule, dir=dir, tree=recorded.tree)
+        for c in recorded.calls:
+            ex.calls.append({k: v for k, v in c.items() if k not in TRANSCRIPT_KEYS and k != "prompt_path"})
+            if ex._first_model is None:
+                ex._first_model, ex._first_root_tools = c.get("model"), bool(c.get("has_tools"))
+            out, parent = c.get("output_node"), c["prompt_node"]
+            ex._roles[out if out is not None else parent] = c["role"]
+            if out is None or c.get("status") != "ok":
+                continue
+            ex._outputs[c["call_id"]] = out
+            made = c.get("output_tool_calls") or []
+            for call in made:
+                ex._by_tool_id[call["id"]] = c["call_id"]
+                ex._args[call["id"]] = call["arguments"]
+                prompt = delegation_prompt(rule, call["name"], call["arguments"])
+                if prompt is not None:
+                    ex._delegations[prompt] = (c["call_id"], ex.tree.nodes[c["prompt_path"][0]].root)
+            if not made:
+                text = (c.get("output_text") or "").strip()
+                ex._text_last[text] = c["call_id"]
+                ex._text_at[(parent, text)] = c["call_id"]
+        ex._n_calls = len(recorded.calls)
+        return ex
 
     # --- a call's prompt ----------------------------------------------------------------
 
@@ -362,6 +398,7 @@ class Recorder:
             "output_node": out_node, "output_tokens": len(output_ids),
             "versions": sorted(set(versions)), "invalid_tool_calls": invalid_tool_calls,
             "tool_calls": [c.id for c in result.tool_calls] if result else [],
+            "has_tools": bool(request.tools),  # what a resumed Recorder classifies its later calls by
         }
         if prep.delegated_by is not None:
             record["delegated_by"] = prep.delegated_by

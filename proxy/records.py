@@ -15,6 +15,7 @@ import errno
 import logging
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -241,9 +242,10 @@ class Recorded:
         return trajectories, materialise(self.tree, trajectories)
 
 
-def _node(tree: Tree, n: Any) -> Node:
+def _node(tree: Tree, n: Any, text: Callable[[str], str] | None = None) -> Node:
     parent = tree.nodes[n["parent"]] if n["parent"] >= 0 else None
-    key = text_key(n["key"]) if n["kind"] == "text" else n["key"]  # as Tree.add_text keys it
+    # As Tree.add_text keys it (`text`: the recorded text as the live tree had it).
+    key = text_key(text(n["key"]) if text else n["key"]) if n["kind"] == "text" else n["key"]
     lps = None if n["logprobs"] is None else np.asarray(n["logprobs"], LOGPROB_DTYPE)
     vers = None if n["versions"] is None else np.asarray(n["versions"], VERSION_DTYPE)
     return Node(id=n["id"], parent=n["parent"], kind=n["kind"], key=key,
@@ -252,9 +254,10 @@ def _node(tree: Tree, n: Any) -> Node:
                 root=parent.root if parent else len(tree.roots))
 
 
-def load_execution(folder: Path, *, transcript: bool = False) -> Recorded:
+def load_execution(folder: Path, *, transcript: bool = False, text: Callable[[str], str] | None = None) -> Recorded:
     """An execution's tree, calls and leaf roles from its folder; the calls keep their
-    TRANSCRIPT_KEYS only with `transcript` (a resumed run holds many executions). RecordsError
+    TRANSCRIPT_KEYS only with `transcript` (a resumed run holds many executions); `text`
+    turns a text node's recorded text into the one its key is taken of. RecordsError
     when the files do not make a tree: a node missing (a line lost mid-file), a node or call
     naming a node the file does not hold, a record without its fields."""
     tree = Tree()
@@ -263,7 +266,7 @@ def load_execution(folder: Path, *, transcript: bool = False) -> Recorded:
         try:
             ident, parent = n["id"], n["parent"]
             if ident == len(tree.nodes) and -1 <= parent < ident:
-                node = _node(tree, n)
+                node = _node(tree, n, text)
         except (KeyError, TypeError, ValueError) as e:
             raise RecordsError(f"{nodes} line {line}: not a node record ({type(e).__name__}: {e})") from None
         if ident != len(tree.nodes):

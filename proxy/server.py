@@ -91,13 +91,21 @@ class ProxyServer:
 
     # --- executions ---------------------------------------------------------------------
 
-    def register(self, exec_id: str, role_rule: str | None = None) -> Recorder:
+    def register(self, exec_id: str, role_rule: str | None = None, *, resume_key: str | None = None) -> Recorder:
         """A new execution with a fresh random key; its calls are recorded under run_dir and
-        classified by `role_rule` (default: the config's)."""
+        classified by `role_rule` (default: the config's). With `resume_key`, an execution
+        that outlived an earlier coordinator: its key again (the harness still holds it) and
+        its Recorder rebuilt from its folder (Recorder.resumed: later calls extend its tree)."""
         if exec_id in self.executions:
             raise ValueError(f"execution {exec_id!r} already registered")
         folder = self.run_dir / "executions" / exec_id if self.run_dir else None
-        ex = Recorder(exec_id, new_key(), self.tokenizer, rule(role_rule or self.config.role_rule), dir=folder)
+        classify = rule(role_rule or self.config.role_rule)
+        if resume_key is not None:
+            if folder is None:
+                raise ValueError(f"execution {exec_id!r}: nothing to resume without a run directory")
+            ex = Recorder.resumed(exec_id, resume_key, self.tokenizer, classify, folder)
+        else:
+            ex = Recorder(exec_id, new_key(), self.tokenizer, classify, dir=folder)
         self.executions[exec_id] = ex
         self._by_key[ex.key] = ex
         return ex
