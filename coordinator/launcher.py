@@ -49,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -102,6 +103,14 @@ INFRA_FAILURE = ("aborted_infra", "placeholder")
 CANCEL_CLEANUP_S = 30.0  # a stopped execution's sandbox cleanup may take this long before the stop moves on
 KEEP = ("never", "on_failure", "always")
 HARNESS_LOG_BYTES = 64 << 20  # harness.log keeps this much of the harness's output, then says so
+KEY_FILE = "harness.key"  # in the execution's folder (0600): the key its harness holds, for `adopt`
+ADOPT_SLACK_S = 60.0  # an adopted harness is waited for this long past its deadline and grace
+
+
+def _keep_key(path: Path, key: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key)
 STORAGE_EXIT = 137  # the exit a harness stopped at its storage limit counts as (a memory hog's, killed)
 
 
@@ -441,6 +450,8 @@ class Launcher:
         run.enter("harness")
         relay = None
         try:
+            if self.backend.needs_image:  # what a restarted coordinator takes the harness back under (`adopt`)
+                await asyncio.to_thread(_keep_key, folder / KEY_FILE, recorder.key)
             base = self.proxy.base_url
             if self.backend.isolated_network:
                 relay, base = await self._relay(sandbox, host)
@@ -452,6 +463,80 @@ class Launcher:
             self.proxy.revoke(run.id)  # the key stops working; the records stay
             if relay is not None:
                 await relay.close()
+
+    async def adopt(self, run: Execution) -> bool:
+        """Carry on with an execution an earlier coordinator of this run left running (issue
+        34): its sandbox found again by sandbox.json (the same container, still running), its
+        key (harness.key) and records taken back (Recorder.resumed: its later calls extend its
+        tree), its relay made again in the sandbox's network namespace at the same port, its
+        harness's exec waited for to its end (the deadline is enforced inside by its own
+        `timeout`, which ran on meanwhile), then scored and closed as any execution. A call
+        the restart cut fails at the harness, which retries it. False, with nothing done, when
+        there is nothing to adopt (no record of its harness, the sandbox gone or stopped):
+        the caller decides what that execution becomes."""
+        folder = self.run_dir / "executions" / run.id
+        try:
+            record = json.loads((folder / "sandbox.json").read_text())
+            harness = record["harness"]
+            exec_id, token = harness["exec"], harness["token"]
+            started, timeout = float(harness["started"]), float(harness["timeout_s"])
+            key = (folder / KEY_FILE).read_text().strip()
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        host = next((h for h in self.pool.hosts if h.name == record.get("host")), None)
+        adopt = getattr(host.backend, "adopt", None) if host is not None else None
+        if adopt is None or not record.get("id"):
+            return False
+        labels = {LABEL_OWNER: self.owner, LABEL_RUN_DIR: str(self.run_dir), LABEL_EXECUTION: run.id,
+                  LABEL_TASK: run.task.id[:200], LABEL_PROCESS: self.process}
+        try:
+            sandbox = await adopt(record["id"], SandboxSpec(execution=run.id, labels=labels, image=record.get("image")))
+        except SandboxError as e:
+            log.warning("execution %s: sandbox %s not adopted: %s", run.id, str(record["id"])[:12], e)
+            return False
+        if sandbox is None:
+            return False
+        log.info("execution %s: adopted sandbox %s, its harness still running", run.id, sandbox.id[:12])
+        run.t_start = started
+        host.running += 1
+        self._live[run.id] = sandbox
+        failed, relay = True, None
+        try:
+            run.recorder = self.proxy.register(run.id, role_rule=self.spec.preset.role_rule, resume_key=key)
+            run.enter("harness")
+            if self.backend.isolated_network:
+                relay, _ = await self._relay(sandbox, host)
+            limit = started + timeout + self.spec.preset.grace_s + ADOPT_SLACK_S - time.time()
+            with open(folder / "harness.log", "ab") as logf:
+                logf.write(b"gyre: the coordinator restarted; the harness, still running, was adopted\n")
+                try:
+                    code = await asyncio.wait_for(sandbox.wait_detached(
+                        exec_id, token, log=CappedLog(logf, HARNESS_LOG_BYTES, "harness.log")), max(limit, 1.0))
+                except TimeoutError:  # the engine never ended it: as an exec past its host-side wait
+                    code = None
+                    logf.write(b"gyre: the engine did not end the adopted harness after its deadline\n")
+            timed_out = code in (124, 137) and time.time() >= started + timeout * 0.99
+            self.proxy.revoke(run.id)
+            if relay is not None:
+                await relay.close()
+                relay = None
+            failed = not await self._score(run, sandbox, folder, code, timed_out)
+        except SandboxError as e:
+            self._infra(run, str(e))
+        except Exception as e:  # noqa: BLE001 - unforeseen: still one status, and the run goes on
+            log.exception("execution %s failed", run.id)
+            run.status, run.reward, run.valid, run.ref = "aborted_infra", None, False, f"{type(e).__name__}: {e}"
+        finally:
+            if run.recorder is not None and run.id in self.proxy.executions and not run.recorder.closed:
+                self.proxy.revoke(run.id)
+            if relay is not None:
+                await relay.close()
+            host.running -= 1
+            run.t_end = time.time()
+            run.enter("cleanup")
+            await asyncio.shield(self._close(run, sandbox, folder, failed))
+            run.enter("done")
+        return True
 
     def _started(self, run: Execution, folder: Path, bind: bool, timeout_s: float, info: dict) -> None:
         """The harness's exec started: its session bound to the key (process backends), and
