@@ -103,11 +103,10 @@ class Budgets:
             return  # a slot handed over by `_hand_out`
         self._leave(execution, share, fut)
         self.refused["requests"] += 1
-        held = "its share" if self.share_now() < self.max_in_flight else f"{self.max_in_flight}"
-        raise OverBudget("requests", f"this execution already has {held} of model calls in flight "
-                                     f"(max_calls_in_flight_per_execution = {self.max_in_flight}, shared among "
-                                     f"the executions calling); none ended within {self.wait_s:g} s",
-                         REQUESTS_RETRY_AFTER_S)
+        raise OverBudget("requests", f"this execution already has {share.in_flight} model calls in flight, its "
+                                     f"share now ({self.share_now()} of max_calls_in_flight_per_execution = "
+                                     f"{self.max_in_flight}, shared among the {len(self._calling)} executions "
+                                     f"calling); none ended within {self.wait_s:g} s", REQUESTS_RETRY_AFTER_S)
 
     def _leave(self, execution: str, share: _Share, fut: asyncio.Future) -> None:
         """A waiter gives up: out of the queue, or, when a slot was handed to it already,
