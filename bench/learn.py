@@ -128,10 +128,11 @@ def plot(out: Path, rows: list[dict], rounds: list[dict], k: int, title: str = "
     ax.plot([r["step"] for r in rows], [r["reward"] for r in rows], "o-", label="training reward (mean)")
     steps = [r["step"] for r in rounds]
     ax.plot(steps, [r["pass_at_k"] for r in rounds], "s--", label=f"held-out pass@{k}")
-    ax.plot(steps, [r["pass_at_1"] for r in rounds], "^:", label="held-out pass@1")
+    if k != 1:  # pass@1 is the line above
+        ax.plot(steps, [r["pass_at_1"] for r in rounds], "^:", label="held-out pass@1")
     ax.set_xlabel("step")
     ax.set_ylim(-0.02, 1.02)
-    ax.set_title(f"SmolLM2-135M on shout (examples/learn), {title} in podman")
+    ax.set_title(f"SmolLM2-135M on shout (examples/learn), {title}")
     ax.legend(loc="upper left")
     ax.grid(alpha=0.3)
     path = out / "learn.png"
@@ -182,10 +183,12 @@ def main() -> None:
               f"{r['calls']!s:>5} {r['at_max_tokens']!s:>6} {r['no_tool_call']!s:>7}")
         if r["note"]:
             print(f"     {r['note']}")
-    print(f"\n{'round':>5} {'step':>4} {'version':>7} pass@{a.eval_k:<3} {'pass@1':>7} {'reward':>7} tasks")
+    one = a.eval_k == 1  # pass@1 is pass@k: one column
+    print(f"\n{'round':>5} {'step':>4} {'version':>7} pass@{a.eval_k:<3}" + ("" if one else f" {'pass@1':>7}")
+          + f" {'reward':>7} tasks")
     for r in rounds:
-        print(f"{r['round']:>5} {r['step']:>4} {r['version']:>7} {_f(r['pass_at_k'])} {_f(r['pass_at_1'])} "
-              f"{_f(r['reward_mean'])} {r['scored_tasks']}/{r['tasks']}")
+        print(f"{r['round']:>5} {r['step']:>4} {r['version']:>7} {_f(r['pass_at_k'])}"
+              + ("" if one else f" {_f(r['pass_at_1'])}") + f" {_f(r['reward_mean'])} {r['scored_tasks']}/{r['tasks']}")
     before, after = (rounds[0], rounds[-1]) if len(rounds) >= 2 else (None, None)
     rose = None
     if before and after and before["pass_at_k"] is not None and after["pass_at_k"] is not None:
@@ -196,7 +199,7 @@ def main() -> None:
               f"after (step {after['step']}){verdict}")
     out = Path(a.out).resolve() if a.out else run_dir
     out.mkdir(parents=True, exist_ok=True)
-    png = plot(out, rows, rounds, a.eval_k, "demo harness" if a.harness == "demo" else a.harness)
+    png = plot(out, rows, rounds, a.eval_k, f"{'demo harness' if a.harness == 'demo' else a.harness} in {a.sandbox}")
     result = {"run_dir": str(run_dir), "wall_s": round(wall, 1), "settings": vars(a), "model": str(model),
               "steps": rows, "evals": [{k: r[k] for k in ("round", "step", "version", "pass_at_k", "pass_at_1",
                                                           "reward_mean", "scored_tasks", "tasks")} for r in rounds],
