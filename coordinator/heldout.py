@@ -110,8 +110,11 @@ class HeldOut:
         results: dict[str, list] = {}
         for x in r.runs:
             results.setdefault(x.task.id, []).append((x.valid, x.reward))
+        # The round's wall time: its first start to its last end (None when nothing of it ran).
+        starts, ends = [x.t_start for x in r.runs if x.t_start], [x.t_end for x in r.runs if x.t_end]
+        seconds = round(max(ends) - min(starts), 3) if starts and ends else None
         return {"round": r.number, "step": r.step, "version": r.version, "executions": len(r.runs),
-                "statuses": dict(r.statuses), "complete": not r.statuses.get("cancelled"),
+                "statuses": dict(r.statuses), "complete": not r.statuses.get("cancelled"), "seconds": seconds,
                 **score(results, self.k, self.threshold)}
 
     def cancel_queued(self) -> list[Execution]:

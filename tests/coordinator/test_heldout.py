@@ -80,6 +80,7 @@ def test_a_run_evaluates_the_base_model_and_every_step_and_never_trains_on_it(ti
     assert [(e["step"], e["version"]) for e in evals] == [(0, 0), (1, 1), (2, 2)]  # the last one after training
     for e in evals:
         assert e["complete"] and e["tasks"] == 2 and e["executions"] == 4 and e["k"] == 2
+        assert e["seconds"] > 0  # the round's wall time (trackers' timing_s/eval)
         scored = [x for x in events if x["event"] == "execution" and x.get("eval") == e["round"]]
         assert len(scored) == 4 and {x["task"] for x in scored} == {"h0", "h1"}
         # the estimator over exactly the rewards the executions got

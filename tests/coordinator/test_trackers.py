@@ -132,7 +132,8 @@ def test_scalars_of_the_other_events():
     assert scalars(by_kind["publish"]) == {"timing_s/publish": 0.0487, "perf/publish_bytes": 6050304}
     assert scalars(by_kind["role"]) == {"timing_s/role_switch": 0.0229, "timing_s/role_switch_worker": 0.003}
     assert scalars(by_kind["eval"]) == {"eval/pass@4": 0.25, "eval/pass@1": 0.125, "eval/reward_mean": 0.31,
-                                        "eval/tasks": 2, "eval/scored_tasks": 2, "eval/executions": 8}
+                                        "eval/tasks": 2, "eval/scored_tasks": 2, "eval/executions": 8,
+                                        "timing_s/eval": 41.2}
     assert scalars(by_kind["checkpoint"]) == {"timing_s/checkpoint": 0.069}
     assert scalars(by_kind["summary"]) == {"timing_s/run": 84.8742, "train/tokens_total": 474,
                                            "rollout/tokens_total": 474}
