@@ -321,11 +321,8 @@ class Launcher:
             sandbox = await self._open(run, folder, image, host)
             code, timed_out = await self._harness(run, sandbox, folder, host)
             failed = not await self._score(run, sandbox, folder, code, timed_out)
-        except SandboxError as e:
-            self._infra(run, str(e))
-        except Exception as e:  # noqa: BLE001 - unforeseen: still one status, and the run goes on
-            log.exception("execution %s failed", run.id)
-            run.status, run.reward, run.valid, run.ref = "aborted_infra", None, False, f"{type(e).__name__}: {e}"
+        except Exception as e:  # noqa: BLE001 - still one status, and the run goes on
+            self._failed(run, e)
         finally:
             run.t_end = time.time()
             if sandbox is not None:
@@ -371,6 +368,16 @@ class Launcher:
             return (f"the harness exited {code} after gyre refused {rec.refusals} of its model calls "
                     f"(the last: {rec.last_refusal})")
         return None
+
+    def _failed(self, run: Execution, e: Exception) -> None:
+        """What an exception out of an execution's lifecycle makes it (called in its handler):
+        the sandbox layer's failure is infrastructure; anything unforeseen is logged with its
+        traceback and ends aborted_infra too."""
+        if isinstance(e, SandboxError):
+            self._infra(run, str(e))
+            return
+        log.exception("execution %s failed", run.id)
+        run.status, run.reward, run.valid, run.ref = "aborted_infra", None, False, f"{type(e).__name__}: {e}"
 
     def _infra(self, run: Execution, why: str) -> None:
         log.warning("execution %s: sandbox failure: %s", run.id, why)
@@ -520,12 +527,12 @@ class Launcher:
             if relay is not None:
                 await relay.close()
                 relay = None
+            if code is None:  # neither the engine nor its exit file says how it ended: never a score
+                raise SandboxError("the adopted harness's end is unknown (its sandbox was stopped or removed "
+                                   "while the coordinator was away)")
             failed = not await self._score(run, sandbox, folder, code, timed_out)
-        except SandboxError as e:
-            self._infra(run, str(e))
-        except Exception as e:  # noqa: BLE001 - unforeseen: still one status, and the run goes on
-            log.exception("execution %s failed", run.id)
-            run.status, run.reward, run.valid, run.ref = "aborted_infra", None, False, f"{type(e).__name__}: {e}"
+        except Exception as e:  # noqa: BLE001 - still one status, and the run goes on
+            self._failed(run, e)
         finally:
             if run.recorder is not None and run.id in self.proxy.executions and not run.recorder.closed:
                 self.proxy.revoke(run.id)
