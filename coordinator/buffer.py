@@ -44,6 +44,7 @@ class Execution:
     copy_out_error: str | None = None  # what the workspace copy left out or stopped at (launcher.py)
     phase: str = "queued"  # where the launcher has it now: one of PHASES
     phase_t: float | None = None  # when that phase began (time.time()); None while queued
+    adopted: bool = False  # its harness outlived an earlier coordinator of the run, and was taken back
 
     def enter(self, phase: str) -> None:
         """The launcher moved it on (the live view shows the phase and its time)."""

@@ -25,6 +25,7 @@ from gyre.coordinator.config import CoordinatorConfig
 from gyre.coordinator.evaluator import valid_reward
 from gyre.coordinator.heldout import HeldOut
 from gyre.coordinator.resume import ResumeError, redo_id
+from gyre.coordinator.sandbox.reaper import adoptable_until
 from gyre.coordinator.tasks import TaskSource
 from gyre.coordinator.waterlevel import Waterlevel
 from gyre.proxy.records import RecordsError, load_execution
@@ -53,6 +54,7 @@ class Executions:
         self.groups_dispatched = 0
         self.replacements = 0  # groups dispatched for dropped ones, beyond the boundary schedule
         self.held: deque[dict] = deque()  # resume: journaled groups to dispatch again later
+        self.adopting: deque[Execution] = deque()  # resume: harnesses still running, to take back (launch_adopted)
         self.outcomes: dict[str, dict] = {}  # resume: the journal's closed executions, by id
         self.changed = asyncio.Event()  # an execution closed (the streaming packer waits on it)
         self.stopping = False  # the run's stop began: a cancelled execution is not an outcome
@@ -107,9 +109,20 @@ class Executions:
             self.active[run.id] = run
             self.runs[run.id] = asyncio.create_task(self._execute(run), name=f"gyre-eval-{run.id}")
 
+    def launch_adopted(self) -> int:
+        """Resume: the executions whose harnesses outlived the earlier coordinator (restore
+        found them), running again at once: no slot is waited for, they hold theirs."""
+        n = len(self.adopting)
+        while self.adopting:
+            run = self.adopting.popleft()
+            self.wl.launch(run.tracked)
+            self.active[run.id] = run
+            self.runs[run.id] = asyncio.create_task(self._execute(run), name=f"gyre-adopt-{run.id}")
+        return n
+
     async def _execute(self, run: Execution) -> None:
         try:
-            await self.launcher.run(run)
+            await (self.launcher.adopt(run) if run.adopted else self.launcher.run(run))
         except asyncio.CancelledError:
             run.status = run.status or "cancelled"
             run.reward, run.valid = None, False
@@ -158,7 +171,8 @@ class Executions:
         self.metrics.emit("execution", id=run.id, group=run.group, status=run.status, reward=run.reward,
                           valid=run.valid, version_dispatched=run.version_dispatched,
                           t_start=self.metrics.since_start(run.t_start), t_end=self.metrics.since_start(run.t_end),
-                          ref=run.ref[:200], eval_attempts=run.eval_attempts, copy_out_error=run.copy_out_error)
+                          ref=run.ref[:200], eval_attempts=run.eval_attempts, copy_out_error=run.copy_out_error,
+                          **({"adopted": True} if run.adopted else {}))
         if self.stopping and run.status == "cancelled":
             # The stop's, not an outcome: the group neither settles nor is replaced; it stays
             # pending, and a resume dispatches this execution again.
@@ -222,28 +236,31 @@ class Executions:
                 self.buffer.add(group)
                 group.state = "consumed"
                 continue
-            k, r = self._rebuild(group, ev)
+            k, r = self._rebuild(group, ev, adopt=True)
             restored, redone = restored + k, redone + r
         # New groups take ids after every id the journal holds; the held ones keep theirs.
         self.groups_dispatched = max([state["groups_dispatched"], *(g + 1 for g in dispatches)])
         self.replacements = state.get("replacements", 0)
         return restored, redone
 
-    def release(self, ev: dict) -> tuple[Group, int, int]:
+    def release(self, ev: dict, *, adopt: bool = False) -> tuple[Group, int, int]:
         """A held group (see restore) dispatched again now, at the version published now: its
-        closed executions restored, the others run under new ids. (group, restored, queued);
+        closed executions restored, the others run under new ids (or, with `adopt`, at the
+        resume itself, adopted where their harness still runs). (group, restored, queued);
         a group that settles dropped at once was dropped when it first ran, and the caller
         releases its replacement too."""
         tasks = {t.id: t for t in self.tasks.tasks}
         group = Group(ev["group"], tasks[ev["task"]], self.version(), self.c.group_size)
-        restored, queued = self._rebuild(group, ev)
+        restored, queued = self._rebuild(group, ev, adopt=adopt)
         if not any(r.id not in ev["runs"] for r in group.runs):
             self.journal(group)  # its version now, for a later resume
         return group, restored, queued
 
-    def _rebuild(self, group: Group, ev: dict) -> tuple[int, int]:
+    def _rebuild(self, group: Group, ev: dict, *, adopt: bool = False) -> tuple[int, int]:
         """A journaled group back in the buffer: closed executions with their recorded trees,
-        the rest queued again under new ids (surplus ones cancelled). (restored, queued)."""
+        with `adopt` (at the resume) the ones whose harness outlived the earlier coordinator
+        to be adopted under their own ids (`adopting`), the rest queued again under new ids
+        (surplus ones cancelled). (restored, queued: adopted ones among them)."""
         self.buffer.add(group)
         closed: list[Execution] = []
         restored = redone = 0
@@ -272,6 +289,8 @@ class Executions:
                     self.last_reward[group.task.id] = reward
                 closed.append(run)
                 restored += 1
+            elif out is None and adopt and adoptable_until(folder_ex) is not None:
+                run = Execution(run_id, group.id, i, group.task, tracked, group.version, adopted=True)
             else:
                 run = Execution(redo_id(self.c.run_dir, run_id), group.id, i, group.task, tracked, group.version)
             group.runs.append(run)
@@ -283,10 +302,15 @@ class Executions:
             if run.closed:
                 continue
             if run.id in surplus or group.state != "open":
-                run.status, run.valid = "cancelled", False
+                run.status, run.valid, run.adopted = "cancelled", False, False  # its sandbox is swept
                 self.wl.launch(run.tracked)
                 self.wl.terminate(run.tracked)
+            elif run.adopted and self.launcher is not None and self.launcher.adopting(run.id):
+                self.adopting.append(run)
+                redone += 1
             else:
+                if run.adopted:  # no launcher to adopt it with: run again
+                    run.id, run.adopted = redo_id(self.c.run_dir, run.id), False
                 self.queue.append(run)
                 redone += 1
         if surplus and group.state == "open":

@@ -92,6 +92,7 @@ from gyre.coordinator.sandbox.hosts import HostPool, SandboxHost
 from gyre.coordinator.sandbox.pool import Sandboxes, open_sandboxes  # noqa: F401 - the launcher's callers open them
 from gyre.coordinator.sandbox.preflight import task_refusal
 from gyre.coordinator.sandbox.process import ProcessBackend
+from gyre.coordinator.sandbox.reaper import ADOPT_SLACK_S, KEY_FILE
 from gyre.coordinator.tasks import Task, make_workspace
 from gyre.coordinator.verifier import SOLUTION_DIR, build_verifier
 from gyre.proxy.server import ProxyServer
@@ -103,8 +104,6 @@ INFRA_FAILURE = ("aborted_infra", "placeholder")
 CANCEL_CLEANUP_S = 30.0  # a stopped execution's sandbox cleanup may take this long before the stop moves on
 KEEP = ("never", "on_failure", "always")
 HARNESS_LOG_BYTES = 64 << 20  # harness.log keeps this much of the harness's output, then says so
-KEY_FILE = "harness.key"  # in the execution's folder (0600): the key its harness holds, for `adopt`
-ADOPT_SLACK_S = 60.0  # an adopted harness is waited for this long past its deadline and grace
 
 
 def _keep_key(path: Path, key: str) -> None:
@@ -156,7 +155,7 @@ class _Closer:
 class Launcher:
     def __init__(self, proxy: ProxyServer, run_dir: Path, spec: LaunchSpec, default_evaluator: dict | None = None,
                  backend: SandboxBackend | None = None, owner: str | None = None, pool: HostPool | None = None,
-                 remote_relay=None):
+                 remote_relay=None, adopted: set[str] | None = None):
         self.proxy = proxy
         self.run_dir = run_dir
         self.spec = spec
@@ -168,6 +167,9 @@ class Launcher:
         # async (node, pid, proxy_port) -> (port, close): a listener made by that node's workerd.
         self.remote_relay = remote_relay
         self._live: dict[str, Sandbox] = {}
+        # Executions an earlier coordinator of this run left running, taken over (`adopting`):
+        # the pool's (Sandboxes.adopted), whose sweep and shutdown reap read it.
+        self.adopted: set[str] = adopted if adopted is not None else set()
         self._copied: set[str] = set()  # executions whose workspace has been copied out (once, before any test)
         self._owners: dict[str, dict] = {}  # execution -> its copy's owners (CopyReport.owners), for the verifier
         self._presets: dict[str, HarnessPreset] = {}
@@ -471,16 +473,28 @@ class Launcher:
             if relay is not None:
                 await relay.close()
 
-    async def adopt(self, run: Execution) -> bool:
+    def adopting(self, run_id: str) -> bool:
+        """Whether an earlier coordinator of this run left `run_id`'s harness running where it
+        can be taken back (reaper.adoptable_until: a container's detached exec, its key kept);
+        then the execution is this launcher's to `adopt`, and its sandbox is spared by the
+        sweep of what was not adopted (pool.Sandboxes.sweep)."""
+        if reaper.adoptable_until(self.run_dir / "executions" / run_id) is None:
+            return False
+        self.adopted.add(run_id)
+        return True
+
+    async def adopt(self, run: Execution) -> None:
         """Carry on with an execution an earlier coordinator of this run left running (issue
-        34): its sandbox found again by sandbox.json (the same container, still running), its
-        key (harness.key) and records taken back (Recorder.resumed: its later calls extend its
-        tree), its relay made again in the sandbox's network namespace at the same port, its
-        harness's exec waited for to its end (the deadline is enforced inside by its own
-        `timeout`, which ran on meanwhile), then scored and closed as any execution. A call
-        the restart cut fails at the harness, which retries it. False, with nothing done, when
-        there is nothing to adopt (no record of its harness, the sandbox gone or stopped):
-        the caller decides what that execution becomes."""
+        34; `adopting` said so): its sandbox found again by sandbox.json (the same container,
+        still running), its key (harness.key) and records taken back (Recorder.resumed: its
+        later calls extend its tree), its relay made again in the sandbox's network namespace
+        at the same port, its harness's exec waited for to its end (the deadline is enforced
+        inside by its own `timeout`, which ran on meanwhile; a harness that ended while the
+        coordinator was away is scored at once, from its exit file), then scored and closed as
+        any execution. A call the restart cut fails at the harness, which retries it. A sandbox
+        that is gone or stopped (its host rebooted, somebody removed it) took the harness's work
+        with it: aborted_infra, never run again silently."""
+        run.t_start = run.t_start or time.time()
         folder = self.run_dir / "executions" / run.id
         try:
             record = json.loads((folder / "sandbox.json").read_text())
@@ -488,21 +502,22 @@ class Launcher:
             exec_id, token = harness["exec"], harness["token"]
             started, timeout = float(harness["started"]), float(harness["timeout_s"])
             key = (folder / KEY_FILE).read_text().strip()
-        except (OSError, ValueError, KeyError, TypeError):
-            return False
-        host = next((h for h in self.pool.hosts if h.name == record.get("host")), None)
-        adopt = getattr(host.backend, "adopt", None) if host is not None else None
-        if adopt is None or not record.get("id"):
-            return False
-        labels = {LABEL_OWNER: self.owner, LABEL_RUN_DIR: str(self.run_dir), LABEL_EXECUTION: run.id,
-                  LABEL_TASK: run.task.id[:200], LABEL_PROCESS: self.process}
-        try:
-            sandbox = await adopt(record["id"], SandboxSpec(execution=run.id, labels=labels, image=record.get("image")))
-        except SandboxError as e:
-            log.warning("execution %s: sandbox %s not adopted: %s", run.id, str(record["id"])[:12], e)
-            return False
-        if sandbox is None:
-            return False
+            host = next(h for h in self.pool.hosts if h.name == record.get("host"))
+            run.t_start = started
+            sandbox = await host.backend.adopt(record["id"], SandboxSpec(
+                execution=run.id, image=record.get("image"),
+                labels={LABEL_OWNER: self.owner, LABEL_RUN_DIR: str(self.run_dir), LABEL_EXECUTION: run.id,
+                        LABEL_TASK: run.task.id[:200], LABEL_PROCESS: self.process}))
+            if sandbox is None:
+                raise SandboxError(f"its sandbox {str(record['id'])[:12]} is gone or stopped: the harness's work "
+                                   f"went with it")
+        except (OSError, ValueError, KeyError, TypeError, StopIteration, AttributeError, SandboxError) as e:
+            why = str(e) if isinstance(e, SandboxError) else \
+                f"its sandbox record is unreadable ({type(e).__name__}: {e})"
+            self._infra(run, f"not adopted after the coordinator's restart: {why}")
+            run.t_end = time.time()
+            run.enter("done")
+            return
         log.info("execution %s: adopted sandbox %s, its harness still running", run.id, sandbox.id[:12])
         run.t_start = started
         host.running += 1
@@ -543,7 +558,6 @@ class Launcher:
             run.enter("cleanup")
             await asyncio.shield(self._close(run, sandbox, folder, failed))
             run.enter("done")
-        return True
 
     def _started(self, run: Execution, folder: Path, bind: bool, timeout_s: float, info: dict) -> None:
         """The harness's exec started: its session bound to the key (process backends), and

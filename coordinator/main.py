@@ -107,6 +107,7 @@ class Coordinator:
         self.sandboxes = None  # the sandbox host pool (launcher.open_sandboxes)
         self.launcher: Launcher | None = None
         self.stop_signal: int | None = None  # the signal that stopped the run (SIGINT, SIGTERM)
+        self._beat_at = 0.0  # coordinator.json last touched (monotonic): a resume's measure of the downtime
 
     def status(self) -> dict:
         """The live view's data (GET /gyre/status, `gyre top`)."""
@@ -216,12 +217,14 @@ class Coordinator:
             await self.weights.init_broadcast()
         if restored is not None:
             await self.checkpoints.restore(restored)
+            self.executions.launch_adopted()  # harnesses that outlived the earlier coordinator
         else:
             self.executions.dispatch(c.initial_groups)
             if self.heldout is not None:  # the base model's score, to compare the trained one's with
                 self.heldout.dispatch(step=0, version=0)
         # Packing and evaluators run in threads; each time the loop wakes while one holds the
         # GIL it waits up to the switch interval (CPython's 5 ms) for every callback it runs.
+        await self.sandboxes.sweep()  # an earlier coordinator's sandboxes of this run not adopted
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.gc.start()  # start-up objects out of the collector's way, then every gc_freeze_every_s
         self.probe.start()
@@ -271,6 +274,7 @@ class Coordinator:
             raise self.executions.fatal
         if self.should_exit:
             return True
+        self._beat()
         # The workers' health first: a task failed by a worker's death (a send to a dead node
         # fails at once) ends the run as that death, journaled and named, not as the bare error.
         self.cells.watch(self.c.worker_timeout_s, training=self.steps.training)
@@ -298,6 +302,17 @@ class Coordinator:
         if d.start_step:
             self.steps.start(list(d.start_step))
         return d.done and not self.steps.join_tasks
+
+    def _beat(self) -> None:
+        """coordinator.json touched each second: a later --resume reads when this one was last
+        alive (resume.Restored.last_alive), the restart's downtime."""
+        now = time.monotonic()
+        if now - self._beat_at >= 1.0:
+            self._beat_at = now
+            try:
+                os.utime(self.c.run_dir / "coordinator.json")
+            except OSError:
+                pass  # the downtime of a later resume reads longer; nothing else depends on it
 
     @staticmethod
     def _idle(task: asyncio.Task | None) -> bool:

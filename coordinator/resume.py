@@ -25,7 +25,10 @@ rebuilds the buffer from the journal: groups consumed by a checkpointed step sta
 (later steps were lost with the model, so their groups are trained again); every closed
 execution of any other group comes back with its recorded tree, exactly once; executions
 that were queued or running (or cancelled by a shutdown) are dispatched again under new
-ids (`<id>-r1`). Metrics continue in the same file. `read` gives what a run directory
+ids (`<id>-r1`), except those whose harness outlived the coordinator in its container: they
+are adopted under their own ids (launcher.adopt, issue 34), the same sandbox carrying on. A
+group of a lost stretch (held, below) runs again when released, its sandboxes swept.
+Metrics continue in the same file. `read` gives what a run directory
 holds (`Restored`); `Checkpoints` saves and restores a run through its owners (steps,
 executions, cells, buffer, tasks). Not the loop (main.py).
 """
@@ -223,13 +226,20 @@ class Restored:
     dispatches: dict[int, dict]  # the dispatch event of each group, by id
     outcomes: dict[str, dict]  # the last execution event of each execution, by id
     last_t: float  # the journal's last time: the resumed run's clock continues from it
+    # When (time.time()) the earlier coordinator last showed it was alive: coordinator.json's
+    # mtime, touched every second while it runs (main.py); None for a gyre that did not.
+    last_alive: float | None = None
 
 
 def read(run_dir: Path) -> Restored:
     """`latest` and `read_journal` of `run_dir`; ResumeError where it cannot be resumed."""
     folder, state = latest(run_dir)
     dispatches, outcomes, last_t = read_journal(run_dir)
-    return Restored(folder, state, dispatches, outcomes, last_t)
+    try:
+        last_alive = (run_dir / "coordinator.json").stat().st_mtime
+    except OSError:
+        last_alive = None
+    return Restored(folder, state, dispatches, outcomes, last_t, last_alive)
 
 
 def read_journal(run_dir: Path) -> tuple[dict[int, dict], dict[str, dict], float]:
@@ -399,7 +409,7 @@ class Checkpoints:
         publications that first dispatched them, with the version published then. Counting
         them in the pipeline at once would keep (phi + mu) * B more groups in flight than the
         run asked for, and every later step would train groups that many versions stale."""
-        st, folder = restored.state, restored.checkpoint
+        st, folder, restored_from = restored.state, restored.checkpoint, restored
         dispatches, outcomes = restored.dispatches, restored.outcomes
         core, link = self.cells.nodes[0], self.link
         self.counts(restored)  # without a checkpoint: the model directory's weights, which every cell loaded
@@ -428,19 +438,25 @@ class Checkpoints:
         steps = self.steps
         short = self.c.dispatch_target(steps.publications) - scheduled if steps.steps_done < self.c.steps else 0
         while short > 0 and ex.held:
-            group, k, r = ex.release(ex.held.popleft())
+            group, k, r = ex.release(ex.held.popleft(), adopt=True)
             restored, redone = restored + k, redone + r
             if group.state == "dropped":  # as when it first ran: its replacement follows
                 ex.replacements += 1
             else:
                 short -= 1
-        self.metrics.emit("resume", step=self.steps.steps_done, version=self.steps.version,
+        # The restart's cost as the harnesses saw it: from the earlier coordinator's last sign of
+        # life to now, the proxy serving again (the run's own clock leaves that gap out).
+        down_s = round(time.time() - restored_from.last_alive, 1) if restored_from.last_alive else None
+        self.metrics.emit("resume", step=self.steps.steps_done, version=self.steps.version, down_s=down_s,
                            checkpoint=str(folder) if folder is not None else None,
-                           executions_restored=restored, executions_redispatched=redone,
+                           executions_restored=restored, executions_adopted=len(ex.adopting),
+                           executions_redispatched=redone - len(ex.adopting),
                            groups=len(dispatches) - len(consumed & set(dispatches)), groups_held=len(ex.held))
-        log.info("resumed at step %d (version %d, %s): %d closed executions restored, %d dispatched again%s",
-                 self.steps.steps_done, self.steps.version,
+        log.info("resumed at step %d (version %d, %s, %s): %d closed executions restored, %d still running "
+                 "adopted, %d dispatched again%s", self.steps.steps_done, self.steps.version,
+                 f"down {down_s:.1f} s" if down_s is not None else "downtime unknown",
                  folder.name if folder is not None else "no checkpoint yet: from the start",
-                 restored, redone, f", {len(ex.held)} groups held for later publications" if ex.held else "")
+                 restored, len(ex.adopting), redone - len(ex.adopting),
+                 f", {len(ex.held)} groups held for later publications" if ex.held else "")
         if short > 0:
             ex.dispatch(short)

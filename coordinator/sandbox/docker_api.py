@@ -80,11 +80,11 @@ OUTPUT_READ_BYTES = 64 << 20  # of a command's output file, copied out (harness.
 def detached_script(token: str) -> str:
     """The wrapper every exec runs: the command (`$@`) in the background with its output to
     PID_DIR/TOKEN.out, its pid to PID_DIR/TOKEN (what `_kill` signals), its exit code to
-    PID_DIR/TOKEN.exit and as the wrapper's own. Nothing of it goes through the exec's stream,
-    so it outlives the stream (a coordinator that died)."""
+    PID_DIR/TOKEN.exit (whole: written beside, then renamed) and as the wrapper's own. Nothing
+    of it goes through the exec's stream, so it outlives the stream (a coordinator that died)."""
     at = f"{PID_DIR}/{token}"
     return (f'mkdir -p {PID_DIR} || exit 125; "$@" > {at}.out 2>&1 & p=$!; echo $p > {at}; '
-            f'wait $p; c=$?; echo $c > {at}.exit; exit $c')
+            f'wait $p; c=$?; echo $c > {at}.exit.new; mv -f {at}.exit.new {at}.exit; exit $c')
 
 
 class ContainerSandbox(Sandbox):
@@ -167,9 +167,9 @@ class ContainerSandbox(Sandbox):
     async def wait_detached(self, exec_id: str, token: str, *, log: BinaryIO | None = None,
                             poll_s: float = DETACHED_POLL_S) -> int | None:
         """The end of an exec this process did not start (found again after a restart): its
-        exit code from the engine while it keeps the exec, else from TOKEN.exit inside; None
-        when neither says (the container was stopped, or the wrapper killed). Its output then
-        goes to `log`."""
+        exit code from TOKEN.exit inside once it is there, else from the engine; None when
+        neither says (the container was stopped, or the wrapper killed). Its output then goes
+        to `log`."""
         import docker.errors
 
         def state() -> tuple[bool, int | None]:
@@ -182,6 +182,7 @@ class ContainerSandbox(Sandbox):
             return bool(info.get("Running")), info.get("ExitCode")
 
         self._execs.add(token)
+        told = None
         try:
             while True:
                 try:
@@ -189,7 +190,10 @@ class ContainerSandbox(Sandbox):
                 except api_error() as e:
                     released(e)
                     raise SandboxError(f"exec {exec_id[:12]} in {self.container.short_id}: {e}") from None
-                if not running:
+                # The wrapper's exit file says first: podman may call an exec it let go (its
+                # service restarted with the coordinator) running for half a minute after it ended.
+                told = await self._read(f"{PID_DIR}/{token}.exit", 64) if running else None
+                if not running or (told is not None and told.strip().isdigit()):
                     break
                 await asyncio.sleep(poll_s)
         except asyncio.CancelledError:
@@ -197,8 +201,8 @@ class ContainerSandbox(Sandbox):
             raise
         finally:
             self._execs.discard(token)
-        if code is None:
-            told = await self._read(f"{PID_DIR}/{token}.exit", 64)
+        if code is None or told is not None:
+            told = told if told is not None else await self._read(f"{PID_DIR}/{token}.exit", 64)
             code = int(told) if told is not None and told.strip().isdigit() else None
         await self._output(token, log, bytearray())
         return code

@@ -1,16 +1,17 @@
 """pool.py: a run's sandbox hosts opened (orphans of dead runs reaped on each) and closed.
 
 `open_sandboxes` makes the run's backend once per host ([[sandbox_hosts]], or the one local
-host), opens and reaps each, and starts the pool's health pings; `Sandboxes.close` reaps what
-this process left. Not the launcher (launcher.py runs executions in them) and not the pool's
-host choice (hosts.py).
+host), opens and reaps each, and starts the pool's health pings; `Sandboxes.sweep` reaps, once
+a restarted coordinator has adopted what it could, what an earlier one left on its run
+directory; `Sandboxes.close` reaps what this process left. Not the launcher (launcher.py runs
+executions in them) and not the pool's host choice (hosts.py).
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from gyre.coordinator.sandbox import SandboxBackend, SandboxError, make_backend, reaper
@@ -25,6 +26,20 @@ class Sandboxes:
 
     pool: HostPool
     owner: str
+    run_dir: Path | None = None
+    adopted: set[str] = field(default_factory=set)  # executions this process took over (launcher.adopt)
+
+    async def sweep(self) -> int:
+        """An earlier coordinator's sandboxes of this run directory that were not adopted
+        (reaper.at_resume), removed: called once the resume has adopted what it could."""
+        n = 0
+        for host in self.pool.up:
+            try:
+                n += await reaper.reap(host.backend, reaper.at_resume(self.owner, self.run_dir, self.adopted),
+                                       f"after the restart's adoptions ({host.name})")
+            except SandboxError as e:
+                log.warning("%s: an earlier coordinator's sandboxes not reaped: %s", host.name, e)
+        return n
 
     @property
     def backend(self) -> SandboxBackend:
@@ -35,7 +50,8 @@ class Sandboxes:
         for host in self.pool.hosts:
             if host.state == "up":
                 try:
-                    await reaper.reap(host.backend, reaper.at_shutdown(self.owner), f"at shutdown ({host.name})")
+                    await reaper.reap(host.backend, reaper.at_shutdown(self.owner, self.run_dir, self.adopted),
+                                      f"at shutdown ({host.name})")
                 except SandboxError as e:
                     log.warning("%s: orphans not reaped at shutdown: %s", host.name, e)
             await host.backend.close()
@@ -84,4 +100,4 @@ async def open_sandboxes(c=None, *, sandbox: str | None = None, url: str | None 
     pool = HostPool(pool_hosts, ping_interval_s=ping_interval_s if pool_hosts[0].backend.needs_image else 0.0,
                     ping_timeout_s=ping_timeout_s)
     pool.start_watching()
-    return Sandboxes(pool, owner)
+    return Sandboxes(pool, owner, run_dir)

@@ -126,7 +126,8 @@ async def test_a_restarted_coordinator_adopts_a_running_harness_and_scores_it(po
                       limits=Limits(pids=512))
     launcher = Launcher(scripted_proxy, run_dir, spec, backend=podman, owner="second")
     run = Execution(id="e1", group=0, index=0, task=load_harbor_task(folder), tracked=Tracked(), version_dispatched=0)
-    assert await launcher.adopt(run)
+    assert launcher.adopting("e1") and launcher.adopted == {"e1"}
+    await launcher.adopt(run)
     assert (run.status, run.reward, run.valid) == ("completed", 1.0, True), (run.status, run.ref)
 
     log = (run_dir / "executions" / "e1" / "harness.log").read_text()

@@ -1,0 +1,74 @@
+"""The coordinator SIGKILLed mid-rollout, `gyre up --resume` at once (issue 34): the
+executions it left running carry on in their own containers and the step trains them.
+
+`gyre up` on the tiny model with podman executions (tests/faults/restart.py: an agent making
+its calls through the real `openai` SDK, whose retries cover the restart). Once every
+execution has made two calls the coordinator alone is killed (a crash: its proxy, relays and
+podman service die, the containers run on). While it is down one harness ends on its own and
+one container is removed (its host lost it). The resumed coordinator adopts the other three
+and scores the one that ended; the removed one is aborted_infra, never run again. Then:
+each execution has one status, none ran twice (its workspace's `starts`), its calls are each
+recorded once in one tree (one root: the retried call extended the conversation), the step
+trains on them, the resume says its downtime, and no container of the run is left.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from gyre.proxy.records import load_execution
+from tests.faults import restart as r
+from tests.sandbox.conftest import podman_ready
+
+__all__ = ["podman_ready"]  # a fixture, used by name
+pytestmark = pytest.mark.sandbox
+CALLS = 10  # ~2 s apart: each harness works for ~20 s, killed after its second call
+
+
+@pytest.mark.timeout(420)
+def test_a_killed_coordinators_executions_carry_on_in_their_sandboxes(podman_ready, tmp_path):
+    config = r.scenario(tmp_path, calls=CALLS, gap_s=2.0, short="g00000-01")
+    run = tmp_path / "run"
+    first = r.up(config, run, steps=1, log=tmp_path / "up.log")
+    try:
+        def two_calls_each():
+            """every execution made two calls"""
+            made = r.calls_made(run)
+            return len(made) == 4 and all(n >= 2 for n in made.values())
+
+        r.wait_for(two_calls_each, 240, proc=first)
+    finally:
+        r.kill(first)
+    r.wait_for(lambda: r.harness_ended(run, "g00000-01"), 60)  # it ends while nobody serves
+    gone = r.sandbox_of(run, "g00001-00")
+    r.podman("rm", "-f", "-t", "0", gone)  # its host lost it
+    done = r.resume(run, tmp_path / "up.log", timeout_s=300)
+    log = (tmp_path / "up.log").read_text()
+    assert done.returncode == 0, log[-3000:]
+
+    events = r.events(run)
+    (resumed,) = [e for e in events if e["event"] == "resume"]
+    assert (resumed["executions_adopted"], resumed["executions_redispatched"]) == (4, 0), resumed
+    assert isinstance(resumed["down_s"], float) and 0 < resumed["down_s"] < 120, resumed
+    ends = {e["id"]: e for e in events if e["event"] == "execution"}
+    assert sorted(ends) == ["g00000-00", "g00000-01", "g00001-00", "g00001-01"]  # one status each, no rerun
+    assert all(e["adopted"] for e in ends.values())
+    lost = ends.pop("g00001-00")
+    assert (lost["status"], lost["reward"], lost["valid"]) == ("aborted_infra", None, False)
+    assert "not adopted after the coordinator's restart" in lost["ref"] and gone[:12] in lost["ref"]
+    assert {k: (e["status"], e["reward"]) for k, e in ends.items()} == {
+        "g00000-00": ("completed", 1.0), "g00000-01": ("completed", 0.0), "g00001-01": ("completed", 0.0)}
+    for ex, calls in (("g00000-00", CALLS), ("g00000-01", 2), ("g00001-01", CALLS)):
+        folder = run / "executions" / ex
+        assert (folder / "workspace" / "starts").read_text() == "started\n", ex  # never started again
+        recorded = load_execution(folder)
+        assert len(recorded.calls) == calls, (ex, len(recorded.calls))  # each call once, none lost
+        assert len(recorded.tree.roots) == 1, ex  # the conversation continued across the restart
+        assert "was adopted" in (folder / "harness.log").read_text()
+    (step,) = [e for e in events if e["event"] == "step"]
+    assert step["tokens_trained"] > 0, step  # group 0's rewards 1 and 0: an advantage trained
+    summary = [e for e in events if e["event"] == "summary"][-1]
+    assert summary["statuses"] == {"completed": 3, "aborted_infra": 1}, summary
+    assert summary["counters"] == {"d": 4, "p": 4, "f": 4}  # as an uninterrupted run's: none counted twice
+    left = r.podman("ps", "-aq", "--filter", f"label=gyre.run_dir={run}").stdout.strip()
+    assert left == "", left  # every sandbox removed, the lost one's never made again
