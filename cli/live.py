@@ -162,12 +162,23 @@ def executions_panel(s: dict, width: int) -> Group:
         table.add_column(name, justify=justify, no_wrap=True, overflow="ellipsis",
                          max_width=max(8, width - 58) if name == "task" else None)
     for r in s["executions"]:
-        table.add_row(r["id"], r["task"], Text(r["phase"], style=PHASE_STYLE.get(r["phase"], "")),
+        name = Text.assemble(r["id"], ("*", "cyan") if r.get("adopted") else "")
+        table.add_row(name, r["task"], Text(r["phase"], style=PHASE_STYLE.get(r["phase"], "")),
                       _dur(r["phase_s"]), _num(r["calls"], "{:d}"), _dur(r["elapsed_s"]), _num(r["last_reward"]))
     more = running - len(s["executions"])
     rows = [head, now, table] if s["executions"] else [head, now]
+    if any(r.get("adopted") for r in s["executions"]):
+        rows.append(Text("* adopted: its harness ran on through the coordinator's restart", style="dim"))
     return Group(*rows, *([Text(f"... and {more} more running (in the phases above)", style="dim")]
                           if more > 0 else []))
+
+
+def restart_line(r: dict) -> Text:
+    """A resumed session's restart: its downtime and what it took back."""
+    down = "unknown" if r.get("down_s") is None else _dur(r["down_s"])
+    return Text.assemble(("resumed ", "dim"), f"at step {r['step']}  ", ("down ", "dim"), f"{down}  ",
+                         ("adopted ", "dim"), f"{r['adopted']} running  ", ("restored ", "dim"),
+                         f"{r['restored']} closed  ", ("run again ", "dim"), f"{r['redispatched']}")
 
 
 def render(status: dict, width: int = 80) -> Group:
@@ -230,6 +241,8 @@ def render(status: dict, width: int = 80) -> Group:
         grid.add_row(cells, panel.pop())
         cells = grid
     parts = [head, progress, water, quality, _speed(s), _calls(s), cells] + ([hosts] if hosts is not None else [])
+    if s.get("restart"):  # this session resumed a run whose coordinator stopped
+        parts.insert(3, restart_line(s["restart"]))
     skip = (() if phi else ("phi",)) + (() if s.get("phases") is not None else EXECUTION_TERMS)
     return Group(*parts, *panel, switches, legend(width, skip=skip))
 

@@ -79,6 +79,7 @@ def execution_rows(active, *, budgets, last_reward: dict, queued: int, wall: flo
     for run, phase, elapsed in heapq.nlargest(keep, rows, key=lambda r: -1.0 if r[2] is None else r[2]):
         out.append({
             "id": run.id, "task": str(run.task.id), "eval": run.group < 0, "phase": phase,
+            "adopted": run.adopted,  # its harness outlived an earlier coordinator, taken back
             "phase_s": None if run.phase_t is None else round(wall - run.phase_t, 1),
             "calls": len(run.recorder.calls) if run.recorder is not None else 0,  # none before its harness
             "calls_in_flight": budgets.in_flight(run.id) if budgets is not None else None,
@@ -86,6 +87,14 @@ def execution_rows(active, *, budgets, last_reward: dict, queued: int, wall: flo
             "last_reward": last_reward.get(run.task.id),  # the task's last valid outcome; None: none yet
         })
     return out, phases
+
+
+def _restart(metrics) -> dict | None:
+    ev = (getattr(metrics, "last", None) or {}).get("resume")  # the journal's, once metrics exist
+    if ev is None:
+        return None
+    return {"step": ev.get("step"), "down_s": ev.get("down_s"), "adopted": ev.get("executions_adopted", 0),
+            "restored": ev.get("executions_restored", 0), "redispatched": ev.get("executions_redispatched", 0)}
 
 
 def snapshot(c, *, metrics, steps, cells, wl, buffer, executions, rates, probe, gc, table=None, link=None,
@@ -160,6 +169,8 @@ def snapshot(c, *, metrics, steps, cells, wl, buffer, executions, rates, probe, 
         # The cycle collector: freezes so far, collections and the longest pause per generation.
         "gc": gc.status(),
         "statuses": dict(executions.status_counts),
+        # This session's resume, if it is one: the restart's downtime and what it took back.
+        "restart": _restart(metrics),
         "cells": rows,
         # The running executions that have run longest, and the count in each phase (queued first).
         "executions": running, "phases": phases,
