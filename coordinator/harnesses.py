@@ -241,7 +241,10 @@ def _demo() -> HarnessPreset:
         mounts={str(Path(__file__).resolve().with_name("demo_harness.py")): "/opt/gyre/demo_harness.py"})
 
 
-DEMO_ARGS = ("--max-turns", "1", "--compact-at", "100000", "--max-retries", "2", "--timeout", "120")
+# Every preset's retries outlast a coordinator's restart (issue 34: its executions are adopted by
+# `gyre up --resume`, their cut calls retried): about 100-130 s of a proxy that refuses connections.
+# The openai SDK sleeps min(0.5 * 2^i, 8) s less up to 25% before retry i: 20 retries, 102-136 s.
+DEMO_ARGS = ("--max-turns", "1", "--compact-at", "100000", "--max-retries", "20", "--timeout", "120")
 
 
 # Seen to keep Claude Code off every outside host (HARNESS-NOTES.md).
@@ -256,6 +259,9 @@ CLAUDE_CODE_ENV = {
     # Its stream watchdog drops a stream after max(this, 300 s) without content, pings or not,
     # and re-sends the request: no sooner than the execution's own deadline.
     "CLAUDE_STREAM_IDLE_TIMEOUT_MS": "{timeout_ms}",
+    # Tries 1 + this (default 10, at most 15), sleeping min(0.5 * 2^(k-1), 32) s plus up to 25%
+    # between them (2.1.197's bundle): 8 retries, 96-119 s, outlast a coordinator's restart.
+    "CLAUDE_CODE_MAX_RETRIES": "8",
 }
 
 
@@ -285,14 +291,18 @@ enabled = false
 
 [features]
 plugins = false
+# On (its default), a refused connection is retried forever, 5 s to 60 s apart: the first call
+# after a coordinator's restart could wait a minute. Off, the retries below bound it: about
+# 0.2 * (2^6 - 1) s per request, 7 requests, 91-111 s (measured 103 s), outlasting a restart.
+unbounded_connection_retries = false
 
 [model_providers.gyre]
 name = "gyre"
 base_url = "{openai_base_url}"
 wire_api = "responses"
 env_key = "OPENAI_API_KEY"
-request_max_retries = 2
-stream_max_retries = 2
+request_max_retries = 6
+stream_max_retries = 6
 stream_idle_timeout_ms = {idle_timeout_ms}
 """
 

@@ -31,6 +31,8 @@ WAITING_TESTS = frozenset({
     "tests/harness/test_claude_code.py::test_a_pause_past_the_300s_watchdog_inside_a_streamed_answer",
     # Its agents sleep between calls, and while the coordinator is down.
     "tests/faults/test_restart.py::test_a_killed_coordinators_executions_carry_on_in_their_sandboxes",
+    "tests/harness/test_restart_harnesses.py::test_a_real_harness_in_podman_outlives_its_coordinator[claude-code]",
+    "tests/harness/test_restart_harnesses.py::test_a_real_harness_in_podman_outlives_its_coordinator[codex]",
 })
 SIDE_MODULES = frozenset({
     "tests/coordinator/test_learning.py", "tests/coordinator/test_heldout.py",

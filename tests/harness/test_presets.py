@@ -44,8 +44,10 @@ def test_the_codex_preset_writes_its_own_codex_home():
     assert (config["model"], config["model_provider"], config["web_search"]) == ("gpt-5.5", "gyre", "disabled")
     assert config["model_providers"]["gyre"] == {
         "name": "gyre", "base_url": "http://h/v1", "wire_api": "responses", "env_key": "OPENAI_API_KEY",
-        "request_max_retries": 2, "stream_max_retries": 2, "stream_idle_timeout_ms": 300000}
-    assert config["analytics"] == {"enabled": False} and config["features"] == {"plugins": False}
+        "request_max_retries": 6, "stream_max_retries": 6, "stream_idle_timeout_ms": 300000}
+    assert config["analytics"] == {"enabled": False}
+    # Retries that outlast a coordinator's restart, and end (docs/harnesses.md).
+    assert config["features"] == {"plugins": False, "unbounded_connection_retries": False}
     quick = resolve("cx", {"cx": {"extends": "codex", "idle_timeout_s": 3}})
     assert "stream_idle_timeout_ms = 3000" in quick.expand(
         task="t", workspace="/w", execution="e", state="/s", base_url="b", openai_base_url="o", api_key="k",
