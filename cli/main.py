@@ -57,6 +57,7 @@ from gyre.cli.options import (
     ParentPidOpt,
     PolicyOpt,
     PortOpt,
+    RestartWaitOpt,
     ResumeOpt,
     RunDirArg,
     RunSeedOpt,
@@ -280,6 +281,18 @@ def up(
     finally:
         lock.release()
     raise typer.Exit(code)
+
+
+@app.command()
+def restart(run_dir: RunDirArg, steps: StepsOpt = None, no_live: NoLiveOpt = False,
+            wait: RestartWaitOpt = 300.0) -> None:
+    """Stop RUN_DIR's running coordinator and resume the run here, its executions in containers
+    running on through the restart (adopted, not run again): as `gyre up --resume` after a stop."""
+    from gyre.cli.restart import hand_off
+    from gyre.coordinator.rundir import absolute
+
+    guard(hand_off, run_dir=absolute(run_dir), wait_s=wait)
+    up(resume=run_dir, steps=steps, no_live=no_live)
 
 
 def _moved_model(run_dir: Path) -> Path | None:

@@ -31,7 +31,8 @@ def _why_flat(r: StepReport) -> str:
 def run_up(config: CoordinatorConfig, live: bool = False, resume: bool = False) -> int:
     """Run the coordinator; with `live`, draw the live view (live.py) while it runs;
     with `resume`, continue config.run_dir from its latest checkpoint. Returns the exit
-    status: 0, or 128 + the signal that stopped the run (130 for Ctrl-C)."""
+    status: 0, or 128 + the signal that stopped the run (130 for Ctrl-C, 129 for the SIGHUP of
+    `gyre restart`: its executions in containers were left running for the resume)."""
     import uvloop
 
     print(f"gyre up: policy {config.policy}, {config.cells} cells, {config.steps} steps of "
@@ -49,7 +50,11 @@ def run_up(config: CoordinatorConfig, live: bool = False, resume: bool = False) 
     _print_outputs(config.run_dir, coord)
     _print_lost(coord)
     if coord.stop_signal is not None:
-        print(f"stopped at step {coord.steps.steps_done}/{config.steps}; continue with: "
+        left = len(coord.executions.handed_off)
+        running = (f"; {left} execution{'s' if left != 1 else ''} left running in {'their' if left != 1 else 'its'} "
+                   f"container{'s' if left != 1 else ''}, for the resume to adopt before "
+                   f"{'their' if left != 1 else 'its'} deadline{'s' if left != 1 else ''}") if left else ""
+        print(f"stopped at step {coord.steps.steps_done}/{config.steps}{running}; continue with: "
               f"gyre up --resume {shown(config.run_dir)}", flush=True)
         return 128 + coord.stop_signal
     return 0

@@ -55,6 +55,7 @@ class Executions:
         self.replacements = 0  # groups dispatched for dropped ones, beyond the boundary schedule
         self.held: deque[dict] = deque()  # resume: journaled groups to dispatch again later
         self.adopting: deque[Execution] = deque()  # resume: harnesses still running, to take back (launch_adopted)
+        self.handed_off: set[str] = set()  # a stop for a restart left these running (cancel_all)
         self.outcomes: dict[str, dict] = {}  # resume: the journal's closed executions, by id
         self.changed = asyncio.Event()  # an execution closed (the streaming packer waits on it)
         self.stopping = False  # the run's stop began: a cancelled execution is not an outcome
@@ -133,10 +134,15 @@ class Executions:
             run.status, run.reward, run.valid, run.ref = "aborted_infra", None, False, f"{type(e).__name__}: {e}"
         self.close(run)
 
-    async def cancel_all(self) -> None:
+    async def cancel_all(self, handoff: bool = False) -> None:
         """The stop: every running execution cancelled (closed as such), the queued held-out
-        ones closed too (their rounds end, marked incomplete)."""
+        ones closed too (their rounds end, marked incomplete). With `handoff` (a stop for a
+        restart) an execution whose harness runs detached in a container is handed off
+        instead (launcher.hand_off): left running, nothing journaled of its end, for the next
+        coordinator of the run to adopt."""
         self.stopping = True
+        if handoff:
+            self.handed_off = {r.id for r in self.active.values() if r.group >= 0 and self.launcher.hand_off(r)}
         for task in list(self.runs.values()):
             task.cancel()
         await asyncio.gather(*self.runs.values(), return_exceptions=True)
@@ -148,6 +154,10 @@ class Executions:
 
     def close(self, run: Execution) -> None:
         if run.closed:
+            return
+        if run.id in self.handed_off:  # still running, in its container: the next coordinator's to close
+            self.active.pop(run.id, None)
+            self.runs.pop(run.id, None)
             return
         run.t_end = run.t_end or time.time()
         self.active.pop(run.id, None)

@@ -155,7 +155,7 @@ class _Closer:
 class Launcher:
     def __init__(self, proxy: ProxyServer, run_dir: Path, spec: LaunchSpec, default_evaluator: dict | None = None,
                  backend: SandboxBackend | None = None, owner: str | None = None, pool: HostPool | None = None,
-                 remote_relay=None, adopted: set[str] | None = None):
+                 remote_relay=None, adopted: set[str] | None = None, handed_off: set[str] | None = None):
         self.proxy = proxy
         self.run_dir = run_dir
         self.spec = spec
@@ -170,6 +170,7 @@ class Launcher:
         # Executions an earlier coordinator of this run left running, taken over (`adopting`):
         # the pool's (Sandboxes.adopted), whose sweep and shutdown reap read it.
         self.adopted: set[str] = adopted if adopted is not None else set()
+        self.handed_off: set[str] = handed_off if handed_off is not None else set()  # left running (`hand_off`)
         self._copied: set[str] = set()  # executions whose workspace has been copied out (once, before any test)
         self._owners: dict[str, dict] = {}  # execution -> its copy's owners (CopyReport.owners), for the verifier
         self._presets: dict[str, HarnessPreset] = {}
@@ -327,7 +328,7 @@ class Launcher:
             self._failed(run, e)
         finally:
             run.t_end = time.time()
-            if sandbox is not None:
+            if sandbox is not None and run.id not in self.handed_off:
                 run.enter("cleanup")
                 await asyncio.shield(self._close(run, sandbox, folder, failed))
 
@@ -483,6 +484,23 @@ class Launcher:
         self.adopted.add(run_id)
         return True
 
+    def hand_off(self, run: Execution) -> bool:
+        """A stop for a restart (SIGHUP): leave `run`'s harness running in its container for the
+        next coordinator of the run to adopt, where it can: its exec detached and recorded
+        (reaper.adoptable_until), the execution in its harness phase. Its sandbox is then
+        neither killed, copied out nor removed by this process, nor reaped at its shutdown
+        (`handed_off`, the pool's). False: the caller cancels it as any other."""
+        sandbox = self._live.get(run.id)
+        detach = getattr(sandbox, "detach", None)
+        if run.phase != "harness" or detach is None or \
+                reaper.adoptable_until(self.run_dir / "executions" / run.id) is None:
+            return False
+        detach()
+        self._live.pop(run.id)
+        self.handed_off.add(run.id)
+        log.info("execution %s: handed off, its harness still running in sandbox %s", run.id, sandbox.id[:12])
+        return True
+
     async def adopt(self, run: Execution) -> None:
         """Carry on with an execution an earlier coordinator of this run left running (issue
         34; `adopting` said so): its sandbox found again by sandbox.json (the same container,
@@ -555,8 +573,9 @@ class Launcher:
                 await relay.close()
             host.running -= 1
             run.t_end = time.time()
-            run.enter("cleanup")
-            await asyncio.shield(self._close(run, sandbox, folder, failed))
+            if run.id not in self.handed_off:  # handed off again (a second restart): the next one's
+                run.enter("cleanup")
+                await asyncio.shield(self._close(run, sandbox, folder, failed))
             run.enter("done")
 
     def _started(self, run: Execution, folder: Path, bind: bool, timeout_s: float, info: dict) -> None:

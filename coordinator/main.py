@@ -106,7 +106,8 @@ class Coordinator:
         self.proxy: ProxyServer | None = None
         self.sandboxes = None  # the sandbox host pool (launcher.open_sandboxes)
         self.launcher: Launcher | None = None
-        self.stop_signal: int | None = None  # the signal that stopped the run (SIGINT, SIGTERM)
+        self.stop_signal: int | None = None  # the signal that stopped the run (SIGINT, SIGTERM, SIGHUP)
+        self.handoff = False  # SIGHUP: the stop leaves container harnesses running, for the resume to adopt
         self._beat_at = 0.0  # coordinator.json last touched (monotonic): a resume's measure of the downtime
 
     def status(self) -> dict:
@@ -171,7 +172,10 @@ class Coordinator:
         return self.steps.reports
 
     def _install_signal_handlers(self) -> None:
-        """First SIGINT/SIGTERM: finish gracefully at the next tick. Second SIGINT: exit now."""
+        """First SIGINT/SIGTERM: finish gracefully at the next tick. Second SIGINT: exit now.
+        SIGHUP (`gyre restart`, `systemctl reload`, a closed terminal): the same stop, but the
+        executions whose harnesses run in containers are handed off, left running for the
+        next `gyre up --resume` to adopt."""
         import os
         import signal
 
@@ -182,12 +186,18 @@ class Coordinator:
                 if os.isatty(1):  # os._exit skips the live view's cleanup: show the cursor again
                     os.write(1, b"\n\x1b[?25h")
                 os._exit(130)
-            log.warning("signal %d: stopping: a step in flight is given up, a checkpoint of the last one saved "
-                        "(Ctrl-C again: exit at once, saving nothing)", sig)
+            if sig == signal.SIGHUP and not self.should_exit:
+                self.handoff = True
+                log.warning("signal %d: stopping for a restart: harnesses in containers keep running for the next "
+                            "`gyre up --resume` to adopt; a step in flight is given up, a checkpoint of the last "
+                            "one saved", sig)
+            elif not self.should_exit:
+                log.warning("signal %d: stopping: a step in flight is given up, a checkpoint of the last one saved "
+                            "(Ctrl-C again: exit at once, saving nothing)", sig)
             self.should_exit = True
             self.stop_signal = self.stop_signal or sig
 
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             try:
                 loop.add_signal_handler(sig, on_signal, sig)
             except (NotImplementedError, RuntimeError):  # not the main thread (tests)
@@ -240,7 +250,7 @@ class Coordinator:
         await self.steps.settle()
         if self.side_task is not None and not self.side_task.done():
             self.side_task.cancel()  # a publication: the next start loads the checkpoint's weights everywhere
-        await self.executions.cancel_all()
+        await self.executions.cancel_all(handoff=self.handoff)
         if save:
             await self.checkpoints.save_final()
         # Each live worker's peak memory, for the summary (a dead one has no answer: None).

@@ -184,6 +184,17 @@ def _refusal(run_dir: Path, s: RunState) -> str:
             f"`gyre up --resume {run_dir}`, or choose a new --run-dir")
 
 
+def holder(run_dir: Path) -> int | None:
+    """The pid of the process holding RUN_DIR's lock (it writes its pid there once it holds
+    it); None when nobody holds it, or the file does not say."""
+    if not held(run_dir):
+        return None
+    try:
+        return int((run_dir / LOCK).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def held(run_dir: Path) -> bool:
     """Whether some process holds RUN_DIR's lock (a live `gyre up` or `gyre serve` there).
     Asked about another process's directory: from the holder's own process the answer is

@@ -115,7 +115,8 @@ async def execution_stack(proxy: ProxyServer, spec: LaunchSpec, *, run_dir: Path
         sandboxes = await open_sandboxes(sandbox=sandbox or "process", url=sandbox_url, run_dir=run_dir)
     try:
         launcher = Launcher(proxy, run_dir, spec, default_evaluator=DEFAULT_EVALUATOR, pool=sandboxes.pool,
-                            owner=sandboxes.owner, remote_relay=remote_relay, adopted=sandboxes.adopted)
+                            owner=sandboxes.owner, remote_relay=remote_relay, adopted=sandboxes.adopted,
+                            handed_off=sandboxes.handed_off)
         try:
             yield Executor(launcher, sandboxes)
         finally:

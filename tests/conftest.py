@@ -31,6 +31,7 @@ WAITING_TESTS = frozenset({
     "tests/harness/test_claude_code.py::test_a_pause_past_the_300s_watchdog_inside_a_streamed_answer",
     # Its agents sleep between calls, and while the coordinator is down.
     "tests/faults/test_restart.py::test_a_killed_coordinators_executions_carry_on_in_their_sandboxes",
+    "tests/faults/test_restart.py::test_gyre_restart_hands_the_running_executions_to_the_resume",
     "tests/harness/test_restart_harnesses.py::test_a_real_harness_in_podman_outlives_its_coordinator[claude-code]",
     "tests/harness/test_restart_harnesses.py::test_a_real_harness_in_podman_outlives_its_coordinator[codex]",
 })

@@ -97,6 +97,12 @@ class ContainerSandbox(Sandbox):
         self._execs: set[str] = set()  # tokens of execs whose wrapper may still run
         self._removed = False
         self._cancelled = False  # once `cancel` has killed it, nothing runs in it again
+        self._detached = False  # handed off (`detach`): this process no longer touches it
+
+    def detach(self) -> None:
+        """A stop for a restart: from now on this process neither kills its execs (an exec
+        awaited and cancelled runs on) nor stops or removes it; the next coordinator adopts it."""
+        self._detached = True
 
     @property
     def id(self) -> str:
@@ -130,7 +136,8 @@ class ContainerSandbox(Sandbox):
             await self._kill(token)
             code = None
         except asyncio.CancelledError:
-            await asyncio.shield(self._kill(token))
+            if not self._detached:
+                await asyncio.shield(self._kill(token))
             raise
         finally:
             self._execs.discard(token)
@@ -197,7 +204,8 @@ class ContainerSandbox(Sandbox):
                     break
                 await asyncio.sleep(poll_s)
         except asyncio.CancelledError:
-            await asyncio.shield(self._kill(token))
+            if not self._detached:
+                await asyncio.shield(self._kill(token))
             raise
         finally:
             self._execs.discard(token)
@@ -331,6 +339,9 @@ class ContainerSandbox(Sandbox):
         an exec left behind survives (a group kill would miss a `setsid` daemon)."""
         import docker.errors
 
+        if self._detached:
+            return
+
         def halt() -> None:
             try:
                 self.container.kill(signal="SIGKILL")
@@ -453,7 +464,7 @@ class ContainerSandbox(Sandbox):
             raise SandboxError(f"size of {self.container.short_id}: {e}") from None
 
     async def stop(self) -> None:
-        if self._removed:
+        if self._removed or self._detached:
             return
         self._removed = True
         try:

@@ -28,6 +28,7 @@ class Sandboxes:
     owner: str
     run_dir: Path | None = None
     adopted: set[str] = field(default_factory=set)  # executions this process took over (launcher.adopt)
+    handed_off: set[str] = field(default_factory=set)  # left running at a stop for a restart (launcher.hand_off)
 
     async def sweep(self) -> int:
         """An earlier coordinator's sandboxes of this run directory that were not adopted
@@ -50,8 +51,8 @@ class Sandboxes:
         for host in self.pool.hosts:
             if host.state == "up":
                 try:
-                    await reaper.reap(host.backend, reaper.at_shutdown(self.owner, self.run_dir, self.adopted),
-                                      f"at shutdown ({host.name})")
+                    alive = reaper.at_shutdown(self.owner, self.run_dir, self.adopted, self.handed_off)
+                    await reaper.reap(host.backend, alive, f"at shutdown ({host.name})")
                 except SandboxError as e:
                     log.warning("%s: orphans not reaped at shutdown: %s", host.name, e)
             await host.backend.close()

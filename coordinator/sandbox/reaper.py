@@ -101,16 +101,18 @@ def at_resume(owner: str, run_dir: Path, adopted: set[str]) -> Alive:
     return alive
 
 
-def at_shutdown(owner: str, run_dir: Path | None = None, adopted: set[str] = frozenset()) -> Alive:
-    """This process's own sandboxes are orphans now, and the ones of `run_dir` it adopted."""
+def at_shutdown(owner: str, run_dir: Path | None = None, adopted: set[str] = frozenset(),
+                handed_off: set[str] = frozenset()) -> Alive:
+    """This process's own sandboxes are orphans now, and the ones of `run_dir` it adopted,
+    except those it `handed_off` to the next coordinator of the run (a stop for a restart)."""
 
     def alive(labels: Mapping[str, str]) -> bool:
-        if _kept(labels):
+        ours = Path(labels.get(LABEL_RUN_DIR) or "/") == run_dir
+        if _kept(labels) or (ours and labels.get(LABEL_EXECUTION) in handed_off):
             return True
         if labels.get(LABEL_OWNER) == owner:
             return False
-        return not (run_dir is not None and labels.get(LABEL_EXECUTION) in adopted
-                    and Path(labels.get(LABEL_RUN_DIR) or "/") == run_dir)
+        return not (ours and labels.get(LABEL_EXECUTION) in adopted)
 
     return alive
 

@@ -9,10 +9,14 @@ one container is removed (its host lost it). The resumed coordinator adopts the 
 and scores the one that ended; the removed one is aborted_infra, never run again. Then:
 each execution has one status, none ran twice (its workspace's `starts`), its calls are each
 recorded once in one tree (one root: the retried call extended the conversation), the step
-trains on them, the resume says its downtime, and no container of the run is left.
+trains on them, the resume says its downtime, and no container of the run is left. The same
+run restarted without a crash (`gyre restart`: SIGHUP, a stop that hands its container
+executions off) has every execution adopted, none cancelled.
 """
 
 from __future__ import annotations
+
+import subprocess
 
 import pytest
 
@@ -72,3 +76,53 @@ def test_a_killed_coordinators_executions_carry_on_in_their_sandboxes(podman_rea
     assert summary["counters"] == {"d": 4, "p": 4, "f": 4}  # as an uninterrupted run's: none counted twice
     left = r.podman("ps", "-aq", "--filter", f"label=gyre.run_dir={run}").stdout.strip()
     assert left == "", left  # every sandbox removed, the lost one's never made again
+
+
+@pytest.mark.timeout(420)
+def test_gyre_restart_hands_the_running_executions_to_the_resume(podman_ready, tmp_path):
+    """`gyre restart RUN_DIR`: the live coordinator stops on SIGHUP leaving its container
+    executions running (nothing journaled of their end), and the resume in the restart's own
+    process adopts every one."""
+    config = r.scenario(tmp_path, calls=CALLS, gap_s=2.0)
+    run = tmp_path / "run"
+    first = r.up(config, run, steps=1, log=tmp_path / "first.log")
+    try:
+        def two_calls_each():
+            """every execution made two calls"""
+            made = r.calls_made(run)
+            return len(made) == 4 and all(n >= 2 for n in made.values())
+
+        r.wait_for(two_calls_each, 240, proc=first)
+        restart = subprocess.run([*r.GYRE, "restart", str(run), "--no-live"], cwd=r.REPO, capture_output=True,
+                                 text=True, timeout=300)
+    finally:
+        if first.poll() is None:
+            r.kill(first)
+    said = (tmp_path / "first.log").read_text()
+    assert first.returncode == 129, said[-3000:]  # 128 + SIGHUP: stopped for the restart
+    assert "4 executions left running in their containers, for the resume to adopt" in said, said[-2000:]
+    assert restart.returncode == 0, (restart.stdout + restart.stderr)[-3000:]
+    assert "is stopping; executions in containers keep running" in restart.stderr
+    events = r.events(run)
+    ends = {e["id"]: e for e in events if e["event"] == "execution"}
+    assert sorted(ends) == ["g00000-00", "g00000-01", "g00001-00", "g00001-01"]  # none cancelled, none rerun
+    assert all(e["adopted"] and e["status"] == "completed" for e in ends.values()), ends
+    (resumed,) = [e for e in events if e["event"] == "resume"]
+    assert (resumed["executions_adopted"], resumed["executions_redispatched"]) == (4, 0), resumed
+    for ex in ends:
+        folder = run / "executions" / ex
+        assert (folder / "workspace" / "starts").read_text() == "started\n", ex
+        assert len(load_execution(folder).calls) == CALLS, ex
+    assert [e["step"] for e in events if e["event"] == "step"] == [1]
+    left = r.podman("ps", "-aq", "--filter", f"label=gyre.run_dir={run}").stdout.strip()
+    assert left == "", left
+
+
+def test_gyre_restart_on_a_run_nobody_runs_says_how_to_continue(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    r_ = subprocess.run([*r.GYRE, "restart", str(run)], cwd=r.REPO, capture_output=True, text=True, timeout=60)
+    assert r_.returncode == 1
+    assert f"no gyre process holds {run}: nothing to restart; continue a stopped or crashed run with `gyre up " \
+           f"--resume {run}`" in r_.stderr, r_.stderr
