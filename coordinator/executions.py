@@ -93,7 +93,7 @@ class Executions:
         waiting: list[Execution] = []  # their task's image is still building: no slot is taken for that
         while self.queue and n > 0:
             run = self.queue.popleft()
-            if self.launcher.image_state(run.task) == "building":
+            if self.launcher.images.state(run.task) == "building":
                 waiting.append(run)
                 continue
             self.wl.launch(run.tracked)

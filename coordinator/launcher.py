@@ -41,7 +41,7 @@ any such refusal, ended because of gyre, and the zero it would score is one gyre
 fake zeros that corrupt RL). A context overflow or a bad request is the agent's, and scored.
 
 Not the scheduler: the coordinator decides when to launch (and builds images, and the folder a
-preset's sandbox_pip is installed into, first: `prepare`).
+preset's sandbox_pip is installed into, first: taskimages.py).
 """
 
 from __future__ import annotations
@@ -69,7 +69,6 @@ from gyre.coordinator.evaluator import (
 from gyre.coordinator.harnesses import HarnessError, HarnessPreset
 from gyre.coordinator.sandbox import (
     ExecResult,
-    ImageBuildError,
     Limits,
     Sandbox,
     SandboxBackend,
@@ -90,9 +89,9 @@ from gyre.coordinator.sandbox.base import (
 )
 from gyre.coordinator.sandbox.hosts import HostPool, SandboxHost
 from gyre.coordinator.sandbox.pool import Sandboxes, open_sandboxes  # noqa: F401 - the launcher's callers open them
-from gyre.coordinator.sandbox.preflight import task_refusal
 from gyre.coordinator.sandbox.process import ProcessBackend
 from gyre.coordinator.sandbox.reaper import ADOPT_SLACK_S, KEY_FILE
+from gyre.coordinator.taskimages import TaskImages
 from gyre.coordinator.tasks import Task, make_workspace
 from gyre.coordinator.verifier import SOLUTION_DIR, build_verifier
 from gyre.proxy.server import ProxyServer
@@ -174,111 +173,15 @@ class Launcher:
         self._copied: set[str] = set()  # executions whose workspace has been copied out (once, before any test)
         self._owners: dict[str, dict] = {}  # execution -> its copy's owners (CopyReport.owners), for the verifier
         self._presets: dict[str, HarnessPreset] = {}
-        self._images: dict[tuple[str, str], asyncio.Future] = {}  # (task id, host) -> its image (or the error)
-        self._image_errors: dict[str, BaseException] = {}  # task id -> the build's error (the task's own fault)
-        self._agent: asyncio.Future | None = None  # the preset's sandbox_pip folder on this host, installed once
-        self._warned_down = -1e9
-
-    # --- images, before the slot --------------------------------------------------------
-
-    def image_state(self, task: Task) -> str:
-        """"ready" (an up host under its cap holds the task's image), "building" (wait: a build
-        runs, every host is at its cap, or none is up) or "failed" (the image cannot be made:
-        the execution ends aborted_infra). The first ask starts a build."""
-        if task.id in self._image_errors:
-            return "failed"
-        try:
-            self.check_task(task)
-        except SandboxError as e:  # this run cannot run it anywhere
-            self._image_errors[task.id] = e
-            return "failed"
-        up = self.pool.up
-        if not up:  # wait for one to answer again (each failing at once would churn through groups)
-            now = time.monotonic()
-            if now - self._warned_down > 30:
-                self._warned_down = now
-                log.warning("no sandbox host is up (%s): executions wait",
-                            "; ".join(f"{h.name}: {h.why}" for h in self.pool.hosts))
-            return "building"
-        ready = self._ready_hosts(task)
-        if any(not h.full for h in up if h.name in ready):
-            return "ready"
-        if any(not self._images[(task.id, h.name)].done() for h in up if (task.id, h.name) in self._images):
-            return "building"
-        host = self.pool.choose()
-        if host is None:
-            return "building"  # every up host is at its cap: wait for a slot there
-        self._build(task, host)
-        return "failed" if task.id in self._image_errors else "building" if not self._images[
-            (task.id, host.name)].done() else "ready"
-
-    def _ready_hosts(self, task: Task) -> set[str]:
-        return {name for (tid, name), fut in self._images.items()
-                if tid == task.id and fut.done() and fut.exception() is None}
-
-    def _build(self, task: Task, host: SandboxHost) -> asyncio.Future:
-        key = (task.id, host.name)
-        fut = self._images.get(key)
-        if fut is None or (fut.done() and fut.exception() is not None and task.id not in self._image_errors):
-            fut = self._images[key] = asyncio.ensure_future(self._prepare(task, host))
-            fut.add_done_callback(lambda f: self._built(task, host, f))
-        return fut
-
-    def _built(self, task: Task, host: SandboxHost, fut: asyncio.Future) -> None:
-        err = None if fut.cancelled() else fut.exception()
-        if (isinstance(err, ImageBuildError) and host.state == "up") or (
-                err is not None and not isinstance(err, SandboxError)):
-            self._image_errors.setdefault(task.id, err)  # the recipe's fault: no host will do better
-
-    async def prepare(self, task: Task, host: SandboxHost | None = None) -> str | None:
-        """The task's image on `host` (default: the first up host), built (or pulled) once per
-        task and host; SandboxError if it cannot be."""
-        host = host or (self.pool.up or self.pool.hosts)[0]
-        if task.id in self._image_errors:
-            raise self._image_errors[task.id]
-        self.check_task(task)
-        return await asyncio.shield(self._build(task, host))
-
-    async def _prepare(self, task: Task, host: SandboxHost) -> str | None:
-        env = task.environment
-        self.check_task(task)
-        if not self.backend.needs_image:
-            return None
-        await self._agent_dir()  # before the slot too; its failure fails every task (no host does better)
-        if env is None:
-            return None
-        host.building += 1
-        try:
-            return await host.backend.prepare(env.build_dir, image=env.image, dockerfile=env.dockerfile,
-                                              timeout_s=env.build_timeout_s, name=task.id)
-        finally:
-            host.building -= 1
-
-    async def _agent_dir(self) -> str | None:
-        """The host folder the preset's sandbox_pip is installed into (sandbox/agentdir.py), once
-        per launcher and per spec on this host; None when it has none."""
-        preset = self.spec.preset
-        if not preset.sandbox_pip or self.spec.solution:
-            return None
-        if self._agent is None:
-            from gyre.coordinator.sandbox.agentdir import agent_dir
-
-            self._agent = asyncio.ensure_future(asyncio.to_thread(
-                agent_dir, preset.name, preset.sandbox_pip, preset.sandbox_python))
-        return str(await asyncio.shield(self._agent))
-
-    def check_task(self, task: Task) -> None:
-        why = task_refusal(task, backend=self.backend.name, needs_image=self.backend.needs_image,
-                           internet=self.spec.allow_internet)
-        if why is not None:
-            raise SandboxError(why)
+        # Each task's image on each host, and the preset's sandbox_pip folder: made before the slot.
+        self.images = TaskImages(self.pool, spec)
 
     # --- one execution ------------------------------------------------------------------
 
     async def run(self, run: Execution) -> None:
         """Run `run` to its end; sets status, reward, valid, ref, times and the recorder."""
         run.t_start = time.time()
-        host = self.pool.choose(prefer=self._ready_hosts(run.task))
+        host = self.pool.choose(prefer=self.images.ready_hosts(run.task))
         if host is None:
             why = ("no sandbox host is up: " + "; ".join(f"{h.name}: {h.why}" for h in self.pool.hosts)
                    if not self.pool.up else "every sandbox host is at its max_concurrent")
@@ -319,7 +222,7 @@ class Launcher:
         failed = True
         try:
             run.enter("image")
-            image = await self.prepare(run.task, host)
+            image = await self.images.prepare(run.task, host)
             run.enter("sandbox")
             sandbox = await self._open(run, folder, image, host)
             code, timed_out = await self._harness(run, sandbox, folder, host)
@@ -402,7 +305,7 @@ class Launcher:
         if host is None:
             raise SandboxError("no sandbox host is up, or every one is at its max_concurrent")
         run.enter("image")
-        image = await self.prepare(run.task, host)
+        image = await self.images.prepare(run.task, host)
         run.enter("sandbox")
         sandbox = await self._open(run, folder, image, host)
         try:
@@ -425,7 +328,7 @@ class Launcher:
         preset, mounts = self.spec.preset, {}
         if self.backend.needs_image and not self.spec.solution:
             try:
-                preset, mounts = preset.in_sandbox(await self._agent_dir())
+                preset, mounts = preset.in_sandbox(await self.images.agent_dir())
             except HarnessError as e:
                 raise SandboxError(str(e)) from None
         elif preset.container_only and not self.spec.solution:  # no host command to run

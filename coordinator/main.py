@@ -212,7 +212,7 @@ class Coordinator:
         (c.run_dir / "coordinator.json").write_text(json.dumps({
             "status_url": f"{self.proxy.base_url}/gyre/status", "pid": os.getpid(), "started": time.time()}))
         for task in [*self.tasks.tasks, *(self.heldout.tasks if self.heldout else ())]:
-            self.launcher.check_task(task)  # a task this sandbox cannot run fails the start, named
+            self.launcher.images.check(task)  # a task this sandbox cannot run fails the start, named
         # Gradient reduction: every cell joins one gloo world with prebuilt prefix groups.
         init = c.reducer_init or self.cluster.reducer_init(c.run_dir)
         link = self.link

@@ -49,7 +49,7 @@ async def run_harness_once(proxy: ProxyServer, preset: HarnessPreset, prompt: st
     async with execution_stack(proxy, spec, run_dir=run_dir, sandbox=sandbox, sandbox_url=sandbox_url) as executor:
         launcher = executor.launcher
         if task is not None:
-            launcher.check_task(task)
+            launcher.images.check(task)
             await launcher.run(run)  # the whole lifecycle: image, harness, deadline, tests, score
             status, code, workspace = run.status, None, folder / "workspace"
             scored = {"task": task.id, "score": run.reward, "valid": run.valid, "ref": run.ref}

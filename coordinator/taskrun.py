@@ -54,7 +54,7 @@ async def run_tasks(tasks: list[Task], *, preset: HarnessPreset, model_dir: Path
                                 sandbox_url=sandbox_url) as executor):
         launcher = executor.launcher
         for task in tasks:  # refused before anything runs, named
-            launcher.check_task(task)
+            launcher.images.check(task)
         gate = asyncio.Semaphore(max(1, concurrency))
 
         async def one(index: int, task: Task, sample: int) -> dict:

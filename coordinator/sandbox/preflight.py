@@ -55,7 +55,7 @@ def default_sandbox(tasks: Iterable, *, source: str, url: str | None = None,
 
 def task_refusal(task, *, backend: str, needs_image: bool, internet: bool) -> str | None:
     """Why a run on `backend` refuses `task` (None: it runs it). `internet`: may sandboxes
-    have the internet (sandbox_internet). Shared by Launcher.check_task and the preflight."""
+    have the internet (sandbox_internet). Shared by TaskImages.check and the preflight."""
     env = task.environment
     if env is not None and env.allow_internet and not internet:
         return (f"task {task.id!r} asks allow_internet = true; set sandbox_internet = true in the run config to "

@@ -150,10 +150,10 @@ async def test_the_launcher_installs_once_before_the_slot_and_fails_every_task_w
         return Launcher(None, tmp_path, spec, backend=make_backend("podman"))  # not opened: nothing runs
 
     one = launcher()
-    await one.prepare(Task(id="t1", prompt="p"))
-    await one.prepare(Task(id="t2", prompt="p"))
+    await one.images.prepare(Task(id="t1", prompt="p"))
+    await one.images.prepare(Task(id="t2", prompt="p"))
     assert calls == [("mini", ("a==1",), "3.11")]  # once per launcher (and per spec on disk)
-    await launcher(solution=True).prepare(Task(id="t1", prompt="p"))
+    await launcher(solution=True).images.prepare(Task(id="t1", prompt="p"))
     assert len(calls) == 1  # a --solution run runs no harness
 
     def broken(preset, packages, python):
@@ -163,5 +163,5 @@ async def test_the_launcher_installs_once_before_the_slot_and_fails_every_task_w
     monkeypatch.setattr(agentdir, "agent_dir", broken)
     two = launcher()
     with pytest.raises(AgentInstallError, match="'mini': pip could not install a==1"):
-        await two.prepare(Task(id="t1", prompt="p"))
-    assert two.image_state(Task(id="t1", prompt="p")) == "failed"  # the execution ends aborted_infra, named
+        await two.images.prepare(Task(id="t1", prompt="p"))
+    assert two.images.state(Task(id="t1", prompt="p")) == "failed"  # the execution ends aborted_infra, named

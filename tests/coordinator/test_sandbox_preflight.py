@@ -141,7 +141,7 @@ def test_tasks_the_run_would_refuse_are_refused_first_with_the_launchers_words(b
     launcher = Launcher(None, tmp_path, LaunchSpec(preset=resolve("demo", {}), timeout_s=1, eval_attempts=1,
                                                    eval_budget_s=1), backend=make_backend(backend))
     with pytest.raises(SandboxError) as e:
-        launcher.check_task(tasks[1])
+        launcher.images.check(tasks[1])
     assert msg == f"{e.value} (and 1 more task(s))"
     assert "runs no images (use sandbox = \"podman\" or \"docker\")" in msg
     check_sandbox("process", tasks=tasks[:1])

@@ -101,12 +101,12 @@ async def test_executions_spread_over_hosts_under_their_caps(services, scripted_
     task = load_harbor_task(harbor_task(tmp_path, "spread"))
     try:
         launcher = _launcher(scripted_proxy, run_dir, sandboxes, CALL_PROXY + "sleep 1")
-        assert launcher.image_state(task) == "building"  # built on one host before any slot is taken
-        await launcher.prepare(task, sandboxes.pool.hosts[0])
+        assert launcher.images.state(task) == "building"  # built on one host before any slot is taken
+        await launcher.images.prepare(task, sandboxes.pool.hosts[0])
         runs = [_run(i, task) for i in range(2)]
         jobs = [asyncio.create_task(launcher.run(r)) for r in runs]
         await _until(lambda: all(h.running == 1 for h in sandboxes.pool.hosts), "both hosts busy")
-        assert launcher.image_state(task) == "building"  # every host at its cap: the next one waits
+        assert launcher.images.state(task) == "building"  # every host at its cap: the next one waits
         await asyncio.gather(*jobs)
         assert [r.status for r in runs] == ["completed", "completed"], [r.ref for r in runs]
         assert sorted(_host(run_dir, r) for r in runs) == ["a", "b"]
