@@ -41,7 +41,7 @@ class Execution:
     t_start: float | None = None
     t_end: float | None = None
     recorder: Any = None  # the proxy's Recorder (tree, calls)
-    copy_out_error: str | None = None  # what the workspace copy left out or stopped at (launcher.py)
+    copy_out_error: str | None = None  # what the workspace copy left out or stopped at (scoring.py)
     phase: str = "queued"  # where the launcher has it now: one of PHASES
     phase_t: float | None = None  # when that phase began (time.time()); None while queued
     adopted: bool = False  # its harness outlived an earlier coordinator of the run, and was taken back

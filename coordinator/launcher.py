@@ -1,4 +1,4 @@
-"""launcher.py: runs one execution in a sandbox: key, harness, deadline, evaluation, removal.
+"""launcher.py: runs one execution in a sandbox: key, harness, deadline, then its scoring and removal.
 
 The sandbox comes from the run's backend (sandbox/): a host folder for `process`, a container
 from the task's image for `podman` / `docker`. The harness runs inside with the proxy's base
@@ -6,39 +6,13 @@ URL and a fresh per-execution key in both OpenAI and Anthropic variable names, p
 preset's own variables; in an isolated sandbox the base URL is a listener inside the
 sandbox's own network namespace (workerd/netns.py), the only thing it can reach. At the
 deadline the harness is stopped inside (SIGTERM to its group, SIGKILL after the grace) and
-the sandbox kept, so a timed-out execution is still scored on its preserved work. Before
-anything is scored every process of the sandbox is killed (a daemon the agent left could
-rewrite what is scored), and the workspace is copied out to RUN_DIR/executions/ID/workspace
-(links never followed, under a cap; what went wrong is recorded, never the status). A
-task's verifier then runs in a fresh sandbox from the task's image holding that copy and the
-tests (verifier.py): nothing the agent changed outside its workdir (its tools, hooks,
-preload list, `sleep`) takes part, and its own container is removed first (kept under
-keep_sandbox, it is never started again); a task whose `[verifier] environment = "agent"`
-is scored in a copy of its stopped container instead, its diff in agent-diff.json (verifier.py
-says what that mode can and cannot guarantee); else an evaluator scores the copy. A container
-execution makes one exec (the harness); files move by archive calls, which leave no monitor.
-A reward outside reward_range is no reward (evaluator_error). The harness's
-storage is held to the task's storage_mb (measured as it runs) and harness.log is capped.
-The sandbox is always removed (unless kept). As it goes it sets the execution's phase (buffer.py
-PHASES: image, sandbox, harness, verifier, cleanup, done), which the live view shows. Ends in
-exactly one status:
-
-    harness               calls recorded   evaluation     status
-    exit 0                any              ok / failed    completed / evaluator_error
-    exit != 0             >= 1             ok / failed    harness_error / evaluator_error
-    exit != 0, no call    0                -              placeholder (valid zero)
-    could not start       0                -              aborted_infra (invalid)
-    refused by gyre, then any              -              aborted_infra, or placeholder
-      failed (below)                                      under infra_failure = "placeholder"
-    deadline              any              ok / failed    timed_out / evaluator_error
-    over storage_mb       (as exit 137: killed, like a memory hog)
-    sandbox failed        any              -              aborted_infra, or placeholder
-                                                          under infra_failure = "placeholder"
-
-gyre's own refusals are never the agent's score: a harness whose last model call gyre refused
-(503: the disk guard, no engine; 429: its execution's budget), or that exited non-zero after
-any such refusal, ended because of gyre, and the zero it would score is one gyre made (the
-fake zeros that corrupt RL). A context overflow or a bad request is the agent's, and scored.
+the sandbox kept, so a timed-out execution is still scored on its preserved work (scoring.py:
+its workspace copied out, its verifier, its one status). A container execution makes one exec
+(the harness, detached: it outlives this process, and a restarted coordinator adopts it); files
+move by archive calls, which leave no monitor. The harness's storage is held to the task's
+storage_mb (measured as it runs) and harness.log is capped. The sandbox is always removed
+(unless kept). As it goes it sets the execution's phase (buffer.py PHASES: image, sandbox,
+harness, verifier, cleanup, done), which the live view shows.
 
 Not the scheduler: the coordinator decides when to launch (and builds images, and the folder a
 preset's sandbox_pip is installed into, first: taskimages.py).
@@ -60,11 +34,6 @@ from urllib.parse import urlsplit
 from gyre.coordinator.buffer import Execution
 from gyre.coordinator.evaluator import (
     REWARD_RANGE,
-    EvaluatorError,
-    EvaluatorFailed,
-    Outcome,
-    build_evaluator,
-    evaluate_with_retries,
 )
 from gyre.coordinator.harnesses import HarnessError, HarnessPreset
 from gyre.coordinator.sandbox import (
@@ -78,7 +47,6 @@ from gyre.coordinator.sandbox import (
     storage,
 )
 from gyre.coordinator.sandbox.base import (
-    COPY_LIMIT_BYTES,
     LABEL_EXECUTION,
     LABEL_OWNER,
     LABEL_PROCESS,
@@ -91,9 +59,10 @@ from gyre.coordinator.sandbox.hosts import HostPool, SandboxHost
 from gyre.coordinator.sandbox.pool import Sandboxes, open_sandboxes  # noqa: F401 - the launcher's callers open them
 from gyre.coordinator.sandbox.process import ProcessBackend
 from gyre.coordinator.sandbox.reaper import ADOPT_SLACK_S, KEY_FILE
+from gyre.coordinator.scoring import Scoring, remove_sandbox
 from gyre.coordinator.taskimages import TaskImages
 from gyre.coordinator.tasks import Task, make_workspace
-from gyre.coordinator.verifier import SOLUTION_DIR, build_verifier
+from gyre.coordinator.verifier import SOLUTION_DIR
 from gyre.proxy.server import ProxyServer
 from gyre.workerd.netns import ProxyRelay, RelayError
 
@@ -170,11 +139,11 @@ class Launcher:
         # the pool's (Sandboxes.adopted), whose sweep and shutdown reap read it.
         self.adopted: set[str] = adopted if adopted is not None else set()
         self.handed_off: set[str] = handed_off if handed_off is not None else set()  # left running (`hand_off`)
-        self._copied: set[str] = set()  # executions whose workspace has been copied out (once, before any test)
-        self._owners: dict[str, dict] = {}  # execution -> its copy's owners (CopyReport.owners), for the verifier
         self._presets: dict[str, HarnessPreset] = {}
         # Each task's image on each host, and the preset's sandbox_pip folder: made before the slot.
         self.images = TaskImages(self.pool, spec)
+        # What each execution's end makes it: its workspace copied out, its verifier, its status.
+        self.scoring = Scoring(spec, self.backend, self.default_evaluator)
 
     # --- one execution ------------------------------------------------------------------
 
@@ -226,7 +195,7 @@ class Launcher:
             run.enter("sandbox")
             sandbox = await self._open(run, folder, image, host)
             code, timed_out = await self._harness(run, sandbox, folder, host)
-            failed = not await self._score(run, sandbox, folder, code, timed_out)
+            failed = not await self.scoring.score(run, sandbox, folder, code, timed_out)
         except Exception as e:  # noqa: BLE001 - still one status, and the run goes on
             self._failed(run, e)
         finally:
@@ -234,46 +203,6 @@ class Launcher:
             if sandbox is not None and run.id not in self.handed_off:
                 run.enter("cleanup")
                 await asyncio.shield(self._close(run, sandbox, folder, failed))
-
-    async def _score(self, run: Execution, sandbox: Sandbox, folder: Path, code: int | None, timed_out: bool) -> bool:
-        """The status the harness's end and its evaluation make (the table above); True when
-        the execution was scored (completed, timed_out, harness_error)."""
-        called = bool(run.recorder.calls)
-        if code is None:  # the harness could not even start: infrastructure, not a zero
-            run.status, run.reward, run.valid, run.ref = "aborted_infra", None, False, "harness could not start"
-            return False
-        refused = self._refused(run, code, timed_out)
-        if refused is not None:
-            log.warning("execution %s: %s", run.id, refused)
-            placeholder = self.spec.infra_failure == "placeholder"
-            run.status, run.reward, run.valid, run.ref = ("placeholder", 0.0, True, refused) if placeholder \
-                else ("aborted_infra", None, False, refused)
-            return False
-        if code != 0 and not called and not timed_out and not self.spec.solution:
-            run.status, run.reward, run.valid, run.ref = "placeholder", 0.0, True, f"harness exit {code}"
-            return False
-        run.enter("verifier")
-        outcome = await self._evaluate(run, sandbox, folder)
-        run.reward, run.valid, run.ref = outcome.score, outcome.valid, outcome.ref or (outcome.error or "")
-        run.eval_attempts = outcome.attempts
-        if outcome.error is not None:
-            run.status = "evaluator_error"
-            return False
-        run.status = "timed_out" if timed_out else "completed" if code == 0 else "harness_error"
-        return True
-
-    def _refused(self, run: Execution, code: int, timed_out: bool) -> str | None:
-        """Why the harness's end was gyre's doing (the module's table), or None: its last model
-        call was refused by gyre, or it exited non-zero after a refusal."""
-        rec = run.recorder
-        if not rec.refusals or self.spec.solution:
-            return None
-        if rec.refused_last:
-            return f"gyre refused the harness's last model call ({rec.refusals} refused; the last: {rec.last_refusal})"
-        if code != 0 and not timed_out:
-            return (f"the harness exited {code} after gyre refused {rec.refusals} of its model calls "
-                    f"(the last: {rec.last_refusal})")
-        return None
 
     def _failed(self, run: Execution, e: Exception) -> None:
         """What an exception out of an execution's lifecycle makes it (called in its handler):
@@ -348,7 +277,7 @@ class Launcher:
                                                              workspace=task.workspace), folder / "task-files")
                 await sandbox.upload(folder / "task-files", sandbox.workdir)
         except BaseException:
-            await asyncio.shield(self._remove(run, sandbox))
+            await asyncio.shield(remove_sandbox(run, sandbox))
             raise
         self._live[run.id] = sandbox
         self._presets[run.id] = preset  # the preset as it runs there
@@ -466,7 +395,7 @@ class Launcher:
             if code is None:  # neither the engine nor its exit file says how it ended: never a score
                 raise SandboxError("the adopted harness's end is unknown (its sandbox was stopped or removed "
                                    "while the coordinator was away)")
-            failed = not await self._score(run, sandbox, folder, code, timed_out)
+            failed = not await self.scoring.score(run, sandbox, folder, code, timed_out)
         except Exception as e:  # noqa: BLE001 - still one status, and the run goes on
             self._failed(run, e)
         finally:
@@ -583,80 +512,19 @@ class Launcher:
                    f"{'was stopped' if result is None else 'had ended'}\n".encode())
         return ExecResult(STORAGE_EXIT, False, b"")
 
-    async def _evaluate(self, run: Execution, sandbox: Sandbox, folder: Path) -> Outcome:
-        task = run.task
-        # 1) Nothing of the agent's runs from here on: a daemon it left could rewrite the reward,
-        #    read the tests or copy them into its workspace (SandboxError if that cannot be made sure).
-        await sandbox.cancel()
-        deadline = time.monotonic() + self.spec.eval_budget_s
-        # 2) Its workspace out before any test goes in: the saved copy is the agent's work alone,
-        #    and all of it a verifier sees.
-        workspace = await self._copy_out(run, sandbox, folder, needed=True)
-        try:
-            if task.verifier:
-                # 3) Scored in fresh sandboxes from the image: the agent's container goes now (a
-                #    kept one stays stopped), nothing of it beyond the copy takes part. A task in
-                #    the "agent" environment is scored in a copy of it (stopped, removed at close).
-                if self.spec.keep_sandbox == "never" and task.verifier.get("environment") != "agent":
-                    await self._remove(run, sandbox)
-                evaluator = build_verifier(task, sandbox, swe_mode=self.spec.swe_score,
-                                           log_path=folder / "verifier.log", owners=self._owners.pop(run.id, None),
-                                           diff_path=folder / "agent-diff.json")
-            else:
-                evaluator = build_evaluator(task.evaluator or self.default_evaluator)
-        except (EvaluatorError, EvaluatorFailed) as e:
-            return Outcome(score=None, valid=False, ref="", error=f"{type(e).__name__}: {e}")
-        return await evaluate_with_retries(evaluator, task, workspace, deadline=deadline,
-                                           max_attempts=self.spec.eval_attempts, reward_range=self.spec.reward_range)
-
-    async def _copy_out(self, run: Execution, sandbox: Sandbox, folder: Path, *, needed: bool) -> Path:
-        """The container's workdir to RUN_DIR/executions/ID/workspace, once per execution (links
-        kept only where they stay inside, never followed; at most the larger of 512 MiB and
-        storage_mb). What went wrong is recorded as its copy_out_error; it raises (SandboxError)
-        only when the copy is `needed` (it is what is scored) and none could be made."""
-        workspace = folder / "workspace"
-        if not self.backend.needs_image or run.id in self._copied:
-            return workspace  # a host folder already (process, bubblewrap), or copied
-        self._copied.add(run.id)
-        limit = max(COPY_LIMIT_BYTES, (sandbox.spec.limits.storage_mb or 0) << 20)
-        try:
-            report = await sandbox.download(sandbox.workdir, workspace, limit_bytes=limit)
-            problem, self._owners[run.id] = report.problem(), report.owners
-        except FileNotFoundError:
-            workspace.mkdir(parents=True, exist_ok=True)  # the agent removed its workdir
-            problem = None
-        except (SandboxError, OSError) as e:
-            problem = f"{type(e).__name__}: {e}"
-            if needed:
-                raise SandboxError(f"workspace not copied out: {e}") from None
-        if problem is not None:
-            self._note_copy_out(run, folder, problem)
-        return workspace
-
-    def _note_copy_out(self, run: Execution, folder: Path, problem: str) -> None:
-        log.warning("execution %s: workspace copy-out: %s", run.id, problem)
-        run.copy_out_error = problem[:500]  # in the execution's record (Execution.copy_out_error)
-        try:
-            info = json.loads((folder / "sandbox.json").read_text())
-            info["copy_out_error"] = run.copy_out_error
-            (folder / "sandbox.json").write_text(json.dumps(info))
-        except (OSError, ValueError) as e:
-            log.warning("execution %s: copy-out error not recorded in sandbox.json: %s", run.id, e)
-
     async def _close(self, run: Execution, sandbox: Sandbox, folder: Path, failed: bool) -> None:
         """After the execution has its status: its processes killed, its workspace copied out
         (if not yet), then the sandbox removed (or kept). Never raises: nothing here may change
         the status or stop the run."""
         self._live.pop(run.id, None)
         try:
-            if run.id not in self._copied:
+            if not self.scoring.copied(run.id):
                 await sandbox.cancel()
-                await self._copy_out(run, sandbox, folder, needed=False)
+                await self.scoring.copy_out(run, sandbox, folder, needed=False)
         except Exception as e:  # noqa: BLE001 - logged; the sandbox is still removed below
             log.warning("execution %s: workspace not copied out: %s", run.id, e)
         finally:
-            self._copied.discard(run.id)
-            self._owners.pop(run.id, None)
+            self.scoring.forget(run.id)
         keep = self.spec.keep_sandbox == "always" or (self.spec.keep_sandbox == "on_failure" and failed)
         if keep:
             info = {"backend": self.backend.name, "id": getattr(sandbox, "id", None), "status": run.status}
@@ -667,14 +535,7 @@ class Launcher:
                 return
             except OSError as e:
                 log.warning("execution %s: sandbox not kept (%s): removed", run.id, e)
-        await self._remove(run, sandbox)
-
-    @staticmethod
-    async def _remove(run: Execution, sandbox: Sandbox) -> None:
-        try:
-            await sandbox.stop()
-        except Exception as e:  # noqa: BLE001 - a sandbox left is the reaper's at shutdown
-            log.warning("execution %s: sandbox not removed: %s", run.id, e)
+        await remove_sandbox(run, sandbox)
 
     async def stop(self, run_id: str) -> None:
         sandbox = self._live.get(run_id)
