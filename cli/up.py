@@ -49,14 +49,14 @@ def run_up(config: CoordinatorConfig, live: bool = False, resume: bool = False) 
     write_timeline(config.run_dir)
     _print_outputs(config.run_dir, coord)
     _print_lost(coord)
-    if coord.stop_signal is not None:
+    if coord.stop.signal is not None:
         left = len(coord.executions.handed_off)
         running = (f"; {left} execution{'s' if left != 1 else ''} left running in {'their' if left != 1 else 'its'} "
                    f"container{'s' if left != 1 else ''}, for the resume to adopt before "
                    f"{'their' if left != 1 else 'its'} deadline{'s' if left != 1 else ''}") if left else ""
         print(f"stopped at step {coord.steps.steps_done}/{config.steps}{running}; continue with: "
               f"gyre up --resume {shown(config.run_dir)}", flush=True)
-        return 128 + coord.stop_signal
+        return 128 + coord.stop.signal
     return 0
 
 

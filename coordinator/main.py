@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import sys
 import time
 
@@ -34,6 +33,7 @@ from gyre.coordinator.local import LocalCluster
 from gyre.coordinator.loopprobe import LoopProbe
 from gyre.coordinator.metrics import Metrics
 from gyre.coordinator.policies import POLICIES
+from gyre.coordinator.presence import Presence, StopRequest
 from gyre.coordinator.publisher import WeightPublisher
 from gyre.coordinator.report import StepReport
 from gyre.coordinator.resume import Checkpoints
@@ -95,7 +95,7 @@ class Coordinator:
                                        buffer=self.buffer, tasks=self.tasks, heldout=self.heldout)
         self.side_task: asyncio.Task | None = None  # a publication or a rejoin: weights on the move
         self.metrics: Metrics | None = None
-        self.should_exit = False  # set by SIGINT/SIGTERM: stop at the next tick, gracefully
+        self.stop = StopRequest()  # what SIGINT, SIGTERM or SIGHUP asked: a stop at the next tick (presence.py)
         self.rates = Rates()
         self.gc = GcPolicy(config.gc_freeze_every_s)  # long-lived objects out of full collections
         self.cluster: LocalCluster | None = None
@@ -106,16 +106,14 @@ class Coordinator:
         self.proxy: ProxyServer | None = None
         self.sandboxes = None  # the sandbox host pool (launcher.open_sandboxes)
         self.launcher: Launcher | None = None
-        self.stop_signal: int | None = None  # the signal that stopped the run (SIGINT, SIGTERM, SIGHUP)
-        self.handoff = False  # SIGHUP: the stop leaves container harnesses running, for the resume to adopt
-        self._beat_at = 0.0  # coordinator.json last touched (monotonic): a resume's measure of the downtime
+        self.presence = Presence(config.run_dir)  # coordinator.json: the status URL, the pid, a heartbeat
 
     def status(self) -> dict:
         """The live view's data (GET /gyre/status, `gyre top`)."""
         return snapshot(self.c, metrics=self.metrics, steps=self.steps, cells=self.cells, wl=self.wl,
                         buffer=self.buffer, executions=self.executions, rates=self.rates, probe=self.probe,
                         gc=self.gc, table=self.table, link=self.link, proxy=self.proxy, launcher=self.launcher,
-                        stopping=self.should_exit)
+                        stopping=self.stop.requested)
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -141,7 +139,7 @@ class Coordinator:
         cluster = run_workers(c, self.cells.roles, self._inproc)
         cluster.on_rejoin = self.cells.on_rejoin
         self.table = self.cells.table = run_routes(c)
-        self._install_signal_handlers()
+        self.stop.install()
         try:
             async with rollout_stack(cluster, c.serving(), run_dir=c.run_dir, table=self.table) as rollout:
                 self.cluster, self.link, self.proxy = cluster, rollout.link, rollout.proxy
@@ -171,46 +169,13 @@ class Coordinator:
             self.metrics.close()  # also on a failed run: held events written, trackers closed
         return self.steps.reports
 
-    def _install_signal_handlers(self) -> None:
-        """First SIGINT/SIGTERM: finish gracefully at the next tick. Second SIGINT: exit now.
-        SIGHUP (`gyre restart`, `systemctl reload`, a closed terminal): the same stop, but the
-        executions whose harnesses run in containers are handed off, left running for the
-        next `gyre up --resume` to adopt."""
-        import os
-        import signal
-
-        loop = asyncio.get_running_loop()
-
-        def on_signal(sig: int) -> None:
-            if self.should_exit and sig == signal.SIGINT:
-                if os.isatty(1):  # os._exit skips the live view's cleanup: show the cursor again
-                    os.write(1, b"\n\x1b[?25h")
-                os._exit(130)
-            if sig == signal.SIGHUP and not self.should_exit:
-                self.handoff = True
-                log.warning("signal %d: stopping for a restart: harnesses in containers keep running for the next "
-                            "`gyre up --resume` to adopt; a step in flight is given up, a checkpoint of the last "
-                            "one saved", sig)
-            elif not self.should_exit:
-                log.warning("signal %d: stopping: a step in flight is given up, a checkpoint of the last one saved "
-                            "(Ctrl-C again: exit at once, saving nothing)", sig)
-            self.should_exit = True
-            self.stop_signal = self.stop_signal or sig
-
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            try:
-                loop.add_signal_handler(sig, on_signal, sig)
-            except (NotImplementedError, RuntimeError):  # not the main thread (tests)
-                return
-
     async def _startup(self, restored: resume.Restored | None) -> None:
         """Inside the stacks (the workers ready, the proxy listening, the sandboxes open): the
         status endpoint, the tasks checked, the reducer and transfers joined, then the first
         dispatch or, with `restored`, the resume."""
         c = self.c
         self.proxy.status_provider = self.status
-        (c.run_dir / "coordinator.json").write_text(json.dumps({
-            "status_url": f"{self.proxy.base_url}/gyre/status", "pid": os.getpid(), "started": time.time()}))
+        self.presence.write(f"{self.proxy.base_url}/gyre/status")
         for task in [*self.tasks.tasks, *(self.heldout.tasks if self.heldout else ())]:
             self.launcher.images.check(task)  # a task this sandbox cannot run fails the start, named
         # Gradient reduction: every cell joins one gloo world with prebuilt prefix groups.
@@ -250,7 +215,7 @@ class Coordinator:
         await self.steps.settle()
         if self.side_task is not None and not self.side_task.done():
             self.side_task.cancel()  # a publication: the next start loads the checkpoint's weights everywhere
-        await self.executions.cancel_all(handoff=self.handoff)
+        await self.executions.cancel_all(handoff=self.stop.handoff)
         if save:
             await self.checkpoints.save_final()
         # Each live worker's peak memory, for the summary (a dead one has no answer: None).
@@ -282,9 +247,9 @@ class Coordinator:
         now, carried out; returns True when the run is finished."""
         if self.executions.fatal is not None:  # too many infrastructure failures in a row
             raise self.executions.fatal
-        if self.should_exit:
+        if self.stop.requested:
             return True
-        self._beat()
+        self.presence.beat()
         # The workers' health first: a task failed by a worker's death (a send to a dead node
         # fails at once) ends the run as that death, journaled and named, not as the bare error.
         self.cells.watch(self.c.worker_timeout_s, training=self.steps.training)
@@ -312,17 +277,6 @@ class Coordinator:
         if d.start_step:
             self.steps.start(list(d.start_step))
         return d.done and not self.steps.join_tasks
-
-    def _beat(self) -> None:
-        """coordinator.json touched each second: a later --resume reads when this one was last
-        alive (resume.Restored.last_alive), the restart's downtime."""
-        now = time.monotonic()
-        if now - self._beat_at >= 1.0:
-            self._beat_at = now
-            try:
-                os.utime(self.c.run_dir / "coordinator.json")
-            except OSError:
-                pass  # the downtime of a later resume reads longer; nothing else depends on it
 
     @staticmethod
     def _idle(task: asyncio.Task | None) -> bool:
