@@ -20,6 +20,7 @@ from rich.tree import Tree as RichTree
 
 from gyre.coordinator.metrics import read_events
 from gyre.coordinator.rundir import live_coordinator, state
+from gyre.coordinator.sandbox.reaper import adoptable_until
 from gyre.proxy.admission import admit
 from gyre.proxy.records import Recorded, load_run
 from gyre.proxy.tree import Tree
@@ -90,6 +91,7 @@ class RunLog:
     groups: dict[str, int] = field(default_factory=dict)  # execution id -> group (`dispatch` events)
     steps: dict[int, dict] = field(default_factory=dict)  # step -> its `step` event
     summary: dict | None = None  # the closing `summary` event, if the run closed after its last step
+    restarts: list[dict] = field(default_factory=list)  # each `resume` event: a session that continued the run
     skipped_lines: int = 0  # lines of metrics.jsonl that were no whole JSON object (a torn one)
 
 
@@ -119,6 +121,8 @@ def read_run_log(run_dir: Path) -> RunLog:
             log.steps[int(ev["step"])], log.summary = ev, None
         elif kind == "summary":
             log.summary = ev
+        elif kind == "resume":
+            log.restarts.append(ev)
     return log
 
 
@@ -136,7 +140,7 @@ def outcome(run_dir: Path, log: RunLog, ex_id: str) -> dict:
     ev = log.outcomes.get(ex_id)
     if ev is not None:
         return {"execution_status": ev.get("status"), "reward": ev.get("reward"), "valid": ev.get("valid"),
-                "group": ev.get("group", log.groups.get(ex_id))}
+                "group": ev.get("group", log.groups.get(ex_id)), "adopted": bool(ev.get("adopted"))}
     scored = log.scored.get(ex_id)
     if scored is not None:
         return {"execution_status": scored.get("status"), "reward": scored.get("score"), "valid": scored.get("valid"),
@@ -147,6 +151,8 @@ def outcome(run_dir: Path, log: RunLog, ex_id: str) -> dict:
                 "valid": served.get("valid"), "group": None}
     if (run_dir / "executions" / f"{ex_id}-r1").is_dir():
         status = "redone"  # in flight at a crash; the resumed run dispatched it again (resume.redo_id)
+    elif log.state in ("crashed", "stopped") and adoptable_until(run_dir / "executions" / ex_id) is not None:
+        status = "left running"  # its harness may still run in its container: `gyre up --resume` adopts it
     else:
         status = {"running": "running", "crashed": "interrupted"}.get(log.state or "", "unknown")
     return {"execution_status": status, "reward": None, "valid": None, "group": log.groups.get(ex_id)}
@@ -167,7 +173,11 @@ def run_summary(run_dir: Path, log: RunLog, outcomes: dict[str, dict], calls: li
             "last_step": None if last is None else {k: last.get(k) for k in ("step", "reward_mean", "tokens_trained")},
             "tokens_trained": trained, "calls": len(calls), **prefill_stats(calls),
             "unrecorded": sorted(i for i in outcomes if not (run_dir / "executions" / i).is_dir()),
-            "skipped_lines": log.skipped_lines}
+            "skipped_lines": log.skipped_lines,
+            # Each session that continued the run: its step, downtime and what it took back (issue 34).
+            "restarts": [{"step": r.get("step"), "down_s": r.get("down_s"),
+                          "adopted": r.get("executions_adopted", 0), "restored": r.get("executions_restored", 0),
+                          "redispatched": r.get("executions_redispatched", 0)} for r in log.restarts]}
 
 
 # --- rendering ----------------------------------------------------------------------------
@@ -200,6 +210,11 @@ def render_run(run: dict) -> list[str]:
         lines.append(reward)
     lines.append(f"{run['calls']} calls: prompt tokens reused {_num(run['cached_tokens'])}, computed "
                  f"{_num(run['prefill_tokens'])}, cache hits {_pct(run['cache_hit_rate'])}")
+    for r in run.get("restarts") or ():
+        down = "unknown" if r["down_s"] is None else f"{r['down_s']:.1f} s"
+        lines.append(f"resumed at step {r['step']}: down {down}, {r['adopted']} running execution(s) adopted"
+                     f"{' (* below)' if r['adopted'] else ''}, {r['restored']} closed restored, "
+                     f"{r['redispatched']} run again")
     if run["skipped_lines"]:
         lines.append(f"[yellow]{run['skipped_lines']} torn line(s) in metrics.jsonl skipped[/]")
     return lines
@@ -219,7 +234,8 @@ def render_rows(rows: list[dict]) -> Table:
     for s in rows:
         valid = {True: "yes", False: "no"}.get(s["valid"], "n/a")
         roles = ", ".join(f"{k} {v}" for k, v in sorted(s["leaf_roles"].items(), key=lambda kv: (-kv[1], kv[0])))
-        t.add_row(escape(s["execution"]), _num(s["group"]), escape(str(s["execution_status"])),
+        name = escape(s["execution"]) + ("*" if s.get("adopted") else "")  # ran on through a restart
+        t.add_row(name, _num(s["group"]), escape(str(s["execution_status"])),
                   _reward(s["reward"]), valid, str(s["calls"]), str(s["policy_tokens"]), str(s["external_tokens"]),
                   _pct(s["cache_hit_rate"]), escape(roles) or "-")
     return t

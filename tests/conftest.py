@@ -32,6 +32,7 @@ WAITING_TESTS = frozenset({
     # Its agents sleep between calls, and while the coordinator is down.
     "tests/faults/test_restart.py::test_a_killed_coordinators_executions_carry_on_in_their_sandboxes",
     "tests/faults/test_restart.py::test_gyre_restart_hands_the_running_executions_to_the_resume",
+    "tests/faults/test_restart.py::test_a_coordinator_killed_in_training_keeps_the_slow_groups_executions",
     "tests/harness/test_restart_harnesses.py::test_a_real_harness_in_podman_outlives_its_coordinator[claude-code]",
     "tests/harness/test_restart_harnesses.py::test_a_real_harness_in_podman_outlives_its_coordinator[codex]",
 })

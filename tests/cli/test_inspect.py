@@ -144,7 +144,7 @@ def test_json_has_the_run_summary_and_every_key_it_had(tmp_path, chat_tokenizer)
         "rewarded": 4, "reward_mean": (0.5 + 0.25 + 0.0 + 0.125) / 4,
         "last_step": {"step": 1, "reward_mean": 0.25, "tokens_trained": 90}, "tokens_trained": 90,
         "calls": 11, "cached_tokens": out["run"]["cached_tokens"], "prefill_tokens": out["run"]["prefill_tokens"],
-        "cache_hit_rate": out["run"]["cache_hit_rate"], "unrecorded": [], "skipped_lines": 1}
+        "cache_hit_rate": out["run"]["cache_hit_rate"], "unrecorded": [], "skipped_lines": 1, "restarts": []}
     assert 0 < out["run"]["cached_tokens"] and 0 < out["run"]["prefill_tokens"]
     by_id = {e["execution"]: e for e in out["executions"]}
     assert list(by_id) == [m[0] for members in GROUPS.values() for m in members]
@@ -183,7 +183,8 @@ def test_a_resumed_finished_run_skips_a_torn_line_mid_file(tmp_path, chat_tokeni
                        "starts from step 0)"
     assert lines[1] == "7 executions: completed 4, harness_error 1, redone 1, timed_out 1"
     assert lines[2].endswith("; step 2: 0.438; 150 tokens trained")  # the summary's count
-    assert lines[4] == "1 torn line(s) in metrics.jsonl skipped"
+    assert lines[4].startswith("resumed at step 1: down unknown, 0 running execution(s) adopted")  # a resume event
+    assert lines[5] == "1 torn line(s) in metrics.jsonl skipped"
     rows = rows_of(r.output)
     assert rows["g00001-01"][2:4] == ["redone", "n/a"] and rows["g00001-01-r1"][2:4] == ["completed", "0.750"]
 

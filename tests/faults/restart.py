@@ -6,8 +6,8 @@ calls over one growing conversation through the real `openai` SDK, GAP seconds a
 retries (max_retries) cover the coordinator's absence. It notes each start in the workspace
 (`starts`: started twice would be a rerun) and ends writing its execution's id to answer.txt;
 the task's tests score 1 for an even index, 0 for an odd one, so every group of two has an
-advantage to train. One execution may be told to stop after two calls (`short`): it ends
-while the coordinator is away.
+advantage to train. Executions may be told to stop after two calls (`short`, ids comma-
+separated): one ends while the coordinator is away, or a group is ready long before another.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ REPO = Path(__file__).resolve().parents[2]
 AGENT = textwrap.dedent('''\
     import os, sys, time
     import openai
-    calls, gap, retries, short = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    if os.environ["GYRE_EXECUTION"] == short:
+    calls, gap, retries, short = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split(",")
+    if os.environ["GYRE_EXECUTION"] in short:
         calls = 2
     client = openai.OpenAI(max_retries=retries, timeout=60)
     with open("starts", "a") as f:
@@ -146,3 +146,21 @@ def sandbox_of(run_dir: Path, execution: str) -> str:
 
 def events(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def inspect(run_dir: Path) -> dict:
+    """`gyre inspect RUN_DIR --json`, as a user reads the run."""
+    r = subprocess.run([*GYRE, "inspect", str(run_dir), "--json"], cwd=REPO, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def status(run_dir: Path) -> dict | None:
+    """The live coordinator's /gyre/status (None while it has none)."""
+    from gyre.cli.live import fetch, status_url
+
+    try:
+        return fetch(status_url(str(run_dir)), timeout=2.0)
+    except (OSError, ConnectionError, FileNotFoundError, ValueError):
+        return None

@@ -11,7 +11,8 @@ each execution has one status, none ran twice (its workspace's `starts`), its ca
 recorded once in one tree (one root: the retried call extended the conversation), the step
 trains on them, the resume says its downtime, and no container of the run is left. The same
 run restarted without a crash (`gyre restart`: SIGHUP, a stop that hands its container
-executions off) has every execution adopted, none cancelled.
+executions off) has every execution adopted, none cancelled; killed in training instead (step 1
+waiting for its slow group), the fast group's executions are restored and the slow one's adopted.
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ def test_a_killed_coordinators_executions_carry_on_in_their_sandboxes(podman_rea
     r.wait_for(lambda: r.harness_ended(run, "g00000-01"), 60)  # it ends while nobody serves
     gone = r.sandbox_of(run, "g00001-00")
     r.podman("rm", "-f", "-t", "0", gone)  # its host lost it
+    meanwhile = r.inspect(run)  # what `gyre inspect` says of the crashed run: nothing is made up
+    assert meanwhile["run"]["state"] == "crashed"
+    assert {e["execution"]: e["execution_status"] for e in meanwhile["executions"]} == dict.fromkeys(
+        ["g00000-00", "g00000-01", "g00001-00", "g00001-01"], "left running")
     done = r.resume(run, tmp_path / "up.log", timeout_s=300)
     log = (tmp_path / "up.log").read_text()
     assert done.returncode == 0, log[-3000:]
@@ -76,6 +81,10 @@ def test_a_killed_coordinators_executions_carry_on_in_their_sandboxes(podman_rea
     assert summary["counters"] == {"d": 4, "p": 4, "f": 4}  # as an uninterrupted run's: none counted twice
     left = r.podman("ps", "-aq", "--filter", f"label=gyre.run_dir={run}").stdout.strip()
     assert left == "", left  # every sandbox removed, the lost one's never made again
+    after = r.inspect(run)
+    (restart,) = after["run"]["restarts"]
+    assert (restart["adopted"], restart["redispatched"]) == (4, 0) and restart["down_s"] == resumed["down_s"]
+    assert all(e["adopted"] for e in after["executions"])
 
 
 @pytest.mark.timeout(420)
@@ -126,3 +135,42 @@ def test_gyre_restart_on_a_run_nobody_runs_says_how_to_continue(tmp_path):
     assert r_.returncode == 1
     assert f"no gyre process holds {run}: nothing to restart; continue a stopped or crashed run with `gyre up " \
            f"--resume {run}`" in r_.stderr, r_.stderr
+
+
+@pytest.mark.timeout(420)
+def test_a_coordinator_killed_in_training_keeps_the_slow_groups_executions(podman_ready, tmp_path):
+    """Killed while step 1 is in flight (the core training the fast group, the step waiting for
+    the slow one): the resume restores the fast group's closed executions, adopts the slow
+    group's still running, and trains step 1 again on both; none is run twice."""
+    fast = "g00000-00,g00000-01"
+    config = r.scenario(tmp_path, calls=CALLS, gap_s=2.0, short=fast)
+    run = tmp_path / "run"
+    first = r.up(config, run, steps=1, log=tmp_path / "up.log")
+    try:
+        def training():
+            """step 1 in flight, the core training, the slow group still running"""
+            s = r.status(run)
+            return s is not None and s["steps"]["done"] == 0 and s["step_in_flight"] \
+                and s["cells"][0]["role"] == "training" and s["waterlevel"]["running"] == 2
+
+        r.wait_for(training, 240, proc=first)
+    finally:
+        r.kill(first)
+    done = r.resume(run, tmp_path / "up.log", timeout_s=300)
+    assert done.returncode == 0, (tmp_path / "up.log").read_text()[-3000:]
+    events = r.events(run)
+    (resumed,) = [e for e in events if e["event"] == "resume"]
+    assert (resumed["executions_restored"], resumed["executions_adopted"], resumed["executions_redispatched"]) == (
+        2, 2, 0), resumed
+    ends = [e for e in events if e["event"] == "execution"]
+    assert sorted(e["id"] for e in ends) == ["g00000-00", "g00000-01", "g00001-00", "g00001-01"]  # once each
+    assert {e["id"] for e in ends if e.get("adopted")} == {"g00001-00", "g00001-01"}
+    assert all(e["status"] == "completed" for e in ends)
+    (step,) = [e for e in events if e["event"] == "step"]  # the lost step 1, trained once after the resume
+    assert sorted(step["group_ids"]) == [0, 1] and step["tokens_trained"] > 0, step
+    for ex in ("g00001-00", "g00001-01"):
+        folder = run / "executions" / ex
+        assert (folder / "workspace" / "starts").read_text() == "started\n", ex
+        assert len(load_execution(folder).calls) == CALLS, ex
+    left = r.podman("ps", "-aq", "--filter", f"label=gyre.run_dir={run}").stdout.strip()
+    assert left == "", left
