@@ -52,11 +52,21 @@ def _kept(labels: Mapping[str, str]) -> bool:
     return bool(rd and ex and kept_marker(Path(rd), ex).exists())
 
 
+NEVER_RESUMED = ("serve", "tasks run", "eval")  # config.json's `command` of runs nobody resumes
+
+
 def adoptable_until(folder: Path) -> float | None:
     """Until when (time.time()) the execution in `folder` may be adopted: its harness's start
     plus its deadline and ADOPT_SLACK_S, where sandbox.json records a detached harness and its
     key was kept; None where nothing of it can be adopted (it never started, or ran where a
-    harness dies with the coordinator: the process and bubblewrap backends)."""
+    harness dies with the coordinator: the process and bubblewrap backends), or nobody would
+    (a `gyre serve`, `tasks run` or `eval` run directory is never resumed)."""
+    try:
+        command = json.loads((folder.parent.parent / "config.json").read_text()).get("command")
+    except (OSError, ValueError, AttributeError):
+        command = None  # no run config (a launcher of its own): its caller may adopt
+    if command in NEVER_RESUMED:
+        return None
     try:
         harness = json.loads((folder / "sandbox.json").read_text())["harness"]
         if not (harness["exec"] and harness["token"] and (folder / KEY_FILE).is_file()):

@@ -51,3 +51,16 @@ def test_the_resume_sweeps_what_it_did_not_adopt_and_its_shutdown_what_it_did(tm
     assert not at_end(mine)  # adopted: this process's to remove now
     assert at_end(theirs) and at_end(elsewhere)  # not this process's
     assert at_end({**theirs, LABEL_OWNER: "x"}) and not at_end({**theirs, LABEL_OWNER: "new-owner"})
+
+
+def test_a_run_directory_nobody_resumes_leaves_nothing_to_adopt(tmp_path):
+    """`gyre tasks run`, `eval` and `serve` are never resumed: their containers are orphans as
+    soon as their process is gone, not kept running to their deadline."""
+    for command in ("tasks run", "eval", "serve", "up", None):
+        run = tmp_path / str(command)
+        labels = _execution(run, "e1")
+        if command is not None:
+            (run / "config.json").write_text(json.dumps({"command": command} if command != "up" else {"steps": 2}))
+        resumable = command in ("up", None)
+        assert (adoptable_until(run / "executions" / "e1") is not None) == resumable, command
+        assert at_startup("another-run", tmp_path / "another")(labels) == resumable, command
