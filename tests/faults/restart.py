@@ -145,7 +145,10 @@ def sandbox_of(run_dir: Path, execution: str) -> str:
 
 
 def events(run_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    """metrics.jsonl's events; a last line being written (no newline yet) is left for later."""
+    text = (run_dir / "metrics.jsonl").read_text()
+    whole = text[:text.rfind("\n") + 1]
+    return [json.loads(x) for x in whole.splitlines() if x.strip()]
 
 
 def inspect(run_dir: Path) -> dict:

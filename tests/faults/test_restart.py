@@ -89,12 +89,13 @@ def test_a_killed_coordinators_executions_carry_on_in_their_sandboxes(podman_rea
 
 @pytest.mark.timeout(420)
 def test_gyre_restart_hands_the_running_executions_to_the_resume(podman_ready, tmp_path):
-    """`gyre restart RUN_DIR`: the live coordinator stops on SIGHUP leaving its container
+    """`gyre restart RUN_DIR`, twice: the live coordinator stops on SIGHUP leaving its container
     executions running (nothing journaled of their end), and the resume in the restart's own
-    process adopts every one."""
+    process adopts every one; restarted again, that one hands off what it had adopted."""
     config = r.scenario(tmp_path, calls=CALLS, gap_s=2.0)
     run = tmp_path / "run"
     first = r.up(config, run, steps=1, log=tmp_path / "first.log")
+    again = None
     try:
         def two_calls_each():
             """every execution made two calls"""
@@ -102,22 +103,35 @@ def test_gyre_restart_hands_the_running_executions_to_the_resume(podman_ready, t
             return len(made) == 4 and all(n >= 2 for n in made.values())
 
         r.wait_for(two_calls_each, 240, proc=first)
-        restart = subprocess.run([*r.GYRE, "restart", str(run), "--no-live"], cwd=r.REPO, capture_output=True,
-                                 text=True, timeout=300)
+        with open(tmp_path / "again.log", "wb") as out:
+            again = subprocess.Popen([*r.GYRE, "restart", str(run), "--no-live"], cwd=r.REPO, stdout=out,
+                                     stderr=subprocess.STDOUT)
+
+        def adopted_and_on():
+            """the first restart adopted them, and each made calls since"""
+            resumed = any(e["event"] == "resume" for e in r.events(run))
+            return resumed and all(n >= 5 for n in r.calls_made(run).values())
+
+        r.wait_for(adopted_and_on, 240, proc=again)
+        last = subprocess.run([*r.GYRE, "restart", str(run), "--no-live"], cwd=r.REPO, capture_output=True,
+                              text=True, timeout=300)
     finally:
-        if first.poll() is None:
-            r.kill(first)
+        for proc in (first, again):
+            if proc is not None and proc.poll() is None:
+                r.kill(proc)
     said = (tmp_path / "first.log").read_text()
     assert first.returncode == 129, said[-3000:]  # 128 + SIGHUP: stopped for the restart
     assert "4 executions left running in their containers, for the resume to adopt" in said, said[-2000:]
-    assert restart.returncode == 0, (restart.stdout + restart.stderr)[-3000:]
-    assert "is stopping; executions in containers keep running" in restart.stderr
+    said = (tmp_path / "again.log").read_text()
+    assert "is stopping; executions in containers keep running" in said
+    assert again.returncode == 129 and "4 executions left running" in said, said[-3000:]  # adopted, handed on
+    assert last.returncode == 0, (last.stdout + last.stderr)[-3000:]
     events = r.events(run)
     ends = {e["id"]: e for e in events if e["event"] == "execution"}
     assert sorted(ends) == ["g00000-00", "g00000-01", "g00001-00", "g00001-01"]  # none cancelled, none rerun
     assert all(e["adopted"] and e["status"] == "completed" for e in ends.values()), ends
-    (resumed,) = [e for e in events if e["event"] == "resume"]
-    assert (resumed["executions_adopted"], resumed["executions_redispatched"]) == (4, 0), resumed
+    resumes = [e for e in events if e["event"] == "resume"]
+    assert [(e["executions_adopted"], e["executions_redispatched"]) for e in resumes] == [(4, 0), (4, 0)], resumes
     for ex in ends:
         folder = run / "executions" / ex
         assert (folder / "workspace" / "starts").read_text() == "started\n", ex
