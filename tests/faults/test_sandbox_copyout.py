@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 
-from gyre.coordinator import launcher as launcher_module
+from gyre.coordinator import scoring as scoring_module
 from gyre.coordinator.sandbox import images
 from gyre.coordinator.sandbox.base import LABEL_OWNER, LABEL_RUN_DIR
 from gyre.coordinator.taskformats import load_harbor_task
@@ -68,7 +68,7 @@ async def test_serve_on_a_task_whose_workdir_holds_an_absolute_link(podman, scri
 
 async def test_a_copy_out_over_its_cap_stops_there_and_the_score_stands(podman, scripted_proxy, tmp_path,
                                                                        monkeypatch):
-    monkeypatch.setattr(launcher_module, "COPY_LIMIT_BYTES", 1 << 20, raising=False)
+    monkeypatch.setattr(scoring_module, "COPY_LIMIT_BYTES", 1 << 20)  # where the copy-out reads it
     big = "echo 42 > answer.txt\nhead -c 4194304 /dev/zero > zeros\nhead -c 4194304 /dev/zero > zeros2\n"
     folder = harbor_task(tmp_path, "big")
     run = await run_task(scripted_proxy, podman, load_harbor_task(folder), tmp_path / "run", shell_preset(big),

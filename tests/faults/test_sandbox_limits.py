@@ -75,7 +75,7 @@ LOUD = "head -c 8388608 /dev/zero | tr '\\0' x; echo; echo 42 > answer.txt\n"
 
 
 async def _loud(proxy, box, task, tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(launcher_module, "HARNESS_LOG_BYTES", 1 << 20, raising=False)
+    monkeypatch.setattr(launcher_module, "HARNESS_LOG_BYTES", 1 << 20)
     run = await run_task(proxy, box, task, tmp_path / "run", shell_preset(LOUD))
     assert run.status == "completed" and run.reward == 1.0, (run.status, run.ref)
     log = (tmp_path / "run" / "executions" / "e1" / "harness.log").read_bytes()
