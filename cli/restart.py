@@ -1,7 +1,7 @@
 """restart.py: `gyre restart RUN_DIR`: a run's coordinator stopped and started again, its
 executions in containers running on through it (issue 34).
 
-The live coordinator (the process holding the run directory's lock) gets SIGHUP: it stops as
+The live coordinator (the process holding the run directory's lock) gets SIGUSR1: it stops as
 a SIGTERM stops it (a step in flight given up, a checkpoint of the last one saved, workers shut
 down), except that every execution whose harness runs in a container is handed off, left
 running with nothing journaled of its end. Once the lock is free, the caller resumes the run
@@ -23,7 +23,7 @@ POLL_S = 0.2
 
 
 def hand_off(run_dir: Path, wait_s: float) -> int:
-    """SIGHUP to RUN_DIR's coordinator, then wait for it to let the run directory go (saying
+    """SIGUSR1 to RUN_DIR's coordinator, then wait for it to let the run directory go (saying
     so every 10 s); its pid. RunDirError when no coordinator runs there, or it is still
     there after `wait_s`."""
     if not (run_dir / "config.json").exists():
@@ -33,7 +33,7 @@ def hand_off(run_dir: Path, wait_s: float) -> int:
         raise RunDirError(f"no gyre process holds {run_dir}: nothing to restart; continue a stopped or crashed run "
                           f"with `gyre up --resume {run_dir}`")
     try:
-        os.kill(pid, signal.SIGHUP)
+        os.kill(pid, signal.SIGUSR1)
     except ProcessLookupError:
         pid = None  # it ended meanwhile
     except PermissionError:

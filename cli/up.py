@@ -31,7 +31,7 @@ def _why_flat(r: StepReport) -> str:
 def run_up(config: CoordinatorConfig, live: bool = False, resume: bool = False) -> int:
     """Run the coordinator; with `live`, draw the live view (live.py) while it runs;
     with `resume`, continue config.run_dir from its latest checkpoint. Returns the exit
-    status: 0, or 128 + the signal that stopped the run (130 for Ctrl-C, 129 for the SIGHUP of
+    status: 0, or 128 + the signal that stopped the run (130 for Ctrl-C, 138 for the SIGUSR1 of
     `gyre restart`: its executions in containers were left running for the resume)."""
     import uvloop
 

@@ -317,7 +317,7 @@ class Launcher:
         return True
 
     def hand_off(self, run: Execution) -> bool:
-        """A stop for a restart (SIGHUP): leave `run`'s harness running in its container for the
+        """A stop for a restart (SIGUSR1): leave `run`'s harness running in its container for the
         next coordinator of the run to adopt, where it can: its exec detached and recorded
         (reaper.adoptable_until), the execution in its harness phase. Its sandbox is then
         neither killed, copied out nor removed by this process, nor reaped at its shutdown

@@ -95,7 +95,7 @@ class Coordinator:
                                        buffer=self.buffer, tasks=self.tasks, heldout=self.heldout)
         self.side_task: asyncio.Task | None = None  # a publication or a rejoin: weights on the move
         self.metrics: Metrics | None = None
-        self.stop = StopRequest()  # what SIGINT, SIGTERM or SIGHUP asked: a stop at the next tick (presence.py)
+        self.stop = StopRequest()  # what SIGINT, SIGTERM or SIGUSR1 asked: a stop at the next tick (presence.py)
         self.rates = Rates()
         self.gc = GcPolicy(config.gc_freeze_every_s)  # long-lived objects out of full collections
         self.cluster: LocalCluster | None = None

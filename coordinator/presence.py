@@ -4,9 +4,9 @@ the stop a signal asked of it.
 `Presence` writes RUN_DIR/coordinator.json once the coordinator serves (its status URL for
 `gyre top`, its pid, its start) and touches it each second while it runs, so that a later
 `gyre up --resume` knows when it was last alive (resume.Restored.last_alive: the restart's
-downtime, as the harnesses saw it). `StopRequest` holds what SIGINT, SIGTERM and SIGHUP asked:
-a stop at the next tick (a second SIGINT exits at once, saving nothing), and for SIGHUP
-(`gyre restart`, `systemctl reload`, a closed terminal) a hand-off: the executions whose
+downtime, as the harnesses saw it). `StopRequest` holds what SIGINT, SIGTERM and SIGUSR1 asked:
+a stop at the next tick (a second SIGINT exits at once, saving nothing), and for SIGUSR1
+(`gyre restart`, `systemctl reload`) a hand-off: the executions whose
 harnesses run in containers are left running for the next coordinator to adopt. Not the stop
 itself (main.py's shutdown).
 """
@@ -49,12 +49,13 @@ class StopRequest:
     def __init__(self):
         self.requested = False  # stop at the next tick, gracefully
         self.signal: int | None = None  # the first signal that asked (the exit status is 128 + it)
-        self.handoff = False  # SIGHUP: leave the container executions running for the resume
+        self.handoff = False  # SIGUSR1: leave the container executions running for the resume
 
     def install(self) -> None:
         """The handlers, on the running loop (not in a thread other than the main one: tests)."""
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        # Not SIGHUP: a closed terminal, or `nohup`'s ignoring it, keeps its usual meaning.
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
             try:
                 loop.add_signal_handler(sig, self.ask, sig)
             except (NotImplementedError, RuntimeError):
@@ -66,7 +67,7 @@ class StopRequest:
                 os.write(1, b"\n\x1b[?25h")
             os._exit(130)
         if not self.requested:
-            if sig == signal.SIGHUP:
+            if sig == signal.SIGUSR1:
                 self.handoff = True
                 log.warning("signal %d: stopping for a restart: harnesses in containers keep running for the next "
                             "`gyre up --resume` to adopt; a step in flight is given up, a checkpoint of the last "

@@ -10,7 +10,7 @@ and scores the one that ended; the removed one is aborted_infra, never run again
 each execution has one status, none ran twice (its workspace's `starts`), its calls are each
 recorded once in one tree (one root: the retried call extended the conversation), the step
 trains on them, the resume says its downtime, and no container of the run is left. The same
-run restarted without a crash (`gyre restart`: SIGHUP, a stop that hands its container
+run restarted without a crash (`gyre restart`: SIGUSR1, a stop that hands its container
 executions off) has every execution adopted, none cancelled; killed in training instead (step 1
 waiting for its slow group), the fast group's executions are restored and the slow one's adopted.
 """
@@ -89,7 +89,7 @@ def test_a_killed_coordinators_executions_carry_on_in_their_sandboxes(podman_rea
 
 @pytest.mark.timeout(420)
 def test_gyre_restart_hands_the_running_executions_to_the_resume(podman_ready, tmp_path):
-    """`gyre restart RUN_DIR`, twice: the live coordinator stops on SIGHUP leaving its container
+    """`gyre restart RUN_DIR`, twice: the live coordinator stops on SIGUSR1 leaving its container
     executions running (nothing journaled of their end), and the resume in the restart's own
     process adopts every one; restarted again, that one hands off what it had adopted."""
     config = r.scenario(tmp_path, calls=CALLS, gap_s=2.0)
@@ -120,11 +120,11 @@ def test_gyre_restart_hands_the_running_executions_to_the_resume(podman_ready, t
             if proc is not None and proc.poll() is None:
                 r.kill(proc)
     said = (tmp_path / "first.log").read_text()
-    assert first.returncode == 129, said[-3000:]  # 128 + SIGHUP: stopped for the restart
+    assert first.returncode == 138, said[-3000:]  # 128 + SIGUSR1: stopped for the restart
     assert "4 executions left running in their containers, for the resume to adopt" in said, said[-2000:]
     said = (tmp_path / "again.log").read_text()
     assert "is stopping; executions in containers keep running" in said
-    assert again.returncode == 129 and "4 executions left running" in said, said[-3000:]  # adopted, handed on
+    assert again.returncode == 138 and "4 executions left running" in said, said[-3000:]  # adopted, handed on
     assert last.returncode == 0, (last.stdout + last.stderr)[-3000:]
     events = r.events(run)
     ends = {e["id"]: e for e in events if e["event"] == "execution"}
