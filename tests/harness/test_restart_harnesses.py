@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import subprocess
 import sys
 import textwrap
 
@@ -29,7 +26,7 @@ from gyre.proxy.records import load_execution
 from gyre.workerd.netns import bind_in_netns
 from tests.harness.test_codex import proxy  # noqa: F401  (the fixture: the scripted engine, Codex's context)
 from tests.harness.test_example_harnesses import example, on_path, verifier
-from tests.sandbox.conftest import REPO, harbor_task, podman, podman_ready  # noqa: F401  (fixtures)
+from tests.sandbox.conftest import harbor_task, kill_after_its_word, podman, podman_ready  # noqa: F401  (fixtures)
 from tests.scripted import tool_call
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.timeout(420)]
@@ -111,16 +108,8 @@ async def test_a_real_harness_in_podman_outlives_its_coordinator(harness, reques
     engine.script = policy(harness)
     folder = harbor_task(tmp_path, "steps", test_sh=score(harness))
     run_dir = server.run_dir
-    first = subprocess.Popen([sys.executable, "-c", COORDINATOR, harness, str(tiny_dir), str(folder), str(run_dir)],
-                             cwd=REPO, stdout=subprocess.PIPE, text=True, env=dict(os.environ))
-    try:
-        line = first.stdout.readline()
-        assert line, "the first coordinator said nothing"
-        before = json.loads(line)["calls"]
-    finally:
-        first.send_signal(signal.SIGKILL)
-        first.wait()
-        first.stdout.close()
+    before = kill_after_its_word([sys.executable, "-c", COORDINATOR, harness, str(tiny_dir), str(folder),
+                                  str(run_dir)])["calls"]
     # The harness works on without a proxy. Its next call is taken in the sandbox's namespace,
     # at the proxy's port, and its connection closed unanswered (as a kill cuts a call in
     # flight): the harness has met the outage, and retries.

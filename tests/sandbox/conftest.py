@@ -150,3 +150,21 @@ async def run_task(proxy, backend, task, run_dir: Path, preset, *, timeout_s: fl
 def containers(backend, **labels) -> list:
     """The containers (running or not) carrying these labels."""
     return backend.client.containers.list(all=True, filters={"label": [f"{k}={v}" for k, v in labels.items()]})
+
+
+def kill_after_its_word(argv: list[str]) -> dict:
+    """A coordinator-to-be run as `argv` (from the repository) until it prints its first JSON
+    line, then SIGKILLed alone, as a crash ends it (its sandboxes' harnesses run on): that line."""
+    import json
+    import signal
+    import subprocess
+
+    first = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        line = first.stdout.readline()
+        assert line, "the first coordinator said nothing"
+        return json.loads(line)
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        first.stdout.close()

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
-import subprocess
 import sys
 import textwrap
 
@@ -27,7 +25,7 @@ from gyre.coordinator.sandbox.docker_api import PID_DIR
 from gyre.coordinator.taskformats import load_harbor_task
 from gyre.coordinator.waterlevel import Tracked
 from gyre.proxy.records import load_execution
-from tests.sandbox.conftest import REPO, containers, harbor_task, scripted_proxy, shell_preset
+from tests.sandbox.conftest import containers, harbor_task, kill_after_its_word, scripted_proxy, shell_preset
 
 __all__ = ["scripted_proxy"]  # a fixture, used by name
 
@@ -100,16 +98,8 @@ async def test_a_restarted_coordinator_adopts_a_running_harness_and_scores_it(po
                                                                               tmp_path):
     folder = harbor_task(tmp_path, "adopted", test_sh=SCORE)
     run_dir = scripted_proxy.run_dir
-    first = subprocess.Popen([sys.executable, "-c", COORDINATOR, str(tiny_dir), str(folder), str(run_dir), HARNESS],
-                             cwd=REPO, stdout=subprocess.PIPE, text=True)
-    try:
-        line = first.stdout.readline()
-        assert line, "the first coordinator said nothing"
-        before = json.loads(line)["calls"]
-    finally:
-        first.send_signal(signal.SIGKILL)
-        first.wait()
-        first.stdout.close()
+    before = kill_after_its_word([sys.executable, "-c", COORDINATOR, str(tiny_dir), str(folder), str(run_dir),
+                                  HARNESS])["calls"]
     record = json.loads((run_dir / "executions" / "e1" / "sandbox.json").read_text())
     # The harness runs on without a proxy: wait until a call of it has failed (a real outage),
     # reading its output inside as it grows.
@@ -141,5 +131,5 @@ async def test_a_restarted_coordinator_adopts_a_running_harness_and_scores_it(po
     assert len(recorded.tree.roots) == CALLS  # one root per step's prompt: a retried call joined its own
     assert len(recorded.calls) >= CALLS and before >= 2 and len(run.recorder.calls) == len(recorded.calls)
     assert len(set(prompts)) == CALLS
-    assert containers(podman, **{"gyre.execution": "e1"}) == []  # removed at its end
+    assert containers(podman, **{"gyre.execution": "e1", "gyre.run_dir": str(run_dir)}) == []  # removed at its end
     assert record["id"] and record["harness"]["exec"]
