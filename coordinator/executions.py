@@ -53,7 +53,9 @@ class Executions:
         self.fatal: InfraFailures | None = None  # too many of them: the next tick ends the run
         self.groups_dispatched = 0
         self.replacements = 0  # groups dispatched for dropped ones, beyond the boundary schedule
-        self.held: deque[dict] = deque()  # resume: journaled groups to dispatch again later
+        # Resume: journaled groups to dispatch again later, in their order; a group whose
+        # harnesses outlived the crash is out at once, and holds its place here ({"ahead": True}).
+        self.held: deque[dict] = deque()
         self.adopting: deque[Execution] = deque()  # resume: harnesses still running, to take back (launch_adopted)
         self.handed_off: set[str] = set()  # a stop for a restart left these running (cancel_all)
         self.outcomes: dict[str, dict] = {}  # resume: the journal's closed executions, by id
@@ -69,7 +71,10 @@ class Executions:
         while n_groups > 0:
             n_groups -= 1
             if self.held:  # resume: a group of a lost stretch, dispatched again where it first was
-                group, _, _ = self.release(self.held.popleft())
+                ev = self.held.popleft()
+                if ev.get("ahead"):  # out since the resume (its harnesses outlived the crash): its slot now
+                    continue
+                group, _, _ = self.release(ev)
                 if group.state == "dropped":  # it was when it first ran: its replacement too
                     self.replacements += 1
                     n_groups += 1
@@ -221,7 +226,11 @@ class Executions:
         its version). Groups consumed by a checkpointed step stay consumed; groups dispatched
         after the checkpoint, or held at it, are held for the publications that first
         dispatched them; every other group's closed executions come back with their records,
-        the rest queued again under new ids. (restored, queued)."""
+        the rest adopted where their harness still runs or queued again under new ids. A held
+        group with a harness still running is not held (its harness would be reaped and run
+        again, hours lost): it is out now, its versions clamped as below, and the publication
+        that first dispatched it takes its place (`ahead`) without dispatching anything.
+        (restored, queued)."""
         self.outcomes = outcomes
         self.status_counts = {}
         for out in outcomes.values():  # every closed execution of the run, before and after the checkpoint
@@ -229,6 +238,7 @@ class Executions:
                 self.status_counts[out["status"]] = self.status_counts.get(out["status"], 0) + 1
         tasks = {t.id: t for t in self.tasks.tasks}
         consumed, held = set(state["consumed"]), set(state.get("held", ()))
+        ahead = set(state.get("ahead", ()))  # released at an earlier resume, their places still held
         restored = redone = 0
         for gid in sorted(dispatches):
             ev = dispatches[gid]
@@ -237,8 +247,10 @@ class Executions:
             if gid >= state["groups_dispatched"]:
                 self.tasks.next_task()  # dispatched after the checkpoint: keep the task order aligned
             if gid >= state["groups_dispatched"] or gid in held:
-                self.held.append(ev)
-                continue
+                if gid not in ahead and not self._running(ev):
+                    self.held.append(ev)
+                    continue
+                self.held.append({"group": gid, "ahead": True})
             # A group dispatched after the checkpoint carries a version the restored model
             # does not have yet: clamp it, so staleness never reads negative.
             group = Group(gid, tasks[ev["task"]], min(ev["version"], self.version()), self.c.group_size)
@@ -252,6 +264,13 @@ class Executions:
         self.groups_dispatched = max([state["groups_dispatched"], *(g + 1 for g in dispatches)])
         self.replacements = state.get("replacements", 0)
         return restored, redone
+
+    def _running(self, ev: dict) -> bool:
+        """Whether a journaled group has an execution with no outcome whose harness the earlier
+        coordinator left running in its sandbox (reaper.adoptable_until)."""
+        folder = self.c.run_dir / "executions"
+        return any(run_id not in self.outcomes and adoptable_until(folder / run_id) is not None
+                   for run_id in ev["runs"])
 
     def release(self, ev: dict, *, adopt: bool = False) -> tuple[Group, int, int]:
         """A held group (see restore) dispatched again now, at the version published now: its

@@ -51,7 +51,7 @@ def summary(metrics, *, steps, cells, executions, buffer, wl, table, peak_rss: l
                      "idle_frac": round(max(0.0, 1 - (rollout_busy + train_busy) / wall), 4) if wall else None})
     metrics.emit("summary", steps=steps.steps_done, wall_s=wall, statuses=dict(executions.status_counts),
                  pending_groups=sorted([*(g.id for g in buffer.groups.values() if g.state != "consumed"),
-                                       *(ev["group"] for ev in executions.held)]),
+                                       *(ev["group"] for ev in executions.held if not ev.get("ahead"))]),
                  dropped_groups=sorted(g.id for g in buffer.groups.values() if g.state == "dropped"),
                  dead_cells=sorted(cells.dead), rejoined_cells=sorted(cells.no_reducer),
                  counters={"d": wl.c.d, "p": wl.c.p, "f": wl.c.f},

@@ -27,7 +27,9 @@ execution of any other group comes back with its recorded tree, exactly once; ex
 that were queued or running (or cancelled by a shutdown) are dispatched again under new
 ids (`<id>-r1`), except those whose harness outlived the coordinator in its container: they
 are adopted under their own ids (launcher.adopt, issue 34), the same sandbox carrying on. A
-group of a lost stretch (held, below) runs again when released, its sandboxes swept.
+group of a lost stretch (held, below) waits for the publication that first dispatched it,
+unless one of its harnesses still runs: then it is out at the resume, adopted, and that
+publication dispatches nothing in its place (Executions.restore).
 Metrics continue in the same file. `read` gives what a run directory
 holds (`Restored`); `Checkpoints` saves and restores a run through its owners (steps,
 executions, cells, buffer, tasks). Not the loop (main.py).
@@ -46,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gyre.coordinator import failpoints
 from gyre.coordinator.buffer import TrajectoryBuffer
 from gyre.coordinator.heldout import HeldOut
 from gyre.coordinator.metrics import read_events
@@ -319,6 +322,7 @@ class Checkpoints:
             log.warning("checkpoint of step %d not completed: the journal cannot be synced (%s); the next one retries",
                         self.steps.steps_done, e)
             return
+        await failpoints.hold("checkpoint", self.c.run_dir)
         try:
             self._write_state(folder)
         except OSError as e:
@@ -346,6 +350,7 @@ class Checkpoints:
             "consumed": sorted(g.id for g in self.buffer.groups.values() if g.state == "consumed"),
             # Groups of a lost stretch not dispatched again yet (see restore): still held.
             "held": [ev["group"] for ev in self.executions.held],
+            "ahead": [ev["group"] for ev in self.executions.held if ev.get("ahead")],
             "tasks": self.tasks.state(), "tokens_trained": self.steps.tokens_trained})
 
 
@@ -438,7 +443,11 @@ class Checkpoints:
         steps = self.steps
         short = self.c.dispatch_target(steps.publications) - scheduled if steps.steps_done < self.c.steps else 0
         while short > 0 and ex.held:
-            group, k, r = ex.release(ex.held.popleft(), adopt=True)
+            ev = ex.held.popleft()
+            if ev.get("ahead"):  # out already (restore): this dispatch is its place
+                short -= 1
+                continue
+            group, k, r = ex.release(ev, adopt=True)
             restored, redone = restored + k, redone + r
             if group.state == "dropped":  # as when it first ran: its replacement follows
                 ex.replacements += 1
@@ -447,16 +456,17 @@ class Checkpoints:
         # The restart's cost as the harnesses saw it: from the earlier coordinator's last sign of
         # life to now, the proxy serving again (the run's own clock leaves that gap out).
         down_s = round(time.time() - restored_from.last_alive, 1) if restored_from.last_alive else None
+        held_later = sum(not ev.get("ahead") for ev in ex.held)
         self.metrics.emit("resume", step=self.steps.steps_done, version=self.steps.version, down_s=down_s,
                            checkpoint=str(folder) if folder is not None else None,
                            executions_restored=restored, executions_adopted=len(ex.adopting),
                            executions_redispatched=redone - len(ex.adopting),
-                           groups=len(dispatches) - len(consumed & set(dispatches)), groups_held=len(ex.held))
+                           groups=len(dispatches) - len(consumed & set(dispatches)), groups_held=held_later)
         log.info("resumed at step %d (version %d, %s, %s): %d closed executions restored, %d still running "
                  "adopted, %d dispatched again%s", self.steps.steps_done, self.steps.version,
                  f"down {down_s:.1f} s" if down_s is not None else "downtime unknown",
                  folder.name if folder is not None else "no checkpoint yet: from the start",
                  restored, len(ex.adopting), redone - len(ex.adopting),
-                 f", {len(ex.held)} groups held for later publications" if ex.held else "")
+                 f", {held_later} groups held for later publications" if held_later else "")
         if short > 0:
             ex.dispatch(short)

@@ -18,6 +18,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from gyre.coordinator import failpoints
 from gyre.coordinator.buffer import TrajectoryBuffer
 from gyre.coordinator.cells import Cells
 from gyre.coordinator.config import CoordinatorConfig
@@ -184,6 +185,7 @@ class Steps:
             nbytes = await self.weights.unchanged([0, *others], version)
         else:
             await self.link.request(nodes[0], wire.LoadWeights(version=version))
+            await failpoints.hold("publication", self.c.run_dir)
             nbytes = await self.weights.push(others, engine=True, version=version)
         self.version = version
         self.steps_in_burst = 0

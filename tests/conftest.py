@@ -33,6 +33,8 @@ WAITING_TESTS = frozenset({
     "tests/faults/test_restart.py::test_a_killed_coordinators_executions_carry_on_in_their_sandboxes",
     "tests/faults/test_restart.py::test_gyre_restart_hands_the_running_executions_to_the_resume",
     "tests/faults/test_restart.py::test_a_coordinator_killed_in_training_keeps_the_slow_groups_executions",
+    "tests/faults/test_restart.py::test_a_coordinator_killed_in_publication_or_a_checkpoint_keeps_the_running_groups[publication]",
+    "tests/faults/test_restart.py::test_a_coordinator_killed_in_publication_or_a_checkpoint_keeps_the_running_groups[checkpoint]",
     "tests/harness/test_restart_harnesses.py::test_a_real_harness_in_podman_outlives_its_coordinator[claude-code]",
     "tests/harness/test_restart_harnesses.py::test_a_real_harness_in_podman_outlives_its_coordinator[codex]",
 })

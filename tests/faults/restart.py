@@ -50,10 +50,10 @@ TEST_SH = textwrap.dedent('''\
 
 
 def scenario(root: Path, *, calls: int, gap_s: float, retries: int = 12, short: str = "-",
-             groups: int = 2, steps: int = 1) -> Path:
+             groups: int = 2, steps: int = 1, extra: str = "") -> Path:
     """The task folder and run config under `root`; returns the config's path. `groups`
     groups of 2 are trained in `steps` steps (every execution dispatched at the start is in
-    one of them, none left running at the end)."""
+    one of them, none left running at the end, unless `extra`'s lines say otherwise)."""
     task = root / "tasks" / "slow"
     (task / "environment").mkdir(parents=True, exist_ok=True)
     (task / "tests").mkdir(exist_ok=True)
@@ -64,7 +64,7 @@ def scenario(root: Path, *, calls: int, gap_s: float, retries: int = 12, short: 
     (task / "task.toml").write_text('version = "1.0"\n')
     (task / "tests" / "test.sh").write_text(TEST_SH)
     config = root / "run.toml"
-    config.write_text(textwrap.dedent(f'''\
+    config.write_text(extra + textwrap.dedent(f'''\
         tasks_path = "{root / 'tasks'}"
         sandbox = "podman"
         harness = "slow"
@@ -79,11 +79,13 @@ def scenario(root: Path, *, calls: int, gap_s: float, retries: int = 12, short: 
     return config
 
 
-def up(config: Path, run_dir: Path, steps: int, log: Path) -> subprocess.Popen:
+def up(config: Path, run_dir: Path, steps: int, log: Path, failpoint: str | None = None) -> subprocess.Popen:
+    """`gyre up` in the background; with `failpoint`, held there (coordinator/failpoints.py)."""
     out = open(log, "ab")
+    env = {**os.environ, "GYRE_FAILPOINT": failpoint} if failpoint else None
     try:
         return subprocess.Popen([*GYRE, "up", "--config", str(config), "--run-dir", str(run_dir), "--steps",
-                                 str(steps), "--no-live"], cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+                                 str(steps), "--no-live"], cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
     finally:
         out.close()
 
