@@ -177,7 +177,10 @@ def run_summary(run_dir: Path, log: RunLog, outcomes: dict[str, dict], calls: li
             # Each session that continued the run: its step, downtime and what it took back (issue 34).
             "restarts": [{"step": r.get("step"), "down_s": r.get("down_s"),
                           "adopted": r.get("executions_adopted", 0), "restored": r.get("executions_restored", 0),
-                          "redispatched": r.get("executions_redispatched", 0)} for r in log.restarts]}
+                          "redispatched": r.get("executions_redispatched", 0),
+                          # workers that outlived it with their weights (None: a gyre that did not say)
+                          "workers_kept": r.get("workers_kept"), "checkpoint_loaded": r.get("checkpoint_loaded")}
+                         for r in log.restarts]}
 
 
 # --- rendering ----------------------------------------------------------------------------
@@ -214,7 +217,8 @@ def render_run(run: dict) -> list[str]:
         down = "unknown" if r["down_s"] is None else f"{r['down_s']:.1f} s"
         lines.append(f"resumed at step {r['step']}: down {down}, {r['adopted']} running execution(s) adopted"
                      f"{' (* below)' if r['adopted'] else ''}, {r['restored']} closed restored, "
-                     f"{r['redispatched']} run again")
+                     f"{r['redispatched']} run again"
+                     + (f"; {r['workers_kept']} worker(s) kept their weights" if r.get("workers_kept") else ""))
     if run["skipped_lines"]:
         lines.append(f"[yellow]{run['skipped_lines']} torn line(s) in metrics.jsonl skipped[/]")
     return lines

@@ -11,6 +11,7 @@ failpoint costs one lookup.
 
     publication   Steps.publish: the core took the new weights, the other cells not yet
     checkpoint    Checkpoints.save: trainer.pt written, the state (and so the checkpoint) not
+    checkpointed  Checkpoints.save: the checkpoint complete, the run not yet on (the trainer at its version)
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 log = logging.getLogger("gyre.coordinator")
 
 ENV = "GYRE_FAILPOINT"
-POINTS = ("publication", "checkpoint")
+POINTS = ("publication", "checkpoint", "checkpointed")
 _passed: set[str] = set()
 
 

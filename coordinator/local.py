@@ -40,6 +40,8 @@ class NodeInfo:
     version: int = 0
     registered: wire.Register | None = None
     rejoin: bool = False  # registered after start-up (a replacement for a dead node)
+    kept: bool = False  # ready with the backends it held (a restart of the same run: wire.Ready.kept)
+    trainer_version: int | None = None
 
 
 @dataclass
@@ -63,6 +65,10 @@ class LocalCluster:
     # The workers in this process (workers = "inproc": gyre.workerd.inproc.InprocWorkers, handed
     # in by whoever builds the coordinator): the link's transport and each cell's starter.
     workers: Any = None
+    # A restart of a run (its id: rundir.run_id) at this version: workerds that kept their
+    # backends from it, their trainers at this version, are welcomed to keep them (no reload).
+    run_id: str = ""
+    resume_version: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.engine, dict):
@@ -120,6 +126,11 @@ class LocalCluster:
             return "127.0.0.1"
         return info.registered.host
 
+    def kept_cells(self) -> dict[int, tuple[int, int | None]]:
+        """The cells whose workerd kept its backends from this run's earlier coordinator:
+        cell -> (its engine's version, its trainer's)."""
+        return {n.cell: (n.version, n.trainer_version) for n in self.nodes.values() if n.ready and n.kept}
+
     def _alive(self, node: str) -> bool:
         link = self.link.nodes.get(node)
         return link is not None and link.alive
@@ -127,6 +138,16 @@ class LocalCluster:
     def _free_cell(self) -> int | None:
         held = {n.cell for n in self.nodes.values() if self._alive(n.node_id)}
         return next((c for c in range(self.cells) if c not in held), None)
+
+    def _kept_cell(self, msg: wire.Register) -> int | None:
+        """The cell a workerd held in this run before its coordinator restarted, if it is free:
+        the core's trainer (its optimizer state) stays the core's."""
+        kept = msg.kept or {}
+        cell = kept.get("cell")
+        if not self.run_id or kept.get("run") != self.run_id or not isinstance(cell, int) or not 0 <= cell < self.cells:
+            return None
+        holder = next((n for n in self.nodes.values() if n.cell == cell and n.node_id != msg.node_id), None)
+        return cell if holder is None or not self._alive(holder.node_id) else None
 
     def _role_of(self, cell: int) -> str:
         if self.roles:
@@ -141,7 +162,10 @@ class LocalCluster:
             self.events.append(msg)
         if isinstance(msg, wire.Register):
             self._reregistering.discard(msg.node_id)
-            cell = msg.cell if msg.cell is not None else self._free_cell()
+            cell = msg.cell
+            if cell is None:
+                cell = self._kept_cell(msg)
+                cell = self._free_cell() if cell is None else cell
             holder = next((n for n in self.nodes.values() if n.cell == cell and n.node_id != msg.node_id), None)
             if cell is None or cell >= self.cells or (holder is not None and self._alive(holder.node_id)):
                 # Logged by the link, at most every few seconds: a flood of Registers is one line.
@@ -154,13 +178,15 @@ class LocalCluster:
             self.nodes[msg.node_id] = info
             welcome = wire.Welcome(req_id=msg.req_id, node_id=msg.node_id, cell=cell, role=info.role,
                                    model_dir=str(self.model_dir), engine=self._engine_of(cell), trainer=self.trainer,
-                                   heartbeat_s=self.heartbeat_s)
+                                   heartbeat_s=self.heartbeat_s, run=self.run_id,
+                                   version=None if info.rejoin else self.resume_version)
             asyncio.ensure_future(self.link.send(msg.node_id, welcome)).add_done_callback(_log_failure)
         elif isinstance(msg, wire.Ready):
             info = self.nodes.get(msg.node_id)
             if info is None:
                 return
             info.ready, info.version = True, msg.version
+            info.kept, info.trainer_version = msg.kept, msg.trainer_version
             if not self._ready.is_set() and not info.rejoin:
                 log.info("workerd %s ready as cell %d (%d/%d)", msg.node_id, info.cell,
                          sum(n.ready for n in self.nodes.values()), self.cells)

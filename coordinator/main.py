@@ -136,7 +136,8 @@ class Coordinator:
         (c.run_dir / "config.json").write_text(json.dumps(c.to_json(), indent=2))
         trackers = Trackers(c.trackers, c.tracker_options, c.run_dir, c.to_json()) if c.trackers else None
         self.metrics = self.executions.metrics = Metrics(c.run_dir / "metrics.jsonl", t0=t0, trackers=trackers)
-        cluster = run_workers(c, self.cells.roles, self._inproc)
+        cluster = run_workers(c, self.cells.roles, self._inproc,
+                              resume_version=self.steps.version if restored is not None else None)
         cluster.on_rejoin = self.cells.on_rejoin
         self.table = self.cells.table = run_routes(c)
         self.stop.install()
@@ -191,7 +192,7 @@ class Coordinator:
         if c.weight_transfer == "broadcast" and len(self.cells.nodes) > 1:
             await self.weights.init_broadcast()
         if restored is not None:
-            await self.checkpoints.restore(restored)
+            await self.checkpoints.restore(restored, kept=self.cluster.kept_cells())
             self.executions.launch_adopted()  # harnesses that outlived the earlier coordinator
         else:
             self.executions.dispatch(c.initial_groups)

@@ -334,6 +334,7 @@ class Checkpoints:
         self.metrics.emit("checkpoint", step=self.steps.steps_done, version=self.steps.version, path=str(folder),
                            seconds=round(time.monotonic() - t0, 3), **({"deleted": pruned} if pruned else {}))
         self.release_done()
+        await failpoints.hold("checkpointed", self.c.run_dir)
 
 
     def _last_saved(self) -> str:
@@ -405,8 +406,14 @@ class Checkpoints:
             steps.steps_in_burst = 0
         steps.tokens_trained = st.get("tokens_trained", 0)
 
-    async def restore(self, restored: Restored) -> None:
+    async def restore(self, restored: Restored, kept: dict[int, tuple[int, int | None]] | None = None) -> None:
         """The latest checkpoint into the core and every engine; the buffer from the journal.
+
+        `kept`: the cells whose workerd outlived the earlier coordinator and kept its backends,
+        its trainer at the version resumed (LocalCluster.kept_cells: cell -> (engine version,
+        trainer version)). A core that kept them holds the checkpoint's weights and optimizer
+        state already (a step it had not applied was dropped with its gradients): nothing is
+        loaded, and only the cells not already at that version are sent the weights.
 
         Dispatch continues as an uninterrupted run's would have from the checkpoint: groups
         dispatched after it (at publications lost with the model: a kill -9 between
@@ -418,15 +425,22 @@ class Checkpoints:
         dispatches, outcomes = restored.dispatches, restored.outcomes
         core, link = self.cells.nodes[0], self.link
         self.counts(restored)  # without a checkpoint: the model directory's weights, which every cell loaded
-        if folder is not None:
+        version = self.steps.version
+        kept = {cell: v for cell, v in (kept or {}).items() if v[1] == version}
+        loaded_checkpoint = folder is not None and 0 not in kept
+        if loaded_checkpoint:
             path = str(folder / "trainer.pt")
             loaded = await link.request(core, wire.LoadCheckpoint(path=path),
                                         timeout=self.c.checkpoint_timeout_s)
-            self.steps.trainer_version = self.steps.version = loaded.version
-        self.weights.forget(self.steps.version)
-        if folder is not None:
-            await link.request(core, wire.LoadWeights(version=self.steps.version))
-            await self.weights.push(list(range(1, len(self.cells.nodes))), engine=True, version=self.steps.version)
+            self.steps.trainer_version = self.steps.version = version = loaded.version
+            kept = {}  # the weights loaded now go to every engine
+        self.weights.forget(version)
+        # Each engine's version: a kept one's own, a new one's the model directory's (0).
+        behind = [i for i in range(len(self.cells.nodes)) if kept.get(i, (0,))[0] != version]
+        if 0 in behind:
+            await link.request(core, wire.LoadWeights(version=version))
+        if others := [i for i in behind if i]:
+            await self.weights.push(others, engine=True, version=version)
         if st["tasks"] is not None:  # else the task source is at its start, as the run was
             try:
                 self.tasks.restore(st["tasks"])
@@ -459,13 +473,16 @@ class Checkpoints:
         held_later = sum(not ev.get("ahead") for ev in ex.held)
         self.metrics.emit("resume", step=self.steps.steps_done, version=self.steps.version, down_s=down_s,
                            checkpoint=str(folder) if folder is not None else None,
+                           checkpoint_loaded=loaded_checkpoint, workers_kept=len(kept),
                            executions_restored=restored, executions_adopted=len(ex.adopting),
                            executions_redispatched=redone - len(ex.adopting),
                            groups=len(dispatches) - len(consumed & set(dispatches)), groups_held=held_later)
-        log.info("resumed at step %d (version %d, %s, %s): %d closed executions restored, %d still running "
+        log.info("resumed at step %d (version %d, %s, %s%s): %d closed executions restored, %d still running "
                  "adopted, %d dispatched again%s", self.steps.steps_done, self.steps.version,
                  f"down {down_s:.1f} s" if down_s is not None else "downtime unknown",
                  folder.name if folder is not None else "no checkpoint yet: from the start",
+                 f"; {len(kept)} of {len(self.cells.nodes)} workers kept their weights" + (
+                     ", nothing loaded" if 0 in kept else "") if kept else "",
                  restored, len(ex.adopting), redone - len(ex.adopting),
                  f", {held_later} groups held for later publications" if held_later else "")
         if short > 0:

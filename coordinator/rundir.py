@@ -34,6 +34,24 @@ def absolute(path: Path | str) -> Path:
     return Path(os.path.abspath(os.path.expanduser(str(path))))
 
 
+RUN_ID = ".run-id"
+
+
+def run_id(run_dir: Path) -> str:
+    """The run's identity, made at its first start (`RUN_DIR/.run-id`): a workerd keeps its
+    backends across a coordinator's restart only for the same run (wire.Welcome.run), never
+    for a new run made in the same place."""
+    path = run_dir / RUN_ID
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        import secrets
+
+        made = secrets.token_hex(8)
+        path.write_text(made + "\n")
+        return made
+
+
 @dataclass
 class RunLock:
     run_dir: Path

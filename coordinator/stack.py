@@ -22,6 +22,7 @@ from gyre.coordinator.launcher import Launcher, LaunchSpec
 from gyre.coordinator.local import LocalCluster
 from gyre.coordinator.preflight import start_proxy
 from gyre.coordinator.routing import LinkBackend, RoutingTable
+from gyre.coordinator.rundir import run_id
 from gyre.coordinator.sandbox.pool import Sandboxes, open_sandboxes
 from gyre.proxy.chat import ChatTokenizer
 from gyre.proxy.server import ProxyServer
@@ -31,12 +32,16 @@ from gyre.proxy.serving import ProxyConfig
 DEFAULT_EVALUATOR = {"type": "similarity"}
 
 
-def run_workers(c: CoordinatorConfig, roles: Sequence[str], workers=None) -> LocalCluster:
+def run_workers(c: CoordinatorConfig, roles: Sequence[str], workers=None, *,
+                resume_version: int | None = None) -> LocalCluster:
     """The cells of a run: `c.cells` workers, started (or, with workers = "external",
     awaited) when the rollout stack is entered, each welcomed with its role in `roles`
     and the run's engine and trainer specs; `workers`: the in-process ones of
-    workers = "inproc" (gyre.workerd.inproc.InprocWorkers), else None."""
+    workers = "inproc" (gyre.workerd.inproc.InprocWorkers), else None. A resume at
+    `resume_version`: workerds that outlived the earlier coordinator keep their backends
+    if their trainer is at that version (wire.Welcome.run, .version)."""
     return LocalCluster(c.model_dir, cells=c.cells, roles=tuple(roles), address=c.address,
+                        run_id=run_id(c.run_dir), resume_version=resume_version,
                         trainer=c.trainer_spec(), engine=c.engine_spec(), log_dir=c.run_dir / "logs",
                         backends=(c.engine_backend, c.trainer_backend), keys_dir=c.keys_dir,
                         spawn=c.workers != "external", workers=workers, call_timeout_s=c.worker_call_timeout_s,

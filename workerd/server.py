@@ -176,7 +176,8 @@ class WorkerServer:
         cfg = self.config
         self.send(wire.Register(req_id=0, node_id=self.node_id, cell=cfg.cell, node_rank=cfg.node_rank,
                                 host=socket.gethostname(), pid=os.getpid(), devices=list(cfg.devices),
-                                backends={"engine": cfg.engine_backend, "trainer": cfg.trainer_backend}))
+                                backends={"engine": cfg.engine_backend, "trainer": cfg.trainer_backend},
+                                kept=self.worker.kept_state()))
 
     def run_forever(self) -> int:
         """Serve until Shutdown or a signal; returns the process exit code."""

@@ -86,6 +86,9 @@ class Worker:
         self.reducer = None
         self.should_exit = False
         self._streams: dict[str, int] = {}  # rid -> req_id of its Generate
+        self._made: tuple | None = None  # (run, model_dir, engine spec, trainer spec) the backends were built for
+        self._kept: tuple | None = None  # (_made, role) kept across a Reregister, for the next Welcome
+        self._params = 0
         self.handlers: dict[type, Callable[[Any, list[wire.TensorFrame]], list[Out]]] = {
             wire.Welcome: self.welcome,
             wire.Generate: self.generate,
@@ -160,10 +163,22 @@ class Worker:
 
         t0 = time.perf_counter()
         self.cell = msg.cell
-        self.engine, self.trainer, params = build_backends(
+        made = (msg.run, msg.model_dir, msg.engine, msg.trainer)
+        kept, self._kept = self._kept, None
+        if kept is not None and msg.run and kept[0] == made and self.trainer.version == msg.version:
+            # The same run welcomes us again at our trainer's version (its coordinator restarted):
+            # the backends as they are, the role changed as SetRole does, nothing reloaded.
+            self._to_role(kept[1], Role(msg.role))
+            return [(wire.Ready(node_id=self.node_id, role=self.role.value, version=self.engine.version,
+                                params=self._params, load_seconds=time.perf_counter() - t0, kept=True,
+                                trainer_version=self.trainer.version), None)]
+        if kept is not None:
+            self._drop_backends()
+        self.engine, self.trainer, self._params = build_backends(
             msg.model_dir, engine=self.config.engine_backend, trainer=self.config.trainer_backend,
             engine_spec=msg.engine, trainer_spec=msg.trainer,
         )
+        self._made = made
         # build_backends leaves the engine released (built, then freed before the trainer is
         # built, so the two never hold the device together); a rollout cell takes it back.
         self.role = Role(msg.role)
@@ -171,11 +186,36 @@ class Worker:
             self.trainer.offload()
             self.engine.resume_memory()
         return [(wire.Ready(node_id=self.node_id, role=self.role.value, version=self.engine.version,
-                            params=params, load_seconds=time.perf_counter() - t0), None)]
+                            params=self._params, load_seconds=time.perf_counter() - t0,
+                            trainer_version=self.trainer.version), None)]
+
+    def _to_role(self, current: Role, target: Role) -> None:
+        """Memory from `current`'s side to `target`'s (the order of set_role); nothing to hand on."""
+        if target is not current:
+            if target is Role.TRAINING:
+                self.engine.release_memory()
+                self.trainer.onload()
+            else:
+                self.trainer.offload()
+                self.engine.resume_memory()
+        self.role = target
+
+    def kept_state(self) -> dict | None:
+        """What a Register says it kept (wire.Register.kept), or None."""
+        if self._kept is None:
+            return None
+        run = self._kept[0][0]
+        return {"run": run, "cell": self.cell, "version": self.engine.version,
+                "trainer_version": self.trainer.version}
 
     def reset(self, msg: wire.Reregister | None = None, _=None) -> list[Out]:
         """Back to the state before Welcome: the old coordinator's session is gone (its
-        requests' streams with it), so nothing is answered; the server registers again."""
+        requests' streams with it), so nothing is answered; the server registers again. The
+        backends are kept where the trainer can drop a step's gradients (the next Welcome
+        takes them if it is the same run's at the trainer's version, else builds anew)."""
+        for rid in list(self._streams):
+            if self.engine is not None:
+                self.engine.abort(rid)
         self._streams.clear()
         if self.reducer is not None:
             self.reducer.close()
@@ -184,13 +224,21 @@ class Worker:
             self.broadcast.close()
             self.broadcast = None
         self._bcast_ready = None
+        if self._made is not None and self._made[0] and self.engine is not None and self.trainer is not None \
+                and self.role is not Role.SWITCHING and self.trainer.drop_gradients():
+            self._kept = (self._made, self.role)
+        else:
+            self._drop_backends()
+        self.role = Role.SWITCHING
+        return []
+
+    def _drop_backends(self) -> None:
         if self.trainer is not None:
             self.trainer.close()  # a TP cell's rank processes
         if self.engine is not None:
             self.engine.shutdown()  # SGLang's scheduler processes hold the device
         self.engine = self.trainer = None
-        self.role = Role.SWITCHING
-        return []
+        self._made = self._kept = None
 
     def shutdown(self, msg: wire.Shutdown, _) -> list[Out]:
         self.should_exit = True

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -171,3 +172,67 @@ def test_workers_started_by_hand_survive_a_coordinator_kill_and_rejoin_the_resum
     (res,) = [e for e in after if e["event"] == "resume"]
     steps = [e["step"] for e in after[after.index(res):] if e["event"] == "step"]
     assert steps == list(range(res["step"] + 1, 5))
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("point,kept", [("checkpointed", 2), ("publication", 1)])
+def test_workers_that_outlive_the_coordinator_keep_their_weights_when_the_resume_starts_at_them(
+        tiny_dir, tmp_path, point, kept):
+    """Workerds started by hand (as systemd runs them) outlive a SIGKILLed coordinator. Killed
+    just after step 1's checkpoint (a failpoint holds it there, coordinator/failpoints.py),
+    their trainers hold exactly the checkpoint's weights and optimizer state: the resume keeps
+    both workers' backends, loads no checkpoint and sends no weights, and the run goes on
+    with them. Killed in step 1's publication instead, the core's trainer is a step ahead of
+    what the resume starts from (no checkpoint yet: the model directory's weights), so the
+    core builds its backends again, as every workerd did before; cell 1, not yet sent step
+    1's weights, is still at the model directory's and keeps its own."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"tcp://127.0.0.1:{port}"
+    run = tmp_path / "run"
+    cfg = write_config(tmp_path, tiny_dir, steps=3, workers=None)
+    cfg.write_text(cfg.read_text() + f'workers = "external"\naddress = "{address}"\ntopology_timeout_s = 120.0\n')
+    logs = [open(tmp_path / f"workerd-{i}.log", "wb") for i in range(2)]
+    workers = [subprocess.Popen([sys.executable, "-m", "gyre.cli", "workerd", "--coordinator", address,
+                                 "--node-id", f"hand-{i}", "--heartbeat", "0.5"], stdout=logs[i], stderr=logs[i])
+               for i in range(2)]
+    try:
+        first = subprocess.Popen([sys.executable, "-m", "gyre.cli", "up", str(cfg), "--run-dir", str(run),
+                                  "--no-live"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                 env={**os.environ, "GYRE_FAILPOINT": point})
+        try:
+            held = run / f"failpoint-{point}"
+            for _ in range(2400):  # 240 s
+                if held.exists() or first.poll() is not None:
+                    break
+                time.sleep(0.1)
+            assert held.exists(), f"the run never reached {point} (exit {first.poll()})"
+        finally:
+            os.kill(first.pid, signal.SIGKILL)
+            first.wait(60)
+        assert all(w.poll() is None for w in workers)  # the daemons outlive the coordinator
+        r = CliRunner().invoke(app, ["up", "--resume", str(run), "--no-live"])
+        assert r.exit_code == 0, r.output
+        assert [w.wait(60) for w in workers] == [0, 0]  # told to shut down at the end of the run
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+                w.wait()
+        for f in logs:
+            f.close()
+    after = events(run)
+    (res,) = [e for e in after if e["event"] == "resume"]
+    assert (res["workers_kept"], res["checkpoint_loaded"]) == (kept, False), res
+    assert res["step"] == (1 if point == "checkpointed" else 0)
+    steps = [e for e in after[after.index(res):] if e["event"] == "step"]
+    assert [e["step"] for e in steps] == list(range(res["step"] + 1, 4)) and all(e["tokens_trained"] for e in steps)
+    pushes = [e for e in after[after.index(res):] if e["event"] == "publish"]
+    assert pushes and pushes[0]["version"] == res["version"] + 1  # the next step's, on from the kept weights
+    said = json.loads(subprocess.run([sys.executable, "-m", "gyre.cli", "inspect", str(run), "--json"],
+                                     capture_output=True, text=True, timeout=120).stdout)
+    (restart,) = said["run"]["restarts"]
+    assert restart["workers_kept"] == kept  # what `gyre inspect` tells of the restart

@@ -167,6 +167,12 @@ class Trainer(abc.ABC):
         """The reduction now spans the first `participants` cells; the worker has set the
         reducer `init_reducer` returned. The default: no other reducer to tell."""
 
+    def drop_gradients(self) -> bool:
+        """Forget the gradients accumulated since the last update (a step its coordinator's
+        restart abandoned), so the trainer can be kept for the next session; returns whether
+        it can. The default: it cannot, and is built again at the next Welcome."""
+        return False
+
     def close(self) -> None:  # noqa: B027 - a no-op by default, not abstract
         """Stop what the trainer runs outside this process (Worker.reset calls it before
         dropping the trainer). The default: a trainer that holds nothing there."""

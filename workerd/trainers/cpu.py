@@ -45,6 +45,11 @@ class CpuTrainer(Trainer):
         )
         self.micro_steps = 0  # accumulated since the last update
 
+    def drop_gradients(self) -> bool:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.micro_steps = 0
+        return True
+
     def train_micro_step(self, batch: MicroBatch | TreeBatch) -> MicroStepStats:
         t0 = time.perf_counter()
         # Log-probs only where the loss reads them (the targets), a chunk of positions at a time.

@@ -30,17 +30,24 @@ class Register:
     pid: int
     devices: list[str]
     backends: dict[str, str]  # {"engine": "cpu", "trainer": "cpu"}
+    # What it kept of an earlier coordinator's session, to be welcomed with again (a restart of
+    # the same run): {"run", "cell", "version" (its engine's), "trainer_version"}; None: nothing.
+    kept: dict[str, Any] | None = None
 
 
 @_msg
 class Ready:
-    """The workerd has built its backends from the Welcome's model and holds `role`."""
+    """The workerd has built its backends from the Welcome's model and holds `role`; `kept`:
+    it took the ones it held instead (Welcome.run and .version matched), its engine at
+    `version` and its trainer (weights and optimizer state) at `trainer_version`."""
 
     node_id: str
     role: str
     version: int
     params: int
     load_seconds: float
+    kept: bool = False
+    trainer_version: int | None = None
 
 
 @_msg
@@ -149,6 +156,11 @@ class Welcome:
     engine: EngineSpec = field(default_factory=EngineSpec)
     trainer: TrainerSpec = field(default_factory=TrainerSpec)
     heartbeat_s: float = 1.0
+    # The run (rundir.run_id) and the version it resumes at: a workerd that kept its backends
+    # from that run, built from the same model and specs, its trainer at that version, takes
+    # them as they are instead of building new ones (a coordinator's restart costs no reload).
+    run: str = ""
+    version: int | None = None
 
     def __post_init__(self) -> None:
         # Decoded, the specs arrive as dicts (a frame is the orjson of the whole message).
