@@ -86,7 +86,7 @@ def test_no_class_reads_another_classs_private_members():
     """In coordinator/, an underscored member of one of gyre's classes is read only inside
     that class (a module-level function or another class reads none). Receivers that are
     modules (os._exit) are not members; docker-py's APIClient's request helpers (api._get,
-    api._url, ...; sandbox/docker_api.py, images.py) are the SDK's own, and of those only a
+    api._url, ...; sandbox/docker_api.py, execs.py, images.py) are the SDK's own, and of those only a
     name gyre also defines could be taken for gyre's: `api` names the SDK's client."""
     owners = gyre_private_members()
     offenders = []

@@ -4,14 +4,9 @@ One implementation for both engines, with the `docker` Python SDK (it drives doc
 `podman system service` alike); podman.py starts that service against gyre's own
 containers.conf. A sandbox is a container started `--init --network none ... sleep
 infinity` from the task's image, with the image's working directory and files as the agent's
-workspace; `exec` runs a command in it under `timeout -k GRACE T` (the deadline is enforced
-inside: killing the host-side client would leave the process running) and records its pid,
-so a cancelled call kills its process group inside. The command does not depend on the
-coordinator: its output goes to a file inside (PID_DIR/TOKEN.out, copied out when it ends)
-and its exit code to another (TOKEN.exit) besides the exec's own, so it runs on when the
-coordinator (and the podman service with it) dies, and a new coordinator finds its end by
-the exec's id, or by that file once the engine has let the exec go (`wait_detached`). The
-exec's stream carries nothing but its end. `cancel` SIGKILLs the
+workspace; `exec` runs a command in it that outlives this process (execs.py: its deadline
+enforced inside, its output and exit code to files there, found again by `wait_detached`
+after a restart, a cancelled one's process group killed inside). `cancel` SIGKILLs the
 container's init, which takes every process of its PID namespace with it (a daemon the agent
 left, whatever group it is in); the files stay for copying out, and the container never runs
 again (a restart would run `sleep` from the agent's files). `run_fresh` is the verifier's: a
@@ -60,31 +55,17 @@ from gyre.coordinator.sandbox.base import (
     SandboxBackend,
     SandboxError,
     SandboxSpec,
-    keep_output,
 )
 from gyre.coordinator.sandbox.engineio import api_error, follow, own_thread, released, tar_into
-from gyre.coordinator.sandbox.files import first_file, untar_capped
+from gyre.coordinator.sandbox.execs import DETACHED_POLL_S, HOST_SLACK_S, KILL_WAIT_S, DetachedExecs
+from gyre.coordinator.sandbox.files import untar_capped
 
 log = logging.getLogger("gyre.coordinator")
 VERIFY_IMAGE_PREFIX = "localhost/gyre-verify-"  # the agent environment's temporary images (committed containers)
-PID_DIR = "/tmp/.gyre-exec"  # inside: one file per running exec, holding its wrapper's pid
-KILL_WAIT_S = 10.0  # a cancelled exec's group gets this long after SIGTERM before SIGKILL
-HOST_SLACK_S = 60.0  # the host-side wait past an exec's deadline + grace before it gives up on the engine
 OPEN_PING_S = 10.0  # an engine that does not answer a ping this fast at open is refused
 PUT_ATTEMPTS = 3  # an archive put the engine failed (a 5xx) is made again: it replaces what it wrote
 SLEEP = ["sleep", "infinity"]  # an agent's container's own command: the harness runs by exec
-DETACHED_POLL_S = 1.0  # how often an exec found again after a restart is asked whether it still runs
-OUTPUT_READ_BYTES = 64 << 20  # of a command's output file, copied out (harness.log caps what it keeps)
 
-
-def detached_script(token: str) -> str:
-    """The wrapper every exec runs: the command (`$@`) in the background with its output to
-    PID_DIR/TOKEN.out, its pid to PID_DIR/TOKEN (what `_kill` signals), its exit code to
-    PID_DIR/TOKEN.exit (whole: written beside, then renamed) and as the wrapper's own. Nothing
-    of it goes through the exec's stream, so it outlives the stream (a coordinator that died)."""
-    at = f"{PID_DIR}/{token}"
-    return (f'mkdir -p {PID_DIR} || exit 125; "$@" > {at}.out 2>&1 & p=$!; echo $p > {at}; '
-            f'wait $p; c=$?; echo $c > {at}.exit.new; mv -f {at}.exit.new {at}.exit; exit $c')
 
 
 class ContainerSandbox(Sandbox):
@@ -94,15 +75,14 @@ class ContainerSandbox(Sandbox):
         self.spec = spec
         self.workdir = workdir or "/"
         self._pid = pid
-        self._execs: set[str] = set()  # tokens of execs whose wrapper may still run
+        self.execs = DetachedExecs(backend, container)  # its commands, which outlive this process
         self._removed = False
         self._cancelled = False  # once `cancel` has killed it, nothing runs in it again
-        self._detached = False  # handed off (`detach`): this process no longer touches it
 
     def detach(self) -> None:
         """A stop for a restart: from now on this process neither kills its execs (an exec
         awaited and cancelled runs on) nor stops or removes it; the next coordinator adopts it."""
-        self._detached = True
+        self.execs.detached = True
 
     @property
     def id(self) -> str:
@@ -117,143 +97,14 @@ class ContainerSandbox(Sandbox):
     async def exec(self, argv, *, env=None, cwd=None, timeout_s=None, grace_s=5.0, log=None, user=None):
         if self._cancelled or self._removed:
             raise SandboxError(f"sandbox {self.container.short_id} was stopped: nothing runs in it again")
-        token = secrets.token_hex(6)
-        # `timeout` leads its own process group and forwards a signal it gets to all of it; 0: no deadline.
-        limit = "0" if timeout_s is None else f"{max(timeout_s, 0.001):.3f}"
-        wrapped = ["sh", "-c", detached_script(token), "sh", "timeout", "-k", f"{grace_s:g}", limit, *argv]
-        self._execs.add(token)
-        start = time.monotonic()
-        host_wait = None if timeout_s is None else timeout_s + grace_s + HOST_SLACK_S
-        tail = bytearray()
-        started = None
-        if self.on_start is not None:
-            loop, told = asyncio.get_running_loop(), self.on_start
-            started = lambda exec_id: loop.call_soon_threadsafe(told, {"exec": exec_id, "token": token})  # noqa: E731
-        job = own_thread(self._run, wrapped, dict(env or {}), cwd or self.workdir, user, log, tail, started)
-        try:
-            code = await asyncio.wait_for(asyncio.shield(job), host_wait)
-        except TimeoutError:
-            await self._kill(token)
-            code = None
-        except asyncio.CancelledError:
-            if not self._detached:
-                await asyncio.shield(self._kill(token))
-            raise
-        finally:
-            self._execs.discard(token)
-        if code is None:
-            keep_output(b"gyre: the engine did not end the exec after its deadline\n", log, tail)
-        else:
-            await self._output(token, log, tail)
-        elapsed = time.monotonic() - start
-        timed_out = timeout_s is not None and code in (124, 137) and elapsed >= timeout_s * 0.99
-        return ExecResult(code, timed_out or code is None, bytes(tail))
-
-    def _run(self, argv, env, cwd, user, log: BinaryIO | None, tail: bytearray, started) -> int | None:
-        """Start the exec and follow its stream to its end (the wrapper's own words only: its
-        command's go to a file): its exit code."""
-        api = self.backend.client.api
-        try:
-            ex = api.exec_create(self.container.id, argv, environment=env, workdir=cwd, user=user or "")
-            if started is not None:
-                started(ex["Id"])
-            stream = api.exec_start(ex["Id"], stream=True)
-            try:
-                follow(stream, log, tail)
-            finally:
-                # The upgraded connection never returns to the pool: shut its socket and close
-                # the response's file on it too, or the socket outlives both (ResourceWarning).
-                stream.close()
-                stream._response.close()
-            code = api.exec_inspect(ex["Id"]).get("ExitCode")
-        except api_error() as e:
-            released(e)
-            raise SandboxError(f"exec in {self.container.short_id}: {e}") from None
-        return code
+        return await self.execs.run(argv, env=env, cwd=cwd or self.workdir, timeout_s=timeout_s, grace_s=grace_s,
+                                    log=log, user=user, on_start=self.on_start)
 
     async def wait_detached(self, exec_id: str, token: str, *, log: BinaryIO | None = None,
                             poll_s: float = DETACHED_POLL_S) -> int | None:
         """The end of an exec this process did not start (found again after a restart): its
-        exit code from TOKEN.exit inside once it is there, else from the engine; None when
-        neither says (the container was stopped, or the wrapper killed). Its output then goes
-        to `log`."""
-        import docker.errors
-
-        def state() -> tuple[bool, int | None]:
-            try:
-                info = self.backend.client.api.exec_inspect(exec_id)
-            except docker.errors.APIError as e:  # podman answers an exec it let go 404 or 500 "no such exec"
-                if e.status_code == 404 or "no such exec" in str(e).lower():
-                    return False, None
-                raise
-            return bool(info.get("Running")), info.get("ExitCode")
-
-        self._execs.add(token)
-        told = None
-        try:
-            while True:
-                try:
-                    running, code = await self.backend.io(state)
-                except api_error() as e:
-                    released(e)
-                    raise SandboxError(f"exec {exec_id[:12]} in {self.container.short_id}: {e}") from None
-                # The wrapper's exit file says first: podman may call an exec it let go (its
-                # service restarted with the coordinator) running for half a minute after it ended.
-                told = await self._read(f"{PID_DIR}/{token}.exit", 64) if running else None
-                if not running or (told is not None and told.strip().isdigit()):
-                    break
-                await asyncio.sleep(poll_s)
-        except asyncio.CancelledError:
-            if not self._detached:
-                await asyncio.shield(self._kill(token))
-            raise
-        finally:
-            self._execs.discard(token)
-        if code is None or told is not None:
-            told = told if told is not None else await self._read(f"{PID_DIR}/{token}.exit", 64)
-            code = int(told) if told is not None and told.strip().isdigit() else None
-        await self._output(token, log, bytearray())
-        return code
-
-    async def _output(self, token: str, log: BinaryIO | None, tail: bytearray) -> None:
-        """The command's output file, into `log` (or `tail`), at most OUTPUT_READ_BYTES of it."""
-        data = await self._read(f"{PID_DIR}/{token}.out", OUTPUT_READ_BYTES)
-        if data:
-            keep_output(data, log, tail)
-
-    async def _read(self, path: str, limit: int) -> bytes | None:
-        """A file's first `limit` bytes from inside, by the archive endpoint (no exec); None
-        when it is not there or cannot be read."""
-        def pull() -> bytes | None:
-            api = self.backend.client.api
-            res = api._get(api._url("/containers/{0}/archive", self.container.id), params={"path": path},
-                           stream=True)
-            try:
-                return first_file(res.iter_content(1 << 16, False), limit) if res.status_code == 200 else None
-            finally:
-                res.close()
-
-        try:
-            return await self.backend.io(pull)
-        except api_error() as e:
-            released(e)
-            log.warning("sandbox %s: could not read %s: %s", self.container.short_id, path, e)
-            return None
-
-    async def _kill(self, token: str) -> None:
-        """SIGTERM the exec's group inside (timeout forwards it, then SIGKILLs after the grace)."""
-        if token not in self._execs:  # `cancel` killed it with the container (its pid file is stale)
-            return
-        # `timeout` passes the TERM to its group and SIGKILLs it after the grace; should the
-        # group outlive that (timeout itself killed), the whole group is SIGKILLed here.
-        script = (f'p=$(cat {PID_DIR}/{token} 2>/dev/null); [ -n "$p" ] || exit 0; kill -TERM "$p" 2>/dev/null; '
-                  f'i=0; while kill -0 -"$p" 2>/dev/null && [ $i -lt {int(KILL_WAIT_S * 10)} ]; do sleep 0.1; '
-                  f'i=$((i+1)); done; kill -KILL -"$p" 2>/dev/null; rm -f {PID_DIR}/{token}; true')
-        try:
-            await self.backend.io(self.container.exec_run, ["sh", "-c", script])
-        except api_error() as e:
-            released(e)
-            log.warning("sandbox %s: could not kill exec %s inside: %s", self.container.short_id, token, e)
+        exit code, or None when nothing says (execs.DetachedExecs.wait)."""
+        return await self.execs.wait(exec_id, token, log=log, poll_s=poll_s)
 
     async def upload(self, src: Path, dest: str, owners: Mapping[str, tuple[int, int]] | None = None) -> None:
         """An archive put, no exec (each would leave a monitor): podman makes the missing
@@ -339,7 +190,7 @@ class ContainerSandbox(Sandbox):
         an exec left behind survives (a group kill would miss a `setsid` daemon)."""
         import docker.errors
 
-        if self._detached:
+        if self.execs.detached:
             return
 
         def halt() -> None:
@@ -359,7 +210,7 @@ class ContainerSandbox(Sandbox):
             released(e)
             raise SandboxError(f"could not stop what runs in {self.container.short_id}: {e}") from None
         self._cancelled, self._pid = True, None
-        self._execs.clear()
+        self.execs.tokens.clear()
 
     async def run_fresh(self, argv, *, puts=(), env=None, timeout_s=None, grace_s=5.0, log=None, read=()):
         limit = "0" if timeout_s is None else f"{max(timeout_s, 0.001):.3f}"
@@ -464,7 +315,7 @@ class ContainerSandbox(Sandbox):
             raise SandboxError(f"size of {self.container.short_id}: {e}") from None
 
     async def stop(self) -> None:
-        if self._removed or self._detached:
+        if self._removed or self.execs.detached:
             return
         self._removed = True
         try:

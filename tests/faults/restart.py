@@ -135,7 +135,7 @@ def podman(*args: str, timeout_s: float = 60, check: bool = True) -> subprocess.
 
 def harness_ended(run_dir: Path, execution: str) -> bool:
     """Whether the execution's harness has ended inside its container (its wrapper's exit file)."""
-    from gyre.coordinator.sandbox.docker_api import PID_DIR
+    from gyre.coordinator.sandbox.execs import PID_DIR
 
     record = json.loads((run_dir / "executions" / execution / "sandbox.json").read_text())
     r = podman("exec", record["id"], "cat", f"{PID_DIR}/{record['harness']['token']}.exit", check=False)

@@ -21,7 +21,7 @@ import textwrap
 from gyre.coordinator.buffer import Execution
 from gyre.coordinator.launcher import Launcher, LaunchSpec
 from gyre.coordinator.sandbox import Limits, SandboxSpec
-from gyre.coordinator.sandbox.docker_api import PID_DIR
+from gyre.coordinator.sandbox.execs import PID_DIR
 from gyre.coordinator.taskformats import load_harbor_task
 from gyre.coordinator.waterlevel import Tracked
 from gyre.proxy.records import load_execution
@@ -106,7 +106,7 @@ async def test_a_restarted_coordinator_adopts_a_running_harness_and_scores_it(po
     box = await podman.adopt(record["id"], SandboxSpec(execution="e1", labels={}, image=None))
     out = f"{PID_DIR}/{record['harness']['token']}.out"
     for _ in range(600):
-        if b"retrying step" in (await box._read(out, 1 << 20) or b""):
+        if b"retrying step" in (await box.execs.read(out, 1 << 20) or b""):
             break
         await asyncio.sleep(0.1)
     else:

@@ -83,7 +83,7 @@ async def test_a_harness_outlives_its_coordinator_and_a_new_one_waits_for_its_en
         assert code == 7
         text = out.decode()
         assert "tick 0" in text and "tick 39" in text, text  # the whole output, written after the kill too
-        assert (await box._read("/tmp/starts", 1024)) == b"started\n"  # it ran once, never again
+        assert (await box.execs.read("/tmp/starts", 1024)) == b"started\n"  # it ran once, never again
     finally:
         await box.stop()
 
