@@ -46,6 +46,7 @@ from gyre.cli.options import (
     KeyNameOpt,
     KeysDirArg,
     KeysOpt,
+    LingerOpt,
     MaxContextOpt,
     ModelDirArg,
     ModelKindArg,
@@ -199,6 +200,7 @@ def workerd(
     heartbeat: HeartbeatOpt = 1.0,
     welcome_timeout: WelcomeTimeoutOpt = 60.0,
     parent_pid: ParentPidOpt = None,
+    linger: LingerOpt = 0.0,
     keys: KeysOpt = None,
     key_name: KeyNameOpt = "worker",
     engine_backend: EngineBackendOpt = "cpu",
@@ -213,7 +215,7 @@ def workerd(
 
     config = WorkerConfig(coordinator=coordinator, cell=cell, node_rank=node_rank, node_id=node_id,
                           devices=tuple(d for d in devices.split(",") if d), heartbeat_s=heartbeat,
-                          welcome_timeout_s=welcome_timeout, parent_pid=parent_pid,
+                          welcome_timeout_s=welcome_timeout, parent_pid=parent_pid, linger_s=linger,
                           keys_dir=str(keys) if keys else None, key_name=key_name,
                           engine_backend=engine_backend, trainer_backend=trainer_backend)
     raise typer.Exit(guard(serve, config=config))

@@ -60,6 +60,7 @@ PolicyOpt = Annotated[str | None, typer.Option("--policy", help="Placement polic
                                                  "group).")]
 NoLiveOpt = Annotated[bool, typer.Option("--no-live", help="Plain log lines instead of the live view.")]
 ParentPidOpt = Annotated[int | None, typer.Option("--parent-pid", help="Exit when this process (the coordinator that started us) is gone.")]
+LingerOpt = Annotated[float, typer.Option("--linger", min=0, help="With --parent-pid: once it is gone, wait this many seconds (keeping the model and trainer) for a coordinator resuming the run at the same address, then exit; 0: exit at once.")]
 HarnessOpt = Annotated[str | None, typer.Option("--harness", help=f"Run this harness preset once ({PRESETS_HELP}, or one from the config's [harnesses.NAME]) instead of waiting for clients.")]
 TaskOpt = Annotated[str | None, typer.Option("--task", help="The task prompt for --harness.")]
 TimeoutOpt = Annotated[float | None, typer.Option("--timeout", help="Seconds each harness may run where its task sets none ([agent].timeout_sec wins); over the preset's timeout_s; default: the preset's, else the config's execution_timeout_s, else 600.")]

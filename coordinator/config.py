@@ -23,6 +23,7 @@ _RANGES = [
     ("exec_slots_per_cell", 1, False), ("engine_max_running", 1, False), ("execution_timeout_s", 0, True),
     ("eval_attempts", 1, False), ("eval_budget_s", 0, False), ("j_max", 1, False), ("micro_step_tokens", 1, False),
     ("lr", 0, True), ("topology_timeout_s", 0, True), ("checkpoint_every", 0, False), ("worker_timeout_s", 0, True),
+    ("worker_linger_s", 0, False),
     ("worker_call_timeout_s", 0, True), ("checkpoint_timeout_s", 0, True), ("infra_failures_in_row", 0, False),
     # Training's own rule beside serving's (>= 0): a policy sampled at temperature 0 has no
     # distribution for the trainer to reproduce.
@@ -106,6 +107,9 @@ class CoordinatorConfig:
     # process (no sockets: tests, a laptop); external: wait for `cells` workerds to register
     workers: str = "local"
     topology_timeout_s: float = 600.0  # external: how long to wait for every cell's worker
+    # local: how long the workerds it spawned outlive a coordinator that died (a crash, a kill -9),
+    # holding their model and trainer for `gyre up --resume` to take back; 0: they end with it
+    worker_linger_s: float = 120.0
     reducer_init: str | None = None  # torch.distributed init for the gradient reducer; None: auto
     weight_transfer: str = "zmq"  # how weights reach other cells: zmq (via the link) | mooncake (pulled) | broadcast
     # Mooncake/broadcast: the address peers reach a node at; None: loopback or its host

@@ -113,6 +113,10 @@ class WorkerLink:
         # Unregistered connections' messages let through: kind -> [tokens, last refill].
         self._buckets = {kind: [float(burst), time.monotonic()] for kind, (_, burst) in UNREGISTERED.items()}
 
+    def rebind(self, bind: str) -> None:
+        """Bind at `bind` instead, when started (a resume's: where its workerds listen)."""
+        self._bind = bind
+
     async def start(self) -> str:
         """Bind (created here, after uvloop is installed); returns the bound address."""
         from gyre.workerd.keys import on_loopback
@@ -158,6 +162,7 @@ class WorkerLink:
             self._auth.stop()
         if self._ctx is not None:
             self._ctx.term()
+        self._sock = self._auth = self._ctx = None
 
     # --- sending ------------------------------------------------------------------------
 

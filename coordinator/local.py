@@ -10,8 +10,10 @@ tests. Not the run loop and not a scheduler.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
+import signal
 import sys
 from collections import deque
 from collections.abc import Callable
@@ -25,6 +27,7 @@ from gyre.workerd import wire
 log = logging.getLogger("gyre.coordinator")
 
 EVENTS_KEPT = 10_000  # lifecycle messages kept in `events` (a registration flood must not grow it)
+WORKERS_FILE = "workers.json"  # the spawned workerds' address and pids, for a resume to take them back
 
 
 class ClusterStartError(wire.GyreError):
@@ -69,6 +72,11 @@ class LocalCluster:
     # backends from it, their trainers at this version, are welcomed to keep them (no reload).
     run_id: str = ""
     resume_version: int | None = None
+    # Spawned workerds outlive a coordinator that dies by this long (workerd --linger), and
+    # `state_file` records where they listen and their pids, so that a resume binds the same
+    # address and takes them back instead of spawning new ones.
+    linger_s: float = 0.0
+    state_file: Path | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.engine, dict):
@@ -179,7 +187,8 @@ class LocalCluster:
             welcome = wire.Welcome(req_id=msg.req_id, node_id=msg.node_id, cell=cell, role=info.role,
                                    model_dir=str(self.model_dir), engine=self._engine_of(cell), trainer=self.trainer,
                                    heartbeat_s=self.heartbeat_s, run=self.run_id,
-                                   version=None if info.rejoin else self.resume_version)
+                                   version=None if info.rejoin else self.resume_version,
+                                   coordinator_pid=os.getpid() if self.spawn and self.workers is None else None)
             asyncio.ensure_future(self.link.send(msg.node_id, welcome)).add_done_callback(_log_failure)
         elif isinstance(msg, wire.Ready):
             info = self.nodes.get(msg.node_id)
@@ -209,13 +218,32 @@ class LocalCluster:
                                       ).add_done_callback(_log_failure)
 
     async def __aenter__(self) -> LocalCluster:
-        address = await self.link.start()
+        lingering = self._lingering()
+        if lingering:
+            self.link.rebind(lingering.pop("address"))
+        try:
+            address = await self.link.start()
+        except Exception as e:  # noqa: BLE001 - the address is taken: new workerds at a new one
+            if not lingering:
+                raise
+            log.warning("cannot listen again at %s (%s): the workerds still running from before are left to end; "
+                        "starting new ones", self.address, e)
+            lingering = {}
+            self.link.close()
+            self.link.rebind(self.address)
+            address = await self.link.start()
         self._reader = asyncio.create_task(self.link.serve(), name="gyre-link-reader")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         if not self.spawn:
             log.info("waiting up to %.0fs for %d workerds at %s (gyre workerd --coordinator ADDRESS)",
                      self.start_timeout_s, self.cells, address)
+        if lingering:
+            log.info("taking back %d workerd(s) the earlier coordinator left running (cells %s)", len(lingering),
+                     ", ".join(map(str, sorted(lingering))))
         for cell in range(self.cells if self.spawn else 0):
+            if cell in lingering:
+                self.procs.append(Lingering(lingering[cell]))
+                continue
             if self.workers is not None:
                 self.procs.append(self.workers.spawn(cell=cell, node_id=f"local-{cell}", heartbeat_s=self.heartbeat_s,
                                                      backends=self.backends))
@@ -227,7 +255,7 @@ class LocalCluster:
             self.procs.append(await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "gyre.cli", "workerd", "--coordinator", address,
                 "--cell", str(cell), "--node-id", f"local-{cell}", "--heartbeat", str(self.heartbeat_s),
-                "--parent-pid", str(os.getpid()),
+                "--parent-pid", str(os.getpid()), "--linger", f"{self.linger_s:g}",
                 "--engine-backend", self.backends[0], "--trainer-backend", self.backends[1],
                 *(("--keys", str(self.keys_dir), "--key-name", self.key_name) if self.keys_dir else ()),
                 env=env, stdout=out or asyncio.subprocess.DEVNULL, stderr=out or None,
@@ -239,6 +267,7 @@ class LocalCluster:
             ))
             if out is not None:
                 out.close()
+        self._record(address)
         try:
             await asyncio.wait_for(self._wait_ready(), self.start_timeout_s)
         except (TimeoutError, ClusterStartError) as e:
@@ -248,6 +277,38 @@ class LocalCluster:
                                     f"{self.start_timeout_s:.0f}s (ready: {ready or 'none'}; "
                                     f"registered: {len(self.nodes)}): {e}") from None
         return self
+
+    def _lingering(self) -> dict:
+        """A resume's workerds still running from the earlier coordinator (state_file): {cell:
+        pid, "address": where they listen}; {} when none is (or this is no resume of spawned
+        workerds). A pid counts only while its command line is that cell's `gyre workerd` at
+        that address: a pid reused by another process is not taken."""
+        if self.resume_version is None or not self.spawn or self.workers is not None or self.state_file is None:
+            return {}
+        try:
+            recorded = json.loads(self.state_file.read_text())
+            address, pids = recorded["address"], {int(c): int(p) for c, p in recorded["pids"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return {}
+        found: dict = {}
+        for cell, pid in pids.items():
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"workerd" in argv and address.encode() in argv and f"local-{cell}".encode() in argv \
+                    and cell < self.cells:
+                found[cell] = pid
+        return {**found, "address": address} if found else {}
+
+    def _record(self, address: str) -> None:
+        """Where the spawned workerds listen and their pids, for a resume (`_lingering`)."""
+        if self.state_file is None or not self.spawn or self.workers is not None:
+            return
+        pids = {str(cell): p.pid for cell, p in enumerate(self.procs)}
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"address": address, "pids": pids}))
+        os.replace(tmp, self.state_file)
 
     async def _wait_ready(self) -> None:
         waiter = asyncio.create_task(self._ready.wait())
@@ -271,7 +332,7 @@ class LocalCluster:
                 await asyncio.wait_for(p.wait(), 10)
             except TimeoutError:
                 p.kill()
-                await p.wait()
+                await asyncio.wait_for(p.wait(), 10)
         if self._reader is not None:
             self._reader.cancel()
             try:
@@ -284,3 +345,32 @@ class LocalCluster:
 def _log_failure(fut: asyncio.Future) -> None:
     if not fut.cancelled() and fut.exception() is not None:
         log.error("sending Welcome failed: %s", fut.exception())
+
+
+class Lingering:
+    """A workerd an earlier coordinator of the run spawned, still running at the resume that
+    takes it back: not this process's child, so it is waited for and killed by its pid."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode: int | None = None
+
+    async def wait(self) -> int | None:
+        while alive(self.pid):
+            await asyncio.sleep(0.1)  # no exit status to wait on: it is not our child
+        return self.returncode
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, exited and not yet reaped by its parent, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2:][:1] not in ("Z", "X")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from gyre.coordinator.config import CoordinatorConfig
 from gyre.coordinator.launcher import Launcher, LaunchSpec
-from gyre.coordinator.local import LocalCluster
+from gyre.coordinator.local import WORKERS_FILE, LocalCluster
 from gyre.coordinator.preflight import start_proxy
 from gyre.coordinator.routing import LinkBackend, RoutingTable
 from gyre.coordinator.rundir import run_id
@@ -42,6 +42,8 @@ def run_workers(c: CoordinatorConfig, roles: Sequence[str], workers=None, *,
     if their trainer is at that version (wire.Welcome.run, .version)."""
     return LocalCluster(c.model_dir, cells=c.cells, roles=tuple(roles), address=c.address,
                         run_id=run_id(c.run_dir), resume_version=resume_version,
+                        linger_s=c.worker_linger_s if c.workers == "local" else 0.0,
+                        state_file=c.run_dir / WORKERS_FILE,
                         trainer=c.trainer_spec(), engine=c.engine_spec(), log_dir=c.run_dir / "logs",
                         backends=(c.engine_backend, c.trainer_backend), keys_dir=c.keys_dir,
                         spawn=c.workers != "external", workers=workers, call_timeout_s=c.worker_call_timeout_s,

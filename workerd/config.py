@@ -24,6 +24,9 @@ class WorkerConfig:
     welcome_timeout_s: float = 60.0  # registration handshake deadline
     graceful_timeout_s: float = 10.0  # drain on SIGTERM before force exit
     parent_pid: int | None = None  # exit when this process is gone (workers a coordinator spawned)
+    # With parent_pid: once it is gone, keep the backends this long for a coordinator that resumes
+    # the run at the same address (it welcomes us again, and we follow its pid); 0: exit at once.
+    linger_s: float = 0.0
     keys_dir: str | None = None  # CURVE key directory (keys.py); None: a plain link
     key_name: str = "worker"  # this node's key pair in keys_dir
     extra: dict = field(default_factory=dict)

@@ -137,6 +137,8 @@ class WorkerServer:
         self.should_exit = False
         self.force_exit = False
         self.welcomed = False
+        self._watched = config.parent_pid  # the coordinator we end with (a resume's, once it welcomed us)
+        self._orphaned: float | None = None  # when the watched coordinator was found gone (linger_s)
         self._inbox: queue.Queue = queue.Queue()  # bounded by the I/O (INBOX_MAX, INBOX_MAX_BYTES)
         self._inbox_bytes = 0  # held in the inbox; both threads update it, under the lock
         self._inbox_lock = threading.Lock()
@@ -185,8 +187,7 @@ class WorkerServer:
         while not (self.should_exit or self.worker.should_exit):
             # 1) Block for input only when nothing is running.
             self._drain_inbox(block=not self.worker.busy)
-            if self.config.parent_pid is not None and os.getppid() != self.config.parent_pid:
-                log.warning("parent %d is gone; shutting down", self.config.parent_pid)
+            if self._coordinator_gone():
                 break
             if not self.welcomed and time.monotonic() > self._deadline:
                 hint = (" (CURVE: is this worker's key in the coordinator's authorized/ directory?)"
@@ -197,6 +198,28 @@ class WorkerServer:
             if self.worker.busy:
                 self._send_all(self.worker.step())
         return self._shutdown_gracefully()
+
+    def _coordinator_gone(self) -> bool:
+        """Whether to end because the coordinator that spawned us (or resumed the run and
+        welcomed us) is gone: at once, or after `linger_s` without a new one welcoming us."""
+        pid = self._watched
+        if pid is None:
+            return False
+        gone = os.getppid() != pid if pid == self.config.parent_pid else not _alive(pid)
+        if not gone:
+            return False
+        if not self.config.linger_s:
+            log.warning("parent %d is gone; shutting down", pid)
+            return True
+        now = time.monotonic()
+        if self._orphaned is None:
+            self._orphaned = now
+            log.warning("coordinator %d is gone; keeping the model and trainer %.0fs for the run's resume",
+                        pid, self.config.linger_s)
+        elif now - self._orphaned > self.config.linger_s:
+            log.warning("no coordinator resumed the run within %.0fs; shutting down", self.config.linger_s)
+            return True
+        return False
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -231,6 +254,8 @@ class WorkerServer:
             # Heartbeats start now, from the I/O thread, while the backends are built (SGLang and
             # Megatron take longer than a worker timeout to start): building is not silence.
             self.welcomed = True
+            if self.config.parent_pid is not None and msg.coordinator_pid is not None:
+                self._watched, self._orphaned = msg.coordinator_pid, None  # a resume's coordinator now
         outs = self.worker.handle(msg, tensors)
         if isinstance(msg, wire.Reregister):
             log.warning("coordinator asks to register again (%s)", msg.reason or "new session")
@@ -299,3 +324,13 @@ def serve(config: WorkerConfig) -> int:
             os._exit(1)
         server.report_fatal(e)
         return 1
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, exited and not yet reaped by its parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2:][:1] not in ("Z", "X")

@@ -236,3 +236,64 @@ def test_workers_that_outlive_the_coordinator_keep_their_weights_when_the_resume
                                      capture_output=True, text=True, timeout=120).stdout)
     (restart,) = said["run"]["restarts"]
     assert restart["workers_kept"] == kept  # what `gyre inspect` tells of the restart
+
+
+def _workerds(run: Path) -> list[int]:
+    return list(json.loads((run / "workers.json").read_text())["pids"].values())
+
+
+def _hold_and_kill(cfg: Path, run: Path, point: str) -> None:
+    """`gyre up cfg` held at the failpoint (coordinator/failpoints.py), then SIGKILLed alone."""
+    first = subprocess.Popen([sys.executable, "-m", "gyre.cli", "up", str(cfg), "--run-dir", str(run), "--no-live"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             env={**os.environ, "GYRE_FAILPOINT": point})
+    try:
+        held = run / f"failpoint-{point}"
+        deadline = time.monotonic() + 240
+        while not held.exists() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert held.exists(), f"the run never reached {point} (exit {first.poll()})"
+    finally:
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(60)
+
+
+@pytest.mark.timeout(400)
+def test_the_workerds_gyre_up_spawned_outlive_its_crash_and_the_resume_takes_them_back(tiny_dir, tmp_path):
+    """`gyre up` (workers = "local", the default) SIGKILLed just after step 1's checkpoint: its
+    workerds, in their own session, keep their model and trainer for worker_linger_s; `gyre up
+    --resume` listens at the same address, takes the same processes back (none spawned), and
+    their trainers hold the checkpoint: nothing is loaded. At the resume's end they stop."""
+    from gyre.coordinator.local import alive
+
+    run = tmp_path / "run"
+    cfg = write_config(tmp_path, tiny_dir, steps=3, workers="local")
+    _hold_and_kill(cfg, run, "checkpointed")
+    before = _workerds(run)
+    assert len(before) == 2 and all(alive(p) for p in before)  # the coordinator's death did not end them
+    r = CliRunner().invoke(app, ["up", "--resume", str(run), "--no-live"])
+    assert r.exit_code == 0, r.output
+    assert _workerds(run) == before  # the same processes served the resume
+    assert not any(alive(p) for p in before)  # and were stopped at its end
+    (res,) = [e for e in events(run) if e["event"] == "resume"]
+    assert (res["step"], res["workers_kept"], res["checkpoint_loaded"]) == (1, 2, False), res
+    assert [e["step"] for e in events(run)[events(run).index(res):] if e["event"] == "step"] == [2, 3]
+
+
+@pytest.mark.timeout(300)
+def test_the_workerds_of_a_crashed_run_nobody_resumes_end_after_worker_linger_s(tiny_dir, tmp_path):
+    from gyre.coordinator.local import alive
+
+    run = tmp_path / "run"
+    cfg = write_config(tmp_path, tiny_dir, steps=3, workers="local")
+    cfg.write_text(cfg.read_text() + "worker_linger_s = 2\n")
+    _hold_and_kill(cfg, run, "checkpointed")
+    pids = _workerds(run)
+    deadline = time.monotonic() + 60
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(p) for p in pids)
+    for cell in (0, 1):
+        said = (run / "logs" / f"workerd-{cell}.log").read_text()
+        assert "keeping the model and trainer 2s for the run's resume" in said, said[-2000:]
+        assert "no coordinator resumed the run within 2s; shutting down" in said, said[-2000:]

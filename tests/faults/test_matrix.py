@@ -10,7 +10,10 @@ its own run of 2 or 3 steps, the fault in step 2 (a checkpoint of step 1 exists)
     (then SIGCONT once   continued, it rejoins                           for its death, then it
     declared dead)                                                       rejoins
     coordinator SIGKILL  --resume from step 1's checkpoint: nothing lost, nothing trained twice;
-                         the harnesses it could not stop are reaped by the resume
+                         the harnesses it could not stop are reaped by the resume; its
+                         workerds wait for it, and it takes them back with their weights
+                         (the core's trainer at step 1's version in rollout and training: no
+                         checkpoint loaded; a step ahead in publication: built again)
     coordinator SIGTERM  a stop: exit 143, the trained steps kept (step 2's too, in publication),
                          the executions it cancelled left pending (never dropped nor replaced);
                          --resume continues with the uninterrupted run's schedule
@@ -502,9 +505,12 @@ def test_fault_matrix(case: Case, tiny_dir, tmp_path):
         kept = check_first_session(case, up, code, run, first)
         # The stopped or finished run's workerds and harnesses are gone. A coordinator killed
         # with -9 cannot stop its harnesses (the process sandbox's deadline is the coordinator's
-        # to enforce): they run on until a start-up on the run directory reaps them (below).
-        orphans = assert_nothing_left(run, coordinators, but={"sandbox"} if case.fault == "coordinator-kill" else ())
-        case.observed["orphans"] = len(orphans)
+        # to enforce): they run on until a start-up on the run directory reaps them (below);
+        # its workerds wait (worker_linger_s) for the resume, which takes them back.
+        orphans = assert_nothing_left(run, coordinators,
+                                      but={"sandbox", "workerd"} if case.fault == "coordinator-kill" else ())
+        case.observed["orphans"] = sum(why == "sandbox" for _, why, _ in orphans)
+        lingering = sorted(pid for pid, why, _ in orphans if why == "workerd")
         final_from = 0
         if case.restarts:
             final_from = journal_lines(run)
@@ -512,6 +518,9 @@ def test_fault_matrix(case: Case, tiny_dir, tmp_path):
             coordinators.append(resumed.proc.pid)
             assert resumed.wait(240) == 0, resumed.output[-3000:]
             assert "resuming" in resumed.output
+            if case.fault == "coordinator-kill":  # the same workerds served the resume
+                assert len(lingering) == 2 and sorted(json.loads(
+                    (run / "workers.json").read_text())["pids"].values()) == lingering
             final_from = min(final_from, len(events(run)))  # a torn last line was cut
         evs = events(run)
         found = check_journal(run, evs, final_from, case.steps)
@@ -536,6 +545,10 @@ def test_fault_matrix(case: Case, tiny_dir, tmp_path):
     if case.restarts:
         (res,) = resumes
         assert res["step"] == kept and res["checkpoint"].endswith(f"step-{kept:06d}"), res
+        if case.fault == "coordinator-kill":  # its workerds' trainers at step 1's version, or the core's a step on
+            ahead = case.phase == "publication"
+            assert res["checkpoint_loaded"] is ahead and (res["workers_kept"] < 2 if ahead else
+                                                          res["workers_kept"] == 2), res
         cut = evs.index(res)
         assert [e["step"] for e in evs[cut:] if e["event"] == "step"] == list(range(kept + 1, case.steps + 1))
         # What was running when the session ended (killed, or cancelled at its stop) runs

@@ -161,6 +161,9 @@ class Welcome:
     # them as they are instead of building new ones (a coordinator's restart costs no reload).
     run: str = ""
     version: int | None = None
+    # The pid of a coordinator on this host that spawned the run's workerds: one that outlived the
+    # earlier coordinator (--linger) follows this one now.
+    coordinator_pid: int | None = None
 
     def __post_init__(self) -> None:
         # Decoded, the specs arrive as dicts (a frame is the orjson of the whole message).
