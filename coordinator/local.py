@@ -98,6 +98,7 @@ class LocalCluster:
         self.heartbeats = 0
         self.on_rejoin: Callable[[int, str], None] | None = None  # (cell, node) ready after start-up
         self._reregistering: set[str] = set()  # nodes asked to register again, not yet registered
+        self.hand_off = False  # a stop for a restart (SIGUSR1): the workerds are left running, not shut down
 
     def _engine_of(self, cell: int) -> wire.EngineSpec:
         """The engine spec for `cell`: its own sampling seed. With one seed for all, the
@@ -321,6 +322,11 @@ class LocalCluster:
             raise ClusterStartError(f"a workerd exited during start-up (exit codes {codes})")
 
     async def __aexit__(self, *exc) -> None:
+        if self.hand_off and self.workers is None and (self.linger_s or not self.spawn):
+            # A stop for a restart: the workerds stay up for the resume, their weights kept.
+            log.info("%d workerd(s) left running for the resume", len(self.nodes))
+            self.nodes.clear()
+            self.procs.clear()
         for node in list(self.nodes):
             if self.link.nodes.get(node) and self.link.nodes[node].alive:
                 try:

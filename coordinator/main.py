@@ -137,7 +137,7 @@ class Coordinator:
         trackers = Trackers(c.trackers, c.tracker_options, c.run_dir, c.to_json()) if c.trackers else None
         self.metrics = self.executions.metrics = Metrics(c.run_dir / "metrics.jsonl", t0=t0, trackers=trackers)
         cluster = run_workers(c, self.cells.roles, self._inproc,
-                              resume_version=self.steps.version if restored is not None else None)
+                              resume_version=self.steps.trainer_version if restored is not None else None)
         cluster.on_rejoin = self.cells.on_rejoin
         self.table = self.cells.table = run_routes(c)
         self.stop.install()
@@ -217,6 +217,7 @@ class Coordinator:
         if self.side_task is not None and not self.side_task.done():
             self.side_task.cancel()  # a publication: the next start loads the checkpoint's weights everywhere
         await self.executions.cancel_all(handoff=self.stop.handoff)
+        self.cluster.hand_off = self.stop.handoff  # and the workerds, with their weights (local.py)
         if save:
             await self.checkpoints.save_final()
         # Each live worker's peak memory, for the summary (a dead one has no answer: None).

@@ -346,6 +346,9 @@ class Checkpoints:
     def _write_state(self, folder: Path) -> None:
         write_state(self.c.run_dir, self.steps.steps_done, {
             "step": self.steps.steps_done, "version": self.steps.version, "publications": self.steps.publications,
+            # The core's own version (ahead of the published one after a burst's last step): a
+            # workerd whose trainer is at it holds this checkpoint's trainer (restore).
+            "trainer_version": self.steps.trainer_version,
             "steps_in_burst": self.steps.steps_in_burst, "groups_dispatched": self.executions.groups_dispatched,
             "replacements": self.executions.replacements,
             "consumed": sorted(g.id for g in self.buffer.groups.values() if g.state == "consumed"),
@@ -398,6 +401,8 @@ class Checkpoints:
         steps.steps_done, steps.publications = st["step"], st["publications"]
         steps.checkpointed_step = st["step"] if restored.checkpoint is not None else None
         steps.trainer_version = steps.version = st.get("version", 0) if restored.checkpoint is not None else 0
+        if restored.checkpoint is not None:
+            steps.trainer_version = st.get("trainer_version", steps.version)
         steps.steps_in_burst = st.get("steps_in_burst", 0)
         if steps.steps_in_burst >= self.c.mu:
             # Stopped after a burst's last step, before its publication: loading the trainer's
@@ -425,15 +430,16 @@ class Checkpoints:
         dispatches, outcomes = restored.dispatches, restored.outcomes
         core, link = self.cells.nodes[0], self.link
         self.counts(restored)  # without a checkpoint: the model directory's weights, which every cell loaded
-        version = self.steps.version
+        version = self.steps.trainer_version  # what the engines serve once restored: the trainer's
         kept = {cell: v for cell, v in (kept or {}).items() if v[1] == version}
         loaded_checkpoint = folder is not None and 0 not in kept
         if loaded_checkpoint:
             path = str(folder / "trainer.pt")
             loaded = await link.request(core, wire.LoadCheckpoint(path=path),
                                         timeout=self.c.checkpoint_timeout_s)
-            self.steps.trainer_version = self.steps.version = version = loaded.version
+            version = loaded.version
             kept = {}  # the weights loaded now go to every engine
+        self.steps.trainer_version = self.steps.version = version
         self.weights.forget(version)
         # Each engine's version: a kept one's own, a new one's the model directory's (0).
         behind = [i for i in range(len(self.cells.nodes)) if kept.get(i, (0,))[0] != version]

@@ -297,3 +297,38 @@ def test_the_workerds_of_a_crashed_run_nobody_resumes_end_after_worker_linger_s(
         said = (run / "logs" / f"workerd-{cell}.log").read_text()
         assert "keeping the model and trainer 2s for the run's resume" in said, said[-2000:]
         assert "no coordinator resumed the run within 2s; shutting down" in said, said[-2000:]
+
+
+@pytest.mark.timeout(400)
+def test_gyre_restart_leaves_the_workerds_running_and_the_resume_keeps_their_weights(tiny_dir, tmp_path):
+    """`gyre restart` (SIGUSR1): the stop saves the last step's checkpoint and, a stop for a
+    restart, leaves the workerds running; the resume takes the same processes back, their
+    trainers at that checkpoint: nothing loaded, no weights sent."""
+    from gyre.coordinator.local import alive
+
+    run = tmp_path / "run"
+    cfg = write_config(tmp_path, tiny_dir, steps=4, checkpoint_every=0, workers="local")
+    first = subprocess.Popen([sys.executable, "-m", "gyre.cli", "up", str(cfg), "--run-dir", str(run), "--no-live"],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        for line in first.stdout:
+            if line.startswith("step 1/4"):
+                break
+        else:
+            pytest.fail(f"the first run ended before step 1 (exit {first.wait()})")
+        before = _workerds(run)
+        again = subprocess.run([sys.executable, "-m", "gyre.cli", "restart", str(run), "--no-live"],
+                               capture_output=True, text=True, timeout=300)
+        assert first.wait(60) == 138
+    finally:
+        if first.poll() is None:
+            first.kill()
+        first.wait()
+        first.stdout.close()
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    assert _workerds(run) == before and not any(alive(p) for p in before)  # the same ones, stopped at the end
+    evs = events(run)
+    (res,) = [e for e in evs if e["event"] == "resume"]
+    assert (res["workers_kept"], res["checkpoint_loaded"]) == (2, False), res  # the stop's checkpoint, kept
+    assert res["checkpoint"] is not None
+    assert [e["step"] for e in evs[evs.index(res):] if e["event"] == "step"] == list(range(res["step"] + 1, 5))
