@@ -219,9 +219,9 @@ class LocalCluster:
                                       ).add_done_callback(_log_failure)
 
     async def __aenter__(self) -> LocalCluster:
-        lingering = self._lingering()
+        before, lingering = self._lingering()
         if lingering:
-            self.link.rebind(lingering.pop("address"))
+            self.link.rebind(before)
         try:
             address = await self.link.start()
         except Exception as e:  # noqa: BLE001 - the address is taken: new workerds at a new one
@@ -279,19 +279,19 @@ class LocalCluster:
                                     f"registered: {len(self.nodes)}): {e}") from None
         return self
 
-    def _lingering(self) -> dict:
-        """A resume's workerds still running from the earlier coordinator (state_file): {cell:
-        pid, "address": where they listen}; {} when none is (or this is no resume of spawned
+    def _lingering(self) -> tuple[str, dict[int, int]]:
+        """A resume's workerds still running from the earlier coordinator (state_file): where
+        they listen and {cell: pid}, empty when none is (or this is no resume of spawned
         workerds). A pid counts only while its command line is that cell's `gyre workerd` at
         that address: a pid reused by another process is not taken."""
         if self.resume_version is None or not self.spawn or self.workers is not None or self.state_file is None:
-            return {}
+            return "", {}
         try:
             recorded = json.loads(self.state_file.read_text())
             address, pids = recorded["address"], {int(c): int(p) for c, p in recorded["pids"].items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            return {}
-        found: dict = {}
+            return "", {}
+        found: dict[int, int] = {}
         for cell, pid in pids.items():
             try:
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -300,7 +300,7 @@ class LocalCluster:
             if b"workerd" in argv and address.encode() in argv and f"local-{cell}".encode() in argv \
                     and cell < self.cells:
                 found[cell] = pid
-        return {**found, "address": address} if found else {}
+        return address, found
 
     def _record(self, address: str) -> None:
         """Where the spawned workerds listen and their pids, for a resume (`_lingering`)."""

@@ -16,8 +16,9 @@ os.environ.setdefault("PYENV_REHASH_TIMEOUT", "1")
 
 # The suite's command (README) runs three xdist workers in three lanes. The main lane holds every
 # test that starts a process, a container or a harness, or asserts a deadline, in order, at the
-# normal priority. The waiting lane holds the tests that only wait (the harness_stall tier:
-# Claude Code's 300 s watchdog, a CPU-idle 5.5 minutes), at the normal priority. The side lane
+# normal priority. The waiting lane holds the tests that mostly wait (the harness_stall tier:
+# Claude Code's 300 s watchdog, a CPU-idle 5.5 minutes; the restart tests, whose agents sleep;
+# the fault matrix, whose runs wait on their deadlines), at the normal priority. The side lane
 # holds CPU-bound tests with no deadline shorter than minutes (in-process runs, megatron's cells
 # and parity, eval, the learning runs) at nice SIDE_NICE: they take the cores the main lane
 # leaves idle and cannot delay its deadlines (running both at one priority failed four deadline
@@ -55,13 +56,19 @@ SIDE_TESTS = frozenset({  # (test_eval's podman case runs its tasks under their 
     "tests/coordinator/test_inproc.py::test_a_run_on_inproc_workers_starts_no_workerd[inproc]",
     "tests/real_model/test_runs.py::test_two_steps_of_gyre_up_on_smollm2",
     "tests/coordinator/test_coordinator_e2e.py::test_a_run_on_tensor_parallel_megatron_cells",
-    "tests/coordinator/test_coordinator_e2e.py::test_an_elastic_run_on_pipeline_parallel_megatron_trainers",
 })
+# Whole modules of the waiting lane: the fault matrix's runs wait on deadlines (a worker declared
+# dead after worker_timeout_s, a slow group's SLOW_S) more than they compute.
+WAITING_MODULES = frozenset({"tests/faults/test_matrix.py"})
 SIDE_NICE = 10
 
 
 def side_lane(nodeid: str) -> bool:
-    return nodeid not in WAITING_TESTS and (nodeid in SIDE_TESTS or nodeid.split("::", 1)[0] in SIDE_MODULES)
+    return not waiting_lane(nodeid) and (nodeid in SIDE_TESTS or nodeid.split("::", 1)[0] in SIDE_MODULES)
+
+
+def waiting_lane(nodeid: str) -> bool:
+    return nodeid in WAITING_TESTS or nodeid.split("::", 1)[0] in WAITING_MODULES
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook; absent without it
@@ -73,7 +80,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class Lanes(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "waiting" if nodeid in WAITING_TESTS else "side" if side_lane(nodeid) else "suite"
+            return "waiting" if waiting_lane(nodeid) else "side" if side_lane(nodeid) else "suite"
 
     return Lanes(config, log)
 
@@ -192,7 +199,7 @@ def pytest_collection_modifyitems(config, items):
                 and any(item.get_closest_marker(tier) for tier in WAITING_TIERS)]
     if unlisted:
         raise pytest.UsageError(f"tests/conftest.py: add {', '.join(unlisted)} to WAITING_TESTS (its tier only waits)")
-    stale = [m for m in SIDE_MODULES if not (config.rootpath / m).is_file()]
+    stale = [m for m in SIDE_MODULES | WAITING_MODULES if not (config.rootpath / m).is_file()]
     collected = {item.nodeid for item in items}
     stale += [t for t in SIDE_TESTS if t not in collected and any(i.startswith(t.split("::")[0]) for i in collected)]
     if stale:

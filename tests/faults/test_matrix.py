@@ -357,7 +357,8 @@ def at_phase(case: Case, run: Path, up: Up) -> dict:
             s = status(run)
             return s if s and s["steps"]["done"] == done and s["burst"]["publications"] == done \
                 and not s["step_in_flight"] and s["waterlevel"]["running"] > 0 and s["cells"][0]["role"] == "rollout" \
-                and s["cells"][1 if case.target is None else case.target]["homes"] > 0 else None
+                and (s["cells"][case.target]["homes"] > 0 if case.target is not None  # the cell hit serves
+                     else any(c["homes"] > 0 for c in s["cells"])) else None
 
         return wait_for("step 2's rollout", probe, 120, up)
 
