@@ -298,7 +298,7 @@ class LocalCluster:
             except OSError:
                 continue
             if b"workerd" in argv and address.encode() in argv and f"local-{cell}".encode() in argv \
-                    and cell < self.cells:
+                    and cell < self.cells and _lingers(argv):
                 found[cell] = pid
         return address, found
 
@@ -380,3 +380,12 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return stat[stat.rfind(")") + 2:][:1] not in ("Z", "X")
+
+
+def _lingers(argv: list[bytes]) -> bool:
+    """Whether a workerd's command line asks it to wait for a resume (--linger S, S > 0): one
+    without ends with its coordinator, and may still be ending when the resume looks."""
+    try:
+        return float(argv[argv.index(b"--linger") + 1]) > 0
+    except (ValueError, IndexError):
+        return False
