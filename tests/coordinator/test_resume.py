@@ -132,22 +132,31 @@ def test_resume_of_a_directory_without_a_run_is_a_clear_error(tmp_path):
     assert not (tmp_path / "nothing").exists()
 
 
-@pytest.mark.timeout(400)
-def test_workers_started_by_hand_survive_a_coordinator_kill_and_rejoin_the_resume(tiny_dir, tmp_path):
-    """The operator's path: workerds started by hand stay up when the coordinator is killed;
-    the resumed coordinator asks them to register again and finishes the run with them."""
+def _hand_started(tmp_path: Path, tiny_dir: Path, *, steps: int) -> tuple[Path, list[subprocess.Popen]]:
+    """A run config for workers = "external" at a free loopback port, and two `gyre workerd`
+    started by hand there (as systemd runs them), their output in tmp_path/workerd-I.log."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    address = f"tcp://127.0.0.1:{port}"
-    run = tmp_path / "run"
-    cfg = write_config(tmp_path, tiny_dir, workers=None)
+        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    cfg = write_config(tmp_path, tiny_dir, steps=steps, workers=None)
     cfg.write_text(cfg.read_text() + f'workers = "external"\naddress = "{address}"\ntopology_timeout_s = 120.0\n')
-    workers = [subprocess.Popen([sys.executable, "-m", "gyre.cli", "workerd", "--coordinator", address,
-                                 "--node-id", f"hand-{i}", "--heartbeat", "0.5"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(2)]
+    workers = []
+    for i in range(2):
+        with open(tmp_path / f"workerd-{i}.log", "wb") as log:
+            workers.append(subprocess.Popen([sys.executable, "-m", "gyre.cli", "workerd", "--coordinator", address,
+                                             "--node-id", f"hand-{i}", "--heartbeat", "0.5"], stdout=log, stderr=log))
+    return cfg, workers
+
+
+@pytest.mark.timeout(400)
+def test_workers_started_by_hand_survive_a_coordinator_kill_and_rejoin_the_resume(tiny_dir, tmp_path):
+    """The operator's path: workerds started by hand stay up when the coordinator is killed;
+    the resumed coordinator asks them to register again and finishes the run with them."""
+
+    run = tmp_path / "run"
+    cfg, workers = _hand_started(tmp_path, tiny_dir, steps=4)
     try:
         first = subprocess.Popen([sys.executable, "-m", "gyre.cli", "up", str(cfg), "--run-dir", str(run),
                                   "--no-live"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -183,19 +192,8 @@ def test_workers_that_outlive_the_coordinator_keep_their_weights_when_the_resume
     with them. (Killed in a publication instead, the core's trainer is a step ahead and is
     built again: the fault matrix's coordinator-kill-publication, with spawned workerds.)"""
     point, kept = "checkpointed", 2
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    address = f"tcp://127.0.0.1:{port}"
     run = tmp_path / "run"
-    cfg = write_config(tmp_path, tiny_dir, steps=3, workers=None)
-    cfg.write_text(cfg.read_text() + f'workers = "external"\naddress = "{address}"\ntopology_timeout_s = 120.0\n')
-    logs = [open(tmp_path / f"workerd-{i}.log", "wb") for i in range(2)]
-    workers = [subprocess.Popen([sys.executable, "-m", "gyre.cli", "workerd", "--coordinator", address,
-                                 "--node-id", f"hand-{i}", "--heartbeat", "0.5"], stdout=logs[i], stderr=logs[i])
-               for i in range(2)]
+    cfg, workers = _hand_started(tmp_path, tiny_dir, steps=3)
     try:
         first = subprocess.Popen([sys.executable, "-m", "gyre.cli", "up", str(cfg), "--run-dir", str(run),
                                   "--no-live"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -219,8 +217,6 @@ def test_workers_that_outlive_the_coordinator_keep_their_weights_when_the_resume
             if w.poll() is None:
                 w.kill()
                 w.wait()
-        for f in logs:
-            f.close()
     after = events(run)
     (res,) = [e for e in after if e["event"] == "resume"]
     assert (res["workers_kept"], res["checkpoint_loaded"]) == (kept, False), res
