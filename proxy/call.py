@@ -53,6 +53,7 @@ class ProxiedCall:
         self.finish = "stop"
         self.response_id = api.new_response_id()
         self.recorded = False
+        self.unanswered: dict | None = None  # the call's ok record until its answer is out
 
     async def run(self) -> web.StreamResponse:
         """The except ladder: each outcome is recorded once, with its status."""
@@ -63,11 +64,14 @@ class ProxiedCall:
                 return await self._stream(queue)
             return await self._whole(queue)
         except asyncio.CancelledError:
-            # The client went away: stop generating, keep what was produced, marked.
+            # The client went away (or the proxy stopped): stop generating, keep what was
+            # produced, marked; an answer recorded but not sent is marked undelivered.
             self._record("disconnected")
+            self._undelivered()
             raise
         except (ConnectionResetError, BrokenPipeError):
             self._record("disconnected")
+            self._undelivered()
             return web.Response(status=499)
         except JournalError as e:
             # The output's record could not be written (a full disk): taken back whole, and
@@ -150,7 +154,12 @@ class ProxiedCall:
         result = self._result()
         self._record("ok", result)
         self.ex.note_answer(refused=False)
-        return web.json_response(self.api.render_result(result, self.req), dumps=dumps_str)
+        # Sent here, not by aiohttp after the return: a cut while sending is this call's to mark.
+        resp = web.json_response(self.api.render_result(result, self.req), dumps=dumps_str)
+        await resp.prepare(self.request)
+        await resp.write_eof()
+        self.unanswered = None
+        return resp
 
     async def _stream(self, queue: asyncio.Queue) -> web.StreamResponse:
         # Headers and the opening events go out at once: a harness waiting for its first byte
@@ -192,7 +201,19 @@ class ProxiedCall:
         for event in stream.finish(result):
             await resp.write(event)
         await resp.write_eof()
+        self.unanswered = None
         return resp
+
+    def _undelivered(self) -> None:
+        """The call was recorded ok but its answer (or its stream's end) never went out: the
+        harness saw no answer and retries it, so this output is not trained (Recorder.undelivered)."""
+        if self.unanswered is None:
+            return
+        record, self.unanswered = self.unanswered, None
+        try:
+            self.ex.undelivered(record)
+        except JournalError as e:
+            self.s._disk.note(e)
 
     def _record(self, status: str, result: ChatResult | None = None) -> None:
         if self.recorded:
@@ -219,6 +240,8 @@ class ProxiedCall:
                 raise  # the caller answers 503 (or an error event) instead of the result
             self.s._disk.note(e)  # an error or disconnect record lost whole: nothing half-written
             return
+        if status == "ok":
+            self.unanswered = record
         if self.s.on_record is not None:
             self.s.on_record(self.ex, record)
 

@@ -359,6 +359,17 @@ class Recorder:
         self.calls.append(record)
         return record
 
+    def undelivered(self, record: dict) -> None:
+        """A call recorded ok whose answer never reached the harness (the connection or the
+        proxy went while it was sent): the harness retries it, and the retry is the call that
+        continues the conversation; this output stays on file but is not trained, as a
+        disconnected call's. On file as a `meta` line (records.load_execution applies it)."""
+        node = record["output_node"]
+        self._write("meta", {"event": "undelivered", "t": time.time(), "call_id": record["call_id"], "node": node})
+        record["status"] = "undelivered"
+        if node is not None:
+            self.tree.nodes[node].policy = False
+
     def record_reply(self, req: ChatRequest, output_ids: list[int], *, prep: Prepared | None = None,
                      finish: str = "stop", logprobs: list[float] | None = None, versions: list[int] | None = None,
                      engine: str = "scripted", new_call_id: Callable[[], str] | None = None,

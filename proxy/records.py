@@ -292,8 +292,24 @@ def load_execution(folder: Path, *, transcript: bool = False, text: Callable[[st
                                "or a full disk)")
         roles[leaf] = role
         calls.append(c if transcript else {k: v for k, v in c.items() if k not in TRANSCRIPT_KEYS})
+    _undelivered(folder, tree, calls)
     roles = {k: v for k, v in roles.items() if not tree.nodes[k].children}
     return Recorded(folder.name, tree, calls, roles)
+
+
+def _undelivered(folder: Path, tree: Tree, calls: list[dict]) -> None:
+    """Apply meta.jsonl's `undelivered` lines (Recorder.undelivered): the call's status, and
+    its output node no longer trainable."""
+    gone = {m["call_id"]: m.get("node") for _, m in read_lines(folder / "meta.jsonl")
+            if isinstance(m, dict) and m.get("event") == "undelivered" and "call_id" in m}
+    if not gone:
+        return
+    for c in calls:
+        if c.get("call_id") in gone:
+            c["status"] = "undelivered"
+    for node in gone.values():
+        if isinstance(node, int) and 0 <= node < len(tree.nodes):
+            tree.nodes[node].policy = False
 
 
 def load_run(run_dir: Path) -> list[Recorded]:

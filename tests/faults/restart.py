@@ -104,6 +104,22 @@ def calls_made(run_dir: Path) -> dict[str, int]:
     return out
 
 
+def answered(recorded) -> int:
+    """The calls the harness was answered, after checking the rest and the tree: one root (the
+    conversation continued across every restart), and a call the coordinator's stop cut
+    (in generation: `disconnected`; while its answer was sent: `undelivered`) kept once with
+    its output untrained, the harness's retry of it answered from the same prompt node."""
+    assert len(recorded.tree.roots) == 1, recorded.id
+    ok = [c for c in recorded.calls if c["status"] == "ok"]
+    for c in recorded.calls:
+        if c["status"] == "ok":
+            continue
+        assert c["status"] in ("disconnected", "undelivered"), c
+        assert c["output_node"] is None or not recorded.tree.nodes[c["output_node"]].policy, c
+        assert any(o["prompt_node"] == c["prompt_node"] for o in ok), c  # retried, and answered
+    return len(ok)
+
+
 def wait_for(what, timeout_s: float, proc: subprocess.Popen | None = None, poll_s: float = 0.2):
     """`what()` once truthy (polling the run's files: the coordinator is another process), else
     AssertionError; also when `proc` ended meanwhile."""

@@ -19,7 +19,9 @@ import aiohttp
 import anthropic
 import openai
 import pytest
+from aiohttp import web
 
+from gyre.proxy.records import load_execution
 from gyre.proxy.server import ProxyConfig, ProxyServer
 from tests.scripted import ScriptedEngine
 from tests.support import ThreadEngineBackend
@@ -135,6 +137,41 @@ async def test_past_the_connection_limit_new_connections_get_a_503_and_existing_
             assert await closed_within(r, 5) == b""
         async with openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key=ex.key, max_retries=5) as oa:
             assert (await oa.chat.completions.create(**CHAT)).choices[0].message.content == "Done."
+
+
+@pytest.mark.parametrize("sdk", ["openai", "anthropic"])
+async def test_an_answer_cut_while_it_is_sent_is_not_trained_and_the_sdks_retry_continues(
+        chat_tokenizer, tmp_path, monkeypatch, sdk):
+    """The connection drops as the proxy sends an answer it has recorded ok (a harness's
+    socket gone, or the proxy stopping at a restart): the SDK saw no answer and retries. The
+    cut call is kept as `undelivered`, its output not trainable, in memory and on file; the
+    retry continues from the same prompt, and only its output is trained."""
+    sent = web.StreamResponse.write_eof
+    cut = []
+
+    async def write_eof(self, data=b""):
+        if not cut and self.status == 200 and self._req is not None and self._req.path.startswith("/v1/"):
+            cut.append(self._req.path)
+            self._req.transport.abort()  # the connection is gone as the answer goes out
+        return await sent(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write_eof", write_eof)
+    async with live_proxy(chat_tokenizer, tmp_path) as (server, engine):
+        ex = server.register("e1")
+        if sdk == "openai":
+            async with openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key=ex.key, max_retries=2) as oa:
+                assert (await oa.chat.completions.create(**CHAT)).choices[0].message.content == "Done."
+        else:
+            async with anthropic.AsyncAnthropic(base_url=server.base_url, api_key=ex.key, max_retries=2) as an:
+                assert (await an.messages.create(**MESSAGES)).content[0].text == "Done."
+        assert len(cut) == 1 and len(engine.prompts) == 2  # cut once, generated again for the retry
+        load = load_execution(tmp_path / "run" / "executions" / "e1")
+        for calls, tree in ((ex.calls, ex.tree), (load.calls, load.tree)):  # in memory, and on file
+            assert [c["status"] for c in calls] == ["undelivered", "ok"], calls
+            assert calls[0]["prompt_node"] == calls[1]["prompt_node"] and len(tree.roots) == 1
+            assert [tree.nodes[c["output_node"]].policy for c in calls] == [False, True]
+        trajectories, _ = load.admit()
+        assert [t.targets for t in trajectories] == [frozenset({load.calls[1]["output_node"]})]
 
 
 async def test_a_slow_body_is_a_408_in_the_api_shape_and_its_connection_is_closed(chat_tokenizer, tmp_path):
