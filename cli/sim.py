@@ -31,6 +31,9 @@ SimJsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.
 EdOpt = Annotated[float, typer.Option("--ed", help="Matched mean staleness E[d] = phi + (mu-1)/2.")]
 SeedsOpt = Annotated[int, typer.Option("--seeds", help="Number of seeds (0..n-1) to average over.")]
 TimelineOpt = Annotated[Path | None, typer.Option("--timeline", help="Write the role timeline as SVG here.")]
+TrainingCellsOpt = Annotated[int | None, typer.Option(
+    "--training-cells", help="Cells that only train, for a fixed split (async, async-streaming); default: the "
+                             "split that balances the workload's rollout and training time.")]
 
 
 def _fail(message: str) -> None:
@@ -40,7 +43,8 @@ def _fail(message: str) -> None:
 
 def _check(**values) -> None:
     """One-line errors for options out of range (the simulator would divide by them)."""
-    minimum = {"steps": 1, "mu": 1, "seeds": 1, "cells": 1, "cell_nodes": 1, "phi": 0, "standalone": 0, "ed": 0}
+    minimum = {"steps": 1, "mu": 1, "seeds": 1, "cells": 1, "cell_nodes": 1, "phi": 0, "standalone": 0, "ed": 0,
+               "training_cells": 1}
     for name, value in values.items():
         if value is not None and value < minimum[name]:
             _fail(f"--{name.replace('_', '-')} must be >= {minimum[name]}, got {value}")
@@ -74,7 +78,7 @@ def _workload(name: str, cells: int | None, cell_nodes: int | None):
 def sim(ctx: typer.Context, workload: WorkloadOpt = "nl2repo", policy: SimPolicyOpt = "elastic",
         phi: PhiOpt = 0.5, mu: MuOpt = 3, cells: CellsOpt = None, cell_nodes: CellNodesOpt = None,
         standalone: StandaloneOpt = 0, steps: SimStepsOpt = 20, seed: SimSeedOpt = 0, as_json: SimJsonOpt = False,
-        timeline: TimelineOpt = None) -> None:
+        timeline: TimelineOpt = None, training_cells: TrainingCellsOpt = None) -> None:
     """Simulate one policy (or, with `compare`, every policy at matched staleness)."""
     if ctx.invoked_subcommand is not None:
         ctx.obj = {"workload": workload, "cells": cells, "cell_nodes": cell_nodes, "standalone": standalone}
@@ -84,10 +88,16 @@ def sim(ctx: typer.Context, workload: WorkloadOpt = "nl2repo", policy: SimPolicy
     from gyre.workerd.wire import GyreError
 
     _check_policy(policy)
-    _check(steps=steps, mu=mu, phi=phi, cells=cells, cell_nodes=cell_nodes, standalone=standalone)
+    _check(steps=steps, mu=mu, phi=phi, cells=cells, cell_nodes=cell_nodes, standalone=standalone,
+           training_cells=training_cells)
     w = _workload(workload, cells, cell_nodes)
+    from gyre.coordinator.policies import POLICIES
+
+    if training_cells is not None and not POLICIES[policy].fixed_split:
+        _fail(f"--training-cells sets a fixed split (async, async-streaming); {policy} moves cells between roles")
     try:
-        r = simulate(w, policy=policy, phi=phi, mu=mu, steps=steps, seed=seed, standalone=standalone)
+        r = simulate(w, policy=policy, phi=phi, mu=mu, steps=steps, seed=seed, standalone=standalone,
+                     async_training_cells=training_cells)
     except (ValueError, GyreError) as e:  # SimError and the simulator's own argument checks
         _fail(str(e))
     if timeline is not None:
@@ -96,11 +106,30 @@ def sim(ctx: typer.Context, workload: WorkloadOpt = "nl2repo", policy: SimPolicy
         typer.echo(json.dumps({"workload": w.name, "policy": policy, "phi": phi, "mu": mu, "steps": r.steps,
                                "hours": r.hours, "staleness_mean": r.staleness_mean,
                                "training_share": r.per_cell_training_share, "switches": r.switches,
-                               "mean_waterlevel": r.mean_waterlevel}))
+                               "mean_waterlevel": r.mean_waterlevel, "training_cells": r.async_training_cells,
+                               "assumed": list(w.assumed)}))
         return
-    typer.echo(f"{w.name}: {policy} phi={phi} mu={mu}, {r.steps} steps in {r.hours:.2f} h; "
+    split = f" training cells {r.async_training_cells}" if r.async_training_cells else ""
+    scale, unit = time_unit(r.hours)
+    typer.echo(f"{w.name}: {policy} phi={phi} mu={mu}{split}, {r.steps} steps in {r.hours * scale:.2f} {unit}; "
                f"staleness {r.staleness_mean:.2f}; {r.switches} role switches")
+    _say_assumed(w)
     typer.echo(role_timeline_text(r))
+
+
+def time_unit(hours: float) -> tuple[float, str]:
+    """(factor, unit) to print `hours` in: h from an hour, min from a minute, else s."""
+    if hours >= 1.0:
+        return 1.0, "h"
+    if hours >= 1 / 60:
+        return 60.0, "min"
+    return 3600.0, "s"
+
+
+def _say_assumed(w) -> None:
+    """The terms a recorded run did not measure (workloads.workload_from_metrics), one line each."""
+    for term in w.assumed:
+        typer.echo(f"assumed, not measured in {w.name}: {term}")
 
 
 @sim_app.command("compare")
@@ -126,14 +155,18 @@ def compare_cmd(ctx: typer.Context, workload: Annotated[str | None, typer.Option
     except (ValueError, GyreError) as e:  # SimError and the simulator's own argument checks
         _fail(str(e))
     if as_json:
-        typer.echo(json.dumps(out))
+        typer.echo(json.dumps({**out, "assumed": list(w.assumed)}))
         return
     typer.echo(f"{w.name}, E[d]={ed}, {steps} steps, seeds {out['seeds']}")
-    typer.echo(f"{'policy':<16}{'phi':>5}{'mu':>4}{'t':>3}{'hours':>9}{'staleness':>11}  training share per cell")
+    _say_assumed(w)
+    # One unit for the table, from its shortest time: a minute-scale run is not 0.04 h vs 0.05 h.
+    scale, unit = time_unit(min(p["hours"] for p in out["policies"].values()))
+    typer.echo(f"{'policy':<16}{'phi':>5}{'mu':>4}{'t':>3}{unit:>9}{'staleness':>11}  training share per cell")
     for name, p in out["policies"].items():
         share = " ".join(f"{x:.2f}" for x in p["training_share"])
         t = p.get("training_cells", "-")
-        typer.echo(f"{name:<16}{p['phi']:>5g}{p['mu']:>4}{t:>3}{p['hours']:>9.2f}{p['staleness_mean']:>11.2f}  {share}")
+        typer.echo(f"{name:<16}{p['phi']:>5g}{p['mu']:>4}{t:>3}{p['hours'] * scale:>9.2f}"
+                   f"{p['staleness_mean']:>11.2f}  {share}")
     sp = out["speedup"]
     typer.echo(f"elastic speedup: {sp['vs_async']:.2f}x vs async (the paper's Async baseline, full batches), "
                f"{sp['vs_async_streaming']:.2f}x vs async-streaming (A3), {sp['vs_colocate']:.2f}x vs colocate")

@@ -136,6 +136,8 @@ class Coordinator:
         (c.run_dir / "config.json").write_text(json.dumps(c.to_json(), indent=2))
         trackers = Trackers(c.trackers, c.tracker_options, c.run_dir, c.to_json()) if c.trackers else None
         self.metrics = self.executions.metrics = Metrics(c.run_dir / "metrics.jsonl", t0=t0, trackers=trackers)
+        # This session's t = 0 on the wall clock (calls.jsonl's times are wall-clock stamps).
+        self.metrics.emit("start", t0_wall=round(self.metrics.t0_wall, 4), resumed=restored is not None)
         cluster = run_workers(c, self.cells.roles, self._inproc,
                               resume_version=self.steps.trainer_version if restored is not None else None)
         cluster.on_rejoin = self.cells.on_rejoin
@@ -191,6 +193,8 @@ class Coordinator:
             for i, n in enumerate(self.cells.nodes)))
         if c.weight_transfer == "broadcast" and len(self.cells.nodes) > 1:
             await self.weights.init_broadcast()
+        # Start-up done: the workers ready, the proxy listening; what comes next is the run's.
+        self.metrics.emit("ready", startup_s=round(self.metrics.now() - (restored.last_t if restored else 0.0), 4))
         if restored is not None:
             await self.checkpoints.restore(restored, kept=self.cluster.kept_cells())
             self.executions.launch_adopted()  # harnesses that outlived the earlier coordinator

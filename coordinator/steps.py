@@ -110,7 +110,8 @@ class Steps:
         if satellites and self.steps_in_burst < self.c.mu:  # they train the next step of the burst too
             await self.level(satellites)
         self._report(res.groups, res.executions, res.results, version_before, len(res.participants),
-                     time.monotonic() - t0, res.tokens, trained=res.version is not None)
+                     time.monotonic() - t0, res.tokens, trained=res.version is not None, claimed=res.claimed,
+                     started=None if res.first_claim is None else res.first_claim - t0)
 
     async def _join(self, cell: int) -> None:
         """A training cell joins the batch in flight: the core's (fixed) weights first, if
@@ -127,9 +128,11 @@ class Steps:
             self.join_tasks.pop(cell, None)
 
     def _report(self, groups, executions, results, version_before, n_cells, seconds, packed, *,
-                trained: bool) -> None:
+                trained: bool, claimed: dict[int, int], started: float | None) -> None:
         """A step done: its report (the `on_step` callback, the step line) and its `step` event
-        (with the diagnosis: diagnosis.py), whether it trained anything or not."""
+        (with the diagnosis: diagnosis.py), whether it trained anything or not. `claimed`: each
+        cell's micro-steps; `started`: seconds from the step's start to its first micro-step
+        (None: none was trained)."""
         runs = [r for g in groups for r in g.runs if r.status != "cancelled"]
         valid = [r.reward for r in runs if r.valid and r.reward is not None]
         staleness = [version_before - g.version for g in groups]
@@ -162,6 +165,12 @@ class Steps:
                           packing=self.c.packing, forward_tokens=packed.forward,
                           unique_admitted_tokens=packed.unique, expanded_tokens=packed.expanded,
                           trainer_seconds=round(sum(r.seconds for r in results), 4),
+                          # Micro-steps trained, and claimed by each cell (a cell in a step with
+                          # fewer micro-steps than training cells claims none: idle by construction);
+                          # when the first was claimed (a streaming step waits for ready groups first).
+                          micro_steps=len(results),
+                          micro_steps_by_cell=[claimed.get(i, 0) for i in range(self.c.cells)],
+                          training_started_s=None if started is None else round(started, 4),
                           loop_lag_ms=self.probe.lag_ms(since=self.step_began),
                           cache_hit_rate=None if prefill is None or not prefill + cached
                           else round(cached / (prefill + cached), 4),

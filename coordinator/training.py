@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ class BatchResult:
     grad_norm: float | None
     claimed: dict[int, int] = field(default_factory=dict)  # cell -> micro-steps it trained
     tokens: Stats = field(default_factory=Stats)
+    first_claim: float | None = None  # time.monotonic() of the step's first micro-step claim
 
 
 class Batch:
@@ -54,6 +56,7 @@ class Batch:
         self.workers: dict[int, asyncio.Task] = {}
         self.results: list[wire.TrainResult] = []
         self.claimed: dict[int, int] = {}
+        self.first_claim: float | None = None  # when the first micro-step was claimed (training began)
         self.groups: list[Group] = []
         self.executions = 0
         self.busy: set[int] = set()  # cells with a micro-step in flight (the scheduler holds their role)
@@ -116,7 +119,7 @@ class Batch:
             # no update, which would only move the weights by weight decay and the optimizer's
             # momentum; the trainers keep their version, and the publication sends nothing.
             return BatchResult(self.groups, self.executions, [], list(self.participants), None, None,
-                               {}, self.tokens)
+                               {}, self.tokens, self.first_claim)
         async with self.cond:  # paused participants (schedule.py's pause/resume) resume first
             await self.cond.wait_for(lambda: all(self.trains(i) for i in self.participants))
         # Reduce over the participants' prefix group; only the core applies the update.
@@ -131,7 +134,7 @@ class Batch:
         for cell, r in zip(self.participants, replies):
             self.train_busy_s[cell] = self.train_busy_s.get(cell, 0.0) + r.seconds
         return BatchResult(self.groups, self.executions, self.results, list(self.participants), core.version,
-                           core.grad_norm, dict(self.claimed), self.tokens)
+                           core.grad_norm, dict(self.claimed), self.tokens, self.first_claim)
 
     async def _worker(self, cell: int) -> None:
         node, link = self.nodes[cell], self.link
@@ -143,6 +146,8 @@ class Batch:
                     return
                 ms = self.pending.popleft()
                 self.busy.add(cell)
+                if self.first_claim is None:
+                    self.first_claim = time.monotonic()
             try:
                 res = await link.request(node, wire.TrainMicroStep(step=self.step),
                                          ms.frames())

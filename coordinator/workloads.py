@@ -51,6 +51,7 @@ class Workload:
     hard_mult: float = 1.0
     empirical_groups_h: tuple[tuple[float, ...], ...] = ()
     train_h_by_cells: tuple[tuple[int, float], ...] = ()  # measured (cells, step hours), reference only
+    assumed: tuple[str, ...] = ()  # terms a recorded run did not measure, and what stands in for each
 
 
 PRESETS: dict[str, Workload] = {
@@ -101,19 +102,24 @@ def duration_stats(w: Workload, *, queries: int, seed: int) -> dict[str, float]:
 
 
 def workload_from_metrics(path: str | Path) -> Workload:
-    """A Workload from a run's metrics.jsonl (and its config.json next to it, if present):
-    recorded groups' execution durations are resampled (timed_out ones end at the deadline);
-    the step's cell-hours are the mean of measured step seconds x cells training (an upper
-    bound where satellites joined mid-step), kept per cell count in `train_h_by_cells`;
-    switch and publication times are the measured ones. Cluster shape comes from config.json, else from
-    the events."""
+    """A Workload from a run's metrics.jsonl (and its config.json next to it, if present).
+    Recorded groups' execution durations are resampled (timed_out ones end at the deadline;
+    cancelled ones, which never finished, are left out). A step's cell-hours are its trainers'
+    own seconds (`trainer_seconds`; a streaming step's wall time includes its wait for ready
+    groups), over the steps that trained; `train_h_by_cells` keeps the steps' wall hours per
+    cell count, for reference. Switch and publication times and micro-steps per group are the
+    run's own. A term the run did not measure (no `role` event: the run never switched; a
+    journal from before `trainer_seconds` or `micro_steps`) keeps a stand-in, named in
+    `assumed`. Cluster shape comes from config.json, else from the events."""
     path = Path(path)
     events = read_events(path, warn=True).events  # a torn line skipped
     cfg_path = path.parent / "config.json"
     cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+    assumed: list[str] = []
     groups: dict[int, list[float]] = {}
     for e in events:
-        if e.get("event") == "execution" and e.get("t_start") is not None and e.get("t_end") is not None:
+        if e.get("event") == "execution" and e.get("t_start") is not None and e.get("t_end") is not None \
+                and e.get("status") != "cancelled":
             hours = math.inf if e.get("status") == "timed_out" else (e["t_end"] - e["t_start"]) / 3600
             groups.setdefault(e["group"], []).append(hours)
     steps = [e for e in events if e.get("event") == "step"]
@@ -121,26 +127,42 @@ def workload_from_metrics(path: str | Path) -> Workload:
     if not groups or not steps:
         raise SimError(f"{path}: needs execution and step events")
     cells = int(cfg.get("cells") or max([e["cells_training"] for e in steps] + [e["cell"] + 1 for e in roles]))
-    cell_h = sum(e["seconds"] * e["cells_training"] for e in steps) / len(steps) / 3600
+    trained = [e for e in steps if e.get("trained", True) and e.get("tokens_trained", 1)] or steps
+    if all(e.get("trainer_seconds") is not None for e in trained):
+        cell_h = sum(e["trainer_seconds"] for e in trained) / len(trained) / 3600
+    else:
+        cell_h = sum(e["seconds"] * e["cells_training"] for e in trained) / len(trained) / 3600
+        assumed.append("training: step seconds x cells training (no trainer_seconds in the journal)")
     by_cells: dict[int, list[float]] = {}
     for e in steps:
         by_cells.setdefault(e["cells_training"], []).append(e["seconds"] / 3600)
     finite = [x for g in groups.values() for x in g if math.isfinite(x)]
     timeout_h = cfg["execution_timeout_s"] / 3600 if "execution_timeout_s" in cfg else max(finite, default=1.0)
 
-    def mean_seconds(kind: str, default: float, to: str | None = None) -> float:
+    def mean_seconds(kind: str, default: float, what: str, to: str | None = None) -> float:
         xs = [e["seconds"] for e in events if e.get("event") == kind and (to is None or e.get("to") == to)]
-        return sum(xs) / len(xs) if xs else default
+        if xs:
+            return sum(xs) / len(xs)
+        assumed.append(f"{what}: {default:g} s (the paper's GPU figure; the run measured none)")
+        return default
 
+    counted = [e for e in trained if e.get("micro_steps") and e.get("groups")]
+    if counted:
+        per_group = max(1, round(sum(e["micro_steps"] for e in counted) / sum(e["groups"] for e in counted)))
+    else:
+        per_group = Workload.micro_steps_per_group
+        assumed.append(f"micro-steps per group: {per_group} (no micro_steps in the journal)")
     base = Workload(name=path.parent.name or "metrics", cells=cells, cell_nodes=1,
                     group_size=int(cfg.get("group_size") or max(len(g) for g in groups.values())),
                     groups_per_step=int(cfg.get("groups_per_step") or max(e["groups"] for e in steps)),
                     exec_slots_per_cell=int(cfg.get("exec_slots_per_cell") or _peak_running(events, cells)),
                     timeout_h=timeout_h, train_h_all=cell_h / cells)
-    return replace(base, switch_to_train_s=mean_seconds("role", 8.52, "training"),
-                   switch_to_rollout_s=mean_seconds("role", 3.46, "rollout"), publish_s=mean_seconds("publish", 30.0),
+    return replace(base, switch_to_train_s=mean_seconds("role", 8.52, "switch to training", "training"),
+                   switch_to_rollout_s=mean_seconds("role", 3.46, "switch to rollout", "rollout"),
+                   publish_s=mean_seconds("publish", 30.0, "publication"), micro_steps_per_group=per_group,
                    empirical_groups_h=tuple(tuple(g) for _, g in sorted(groups.items())),
-                   train_h_by_cells=tuple((k, sum(v) / len(v)) for k, v in sorted(by_cells.items())))
+                   train_h_by_cells=tuple((k, sum(v) / len(v)) for k, v in sorted(by_cells.items())),
+                   assumed=tuple(assumed))
 
 
 def _peak_running(events: list[dict], cells: int) -> int:

@@ -44,6 +44,38 @@ def test_compare_json_contract():
             out["policies"][name]["hours"] / out["policies"]["elastic"]["hours"])
 
 
+def test_training_cells_fix_the_async_split():
+    out = {}
+    for t in (1, 3):
+        r = runner.invoke(app, ["sim", "--workload", "terminalbench", "--policy", "async", "--training-cells", str(t),
+                                "--steps", "4", "--json"])
+        assert r.exit_code == 0, r.output
+        out[t] = json.loads(r.output)
+        assert out[t]["training_cells"] == t and out[t]["assumed"] == []
+    assert out[1]["hours"] != out[3]["hours"]
+    shares = [sum(x > 0 for x in out[t]["training_share"]) for t in (1, 3)]
+    assert shares == [1, 3]  # only the fixed split's cells ever train
+
+
+def test_a_recorded_run_of_minutes_prints_in_minutes_or_seconds_and_names_what_it_assumed(tmp_path):
+    """A run's metrics.jsonl without role events (it never switched): its switch times are
+    the paper's, said so; a table of a minute-scale workload is not in hundredths of hours."""
+    lines = [{"event": "execution", "t": 30.0 + i, "id": f"g{g}-{i}", "group": g, "status": "completed",
+              "t_start": 10.0 * g, "t_end": 10.0 * g + 20.0 + 3 * i} for g in range(4) for i in range(2)]
+    lines += [{"event": "step", "t": 60.0 + s, "step": s + 1, "seconds": 6.0, "groups": 1, "cells_training": 1,
+               "trainer_seconds": 4.0, "micro_steps": 1, "trained": True, "tokens_trained": 50} for s in range(3)]
+    lines.append({"event": "publish", "t": 70.0, "version": 1, "seconds": 0.2, "bytes": 10})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (tmp_path / "config.json").write_text(json.dumps({"cells": 3, "group_size": 2, "groups_per_step": 1,
+                                                      "exec_slots_per_cell": 2, "execution_timeout_s": 60.0}))
+    r = runner.invoke(app, ["sim", "--workload", str(tmp_path / "metrics.jsonl"), "compare", "--steps", "3",
+                            "--seeds", "1", "--ed", "1"])
+    assert r.exit_code == 0, r.output
+    assert "assumed, not measured in " in r.output and "switch to training: 8.52 s" in r.output, r.output
+    header = next(line for line in r.output.splitlines() if line.startswith("policy"))
+    assert header.split()[4] in ("min", "s"), header
+
+
 def test_unknown_workload_is_a_one_line_error():
     r = runner.invoke(app, ["sim", "--workload", "nope"])
     assert r.exit_code == 1 and r.output.startswith("[error] unknown workload") and len(r.output.splitlines()) == 1
@@ -57,6 +89,10 @@ def test_unknown_workload_is_a_one_line_error():
     (["sim", "compare", "--seeds", "0"], "--seeds must be >= 1"),
     (["sim", "compare", "--steps", "0"], "--steps must be >= 1"),
     (["sim", "--cells", "1", "compare"], "compare needs at least 2 cells"),
+    (["sim", "--policy", "async", "--training-cells", "0"], "--training-cells must be >= 1"),
+    (["sim", "--policy", "elastic", "--training-cells", "1"], "--training-cells sets a fixed split"),
+    (["sim", "--workload", "terminalbench", "--policy", "async", "--training-cells", "6"],
+     "async needs 1 <= async_training_cells < 6, got 6"),
 ])
 def test_bad_sim_options_are_one_line_errors(args, message):
     r = runner.invoke(app, args)

@@ -107,6 +107,19 @@ async def test_elastic_run_keeps_its_promises(tiny_dir, tmp_path):
     assert len({e["id"] for e in execs}) == len(execs) == coord.wl.c.f == coord.wl.c.p
     assert all(r.cells_training in (1, 2) for r in reports)
     assert [r.staleness_mean for r in reports] == [0.0, 1.0]  # phi + (mu-1)/2 = 0.5 on average
+    # What a comparison of runs reads: the session's clock and start-up, each step's micro-steps
+    # by the cells that claimed them, and when its training began.
+    assert [x["event"] for x in lines][:2] == ["start", "ready"]
+    start, ready = lines[0], lines[1]
+    assert not start["resumed"] and 0 < ready["startup_s"] <= ready["t"] + 1e-3
+    for e in execs:  # calls.jsonl's wall-clock stamps, less t0_wall, fall inside their execution
+        calls = [json.loads(x) for x in (cfg.run_dir / "executions" / e["id"] / "calls.jsonl").read_text().splitlines()]
+        assert calls and all(e["t_start"] - 0.5 <= c["t_start"] - start["t0_wall"] <= e["t_end"] + 0.5
+                             for c in calls), (e, calls[0]["t_start"] - start["t0_wall"])
+    for step in (x for x in lines if x["event"] == "step"):
+        assert len(step["micro_steps_by_cell"]) == 2 and step["micro_steps_by_cell"][0] > 0
+        assert step["micro_steps"] == sum(step["micro_steps_by_cell"]) > 0
+        assert 0 <= step["training_started_s"] <= step["seconds"]
 
 
 @pytest.mark.timeout(300)

@@ -231,6 +231,31 @@ def test_workload_from_metrics(tmp_path):
     assert workload_from_metrics(tmp_path / "metrics.jsonl").cells == 2
 
 
+def test_workload_from_metrics_takes_the_runs_own_terms(tmp_path):
+    """A cancelled execution is no duration; training is the trainers' own seconds over the
+    steps that trained (a streaming step's wall time waits for groups); micro-steps per group
+    are the run's; a term the run never measured (no role event: it never switched) keeps the
+    paper's figure, and says so."""
+    path = _write_run(tmp_path)
+    lines = [json.loads(x) for x in path.read_text().splitlines() if '"role"' not in x]
+    lines.append({"event": "execution", "t": 70.0, "id": "g0-9", "group": 0, "status": "cancelled", "reward": None,
+                  "valid": False, "version_dispatched": 0, "t_start": 1.0, "t_end": 2.0})
+    for i, e in enumerate(x for x in lines if x["event"] == "step"):
+        e.update(trainer_seconds=3.0 + i, micro_steps=2, trained=True, tokens_trained=100)
+    lines.append({"event": "step", "t": 200.0, "step": 5, "seconds": 50.0, "groups": 2, "cells_training": 2,
+                  "trainer_seconds": 0.0, "micro_steps": 0, "trained": False, "tokens_trained": 0})
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    w = workload_from_metrics(path)
+    assert [len(g) for g in w.empirical_groups_h] == [4] * 6  # the cancelled one left out
+    assert w.train_h_all == pytest.approx((3 + 4 + 5 + 6) / 4 / 3600 / 2)  # not the step that trained nothing
+    assert w.micro_steps_per_group == 1  # 2 micro-steps for 2 groups
+    assert (w.switch_to_train_s, w.switch_to_rollout_s, w.publish_s) == (8.52, 3.46, 2.0)
+    assert [a.split(":")[0] for a in w.assumed] == ["switch to training", "switch to rollout"]
+    assert workload_from_metrics(_write_run(tmp_path)).assumed == (
+        "training: step seconds x cells training (no trainer_seconds in the journal)",
+        "micro-steps per group: 4 (no micro_steps in the journal)")
+
+
 def test_workload_from_metrics_needs_events(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"event": "publish", "t": 1.0}) + "\n")
     with pytest.raises(SimError):
