@@ -78,6 +78,7 @@ from gyre.cli.options import (
     TrainerBackendOpt,
     TranscriptOpt,
     UpConfigOpt,
+    UpEdOpt,
     UpHarnessOpt,
     UpRunDirOpt,
     UpSandboxOpt,
@@ -236,6 +237,7 @@ def up(
     tasks: TasksOpt = None,
     config_opt: UpConfigOpt = None,
     harness: UpHarnessOpt = None,
+    ed: UpEdOpt = None,
 ) -> None:
     """Run online RL: the coordinator, local worker daemons, the harness and the tasks
     (with no CONFIG: the embedded default, tiny model and demo harness)."""
@@ -250,7 +252,8 @@ def up(
         fail(ValueError("--harness and --set harness=...: give the harness once"))
     live = not no_live and sys.stdout.isatty()
     if resume is not None:
-        if config or policy or run_dir or model or seed is not None or set_ or sandbox or tasks or harness:
+        if config or policy or run_dir or model or seed is not None or set_ or sandbox or tasks or harness \
+                or ed is not None:
             fail(ValueError("--resume takes the run's own config.json; only --steps may change"))
         lock = guard(claim, run_dir=absolute(resume), resume=True)
         try:
@@ -266,6 +269,8 @@ def up(
     # Everything is checked before the run directory is made: a refused run leaves nothing behind.
     cfg, file_values, _ = _resolve_config(config, set_ or [], steps=steps, policy=policy, run_dir=run_dir,
                                           model=model, seed=seed, sandbox=sandbox, tasks_path=tasks, harness=harness)
+    if ed is not None:
+        cfg = _matched(cfg, ed, set_ or [])
     check_installed(cfg.preset(), cfg.sandbox)
     guard(preflight, config=cfg)  # before a worker starts or the run directory is made
     made = not cfg.run_dir.exists()
@@ -342,6 +347,21 @@ def _fresh_run_dir(cfg):
         return cfg
     model = new / "model" if cfg.model_dir == cfg.run_dir / "model" else cfg.model_dir
     return dataclasses.replace(cfg, run_dir=new, model_dir=model)
+
+
+def _matched(cfg, ed: float, sets: list[str]):
+    """`up --ed E`: the policy's matched (phi, mu) at mean staleness E (sim.matched_settings)."""
+    import dataclasses
+
+    from gyre.coordinator.sim import matched_settings
+
+    if given := [x.split("=", 1)[0] for x in sets if x.split("=", 1)[0].strip() in ("phi", "mu")]:
+        fail(ValueError(f"--ed sets phi and mu; --set {given[0]}=... too: give one"))
+    try:
+        phi, mu = matched_settings(ed)[cfg.policy]
+    except ValueError as e:
+        fail(ValueError(f"--ed: {e}"))
+    return dataclasses.replace(cfg, phi=phi, mu=mu)
 
 
 def _resolve_config(path, sets: list[str], **flags):

@@ -78,6 +78,10 @@ OnceOpt = Annotated[bool, typer.Option("--once", help="Draw the state once and e
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override any config field: --set FIELD=VALUE (repeatable; lists and tables as JSON).")]
 UpSandboxOpt = Annotated[str | None, typer.Option("--sandbox", help=f"Where each execution runs: {BACKENDS_HELP} (the run config's sandbox; default: {AUTO_HELP}).")]
 TasksOpt = Annotated[Path | None, typer.Option("--tasks", help="Task source: a Harbor task folder or a folder of them, or a JSONL file (the run config's tasks_path; default: the embedded tasks).")]
+UpEdOpt = Annotated[float | None, typer.Option(
+    "--ed", help="Mean staleness E[d] = phi + (mu-1)/2: phi and mu set to the policy's matched setting at E "
+                 "(as bench/coordinator.py --ed and the paper: async phi=E, mu=1; colocate the largest burst; "
+                 "elastic bursts of at most 3). Not with --set phi or mu.")]
 RunSeedOpt = Annotated[int | None, typer.Option("--seed", help="Random seed (default 0).")]
 KeysOpt = Annotated[Path | None, typer.Option("--keys", help="CURVE key directory (gyre keys init); the link is encrypted and only authorised workers may register.")]
 KeyNameOpt = Annotated[str, typer.Option("--key-name", help="This worker's key pair in --keys.")]

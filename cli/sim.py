@@ -132,15 +132,32 @@ def _say_assumed(w) -> None:
         typer.echo(f"assumed, not measured in {w.name}: {term}")
 
 
+FromOpt = Annotated[list[Path] | None, typer.Option(
+    "--from", help="Real runs' directories (bench/coordinator.py --keep DIR writes them; a shell glob such as "
+                   "--from DIR/* works): each run's own policy, (phi, mu) and split replayed on their pooled "
+                   "workload, the predicted seconds per step and ratios to elastic beside the measured.")]
+MoreRunsArg = Annotated[list[Path] | None, typer.Argument(help="More run directories, after --from.",
+                                                          show_default=False)]
+
+
 @sim_app.command("compare")
-def compare_cmd(ctx: typer.Context, workload: Annotated[str | None, typer.Option(
+def compare_cmd(ctx: typer.Context, runs: MoreRunsArg = None, workload: Annotated[str | None, typer.Option(
                     "--workload", help="Preset or metrics.jsonl (default: the one given to `gyre sim`).")] = None,
                 cells: CellsOpt = None, cell_nodes: CellNodesOpt = None,
                 standalone: Annotated[int | None, typer.Option("--standalone", help="Standalone pool size.")] = None,
-                ed: EdOpt = 1.5, steps: SimStepsOpt = 20, seeds: SeedsOpt = 3, as_json: SimJsonOpt = False) -> None:
-    """Every policy at matched mean staleness, each at its best (phi, mu) (and split); speedups of elastic."""
+                ed: EdOpt = 1.5, steps: SimStepsOpt = 20, seeds: SeedsOpt = 3, as_json: SimJsonOpt = False,
+                from_: FromOpt = None) -> None:
+    """Every policy at matched mean staleness, each at its best (phi, mu) (and split); speedups of elastic.
+    With --from: real runs replayed, measured against predicted."""
     from gyre.coordinator.sim import compare
     from gyre.workerd.wire import GyreError
+
+    if runs and not from_:
+        _fail(f"{runs[0]}: run directories are given with --from (gyre sim compare --from DIR/*)")
+    if from_:
+        _check(seeds=seeds)
+        _replay([*from_, *(runs or [])], seeds=seeds, as_json=as_json)
+        return
 
     o = ctx.obj or {}
     cells = cells if cells is not None else o.get("cells")
@@ -171,3 +188,44 @@ def compare_cmd(ctx: typer.Context, workload: Annotated[str | None, typer.Option
     typer.echo(f"elastic speedup: {sp['vs_async']:.2f}x vs async (the paper's Async baseline, full batches), "
                f"{sp['vs_async_streaming']:.2f}x vs async-streaming (A3), {sp['vs_colocate']:.2f}x vs colocate")
     typer.echo("each policy at its fastest (phi, mu) with phi + (mu-1)/2 = E[d] (t: training cells of a fixed split)")
+
+
+def _replay(paths: list[Path], *, seeds: int, as_json: bool) -> None:
+    """`compare --from`: coordinator/replay.py's table."""
+    from gyre.coordinator.replay import replay
+    from gyre.workerd.wire import GyreError
+
+    dirs = [p for p in paths if (p / "metrics.jsonl").is_file()]
+    skipped = [str(p) for p in paths if p not in dirs]
+    if not dirs:
+        _fail(f"--from: no run directory (a folder with metrics.jsonl) among {', '.join(map(str, paths))}")
+    try:
+        out = replay(dirs, seeds=list(range(seeds)))
+    except (ValueError, KeyError, OSError, GyreError) as e:
+        _fail(f"--from: {type(e).__name__}: {e}" if not isinstance(e, GyreError) else f"--from: {e}")
+    if as_json:
+        typer.echo(json.dumps({**out, "skipped": skipped}))
+        return
+    if skipped:
+        typer.echo(f"skipped {len(skipped)} path(s) that are not run directories: {', '.join(skipped)}")
+    w = out["workload"]
+    typer.echo(f"{len(dirs)} runs pooled: {w['groups']} groups of {w['group_size']}, {w['cells']} cells, "
+               f"training {w['train_h_all'] * 3600 * w['cells']:.2f} cell-s a step, switches "
+               f"{w['switch_to_train_s']:.3g} s / {w['switch_to_rollout_s']:.3g} s, publication "
+               f"{w['publish_s']:.3g} s; seeds {out['seeds']}")
+    for term in w["assumed"]:
+        typer.echo(f"assumed, not measured in any run: {term}")
+    typer.echo(f"{'run':<28}{'policy':<16}{'phi':>5}{'mu':>4}{'t':>3}{'measured s/step':>17}{'predicted':>11}"
+               f"{'error':>8}")
+    for r in out["runs"]:
+        t = r["training_cells"] if r["training_cells"] is not None else "-"
+        typer.echo(f"{Path(r['run_dir']).name:<28}{r['policy']:<16}{r['phi']:>5g}{r['mu']:>4}{t:>3}"
+                   f"{r['measured_s_per_step']:>17.2f}{r['predicted_s_per_step']:>11.2f}{r['error']:>+8.1%}")
+    if "elastic" not in out["policies"]:
+        typer.echo("no elastic run: no ratios to elastic")
+        return
+    typer.echo(f"{'policy':<16}{'measured s/step':>17}{'predicted':>11}{'vs elastic, measured':>22}"
+               f"{'predicted':>11}{'ratio error':>13}")
+    for name, p in out["policies"].items():
+        typer.echo(f"{name:<16}{p['measured']:>17.2f}{p['predicted']:>11.2f}{p['measured_vs_elastic']:>21.2f}x"
+                   f"{p['predicted_vs_elastic']:>10.2f}x{p['ratio_error']:>+13.1%}")

@@ -197,3 +197,42 @@ def result_from_metrics(path: str | Path) -> RunResult:
                      step_hours=[e["t"] / 3600 for e in steps],
                      publication_hours=[e["t"] / 3600 for e in publishes],
                      publication_versions=[e.get("version") for e in publishes])
+
+
+def compare_runs_svg(runs: list[tuple[str, SimResult, float]]) -> str:
+    """Several runs (label, timeline, seconds per step) in one SVG: their role timelines stacked
+    on one time axis (the longest run's), then a bar per run of its seconds per step."""
+    left, top, row_h, gap, width = 150, 20, 10, 12, 760
+    h = max(_hours(r) for _, r, _ in runs)
+    axis = time_axis(h)
+
+    def x(t: float) -> float:
+        return left + width * t / h
+    parts, y = [], top
+    for label, result, _ in runs:
+        parts.append(f'<text x="4" y="{y + 9}">{escape(label)}</text>')
+        for c, row in enumerate(_segments(result)):
+            for s, e, role in row:
+                parts.append(f'<rect x="{x(s):.2f}" y="{y + c * row_h}" width="{max(0.0, x(e) - x(s)):.2f}" '
+                             f'height="{row_h - 2}" fill="{_COLORS[role]}"><title>{escape(label)} cell {c}: '
+                             f'{escape(role)}</title></rect>')
+        y += row_h * result.cells + gap
+    y_axis = y
+    parts.append(f'<line x1="{left}" y1="{y_axis}" x2="{left + width}" y2="{y_axis}" stroke="black"/>')
+    for v in axis.ticks:
+        xt = x(v / axis.per_hour)
+        parts.append(f'<line x1="{xt:.2f}" y1="{y_axis}" x2="{xt:.2f}" y2="{y_axis + 5}" stroke="black"/>'
+                     f'<text x="{xt:.2f}" y="{y_axis + 17}" text-anchor="middle">'
+                     f'{escape(axis.label(v / axis.per_hour))}</text>')
+    parts += _legend(left, y_axis + 36)
+    y = y_axis + 60
+    top_s = max(s for _, _, s in runs) or 1.0
+    parts.append(f'<text x="4" y="{y}">seconds per step</text>')
+    for label, _, s in runs:
+        y += 16
+        parts.append(f'<text x="4" y="{y + 9}">{escape(label)}</text>'
+                     f'<rect x="{left}" y="{y}" width="{width * s / top_s:.2f}" height="11" fill="#5a5a5a"/>'
+                     f'<text x="{left + width * s / top_s + 4:.2f}" y="{y + 9}">{s:.2f} s</text>')
+    head = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 60}" height="{y + 24}" '
+            f'font-family="sans-serif" font-size="10">')
+    return "\n".join([head, *parts, "</svg>"])

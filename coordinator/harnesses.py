@@ -25,6 +25,8 @@ Placeholders, in the command, env values and files:
     {api_key}          the execution's key (prefer the env variables: argv shows in ps)
     {timeout_ms}       the execution's deadline   {idle_timeout_ms}  the preset's stream idle
                        in milliseconds                               timeout in milliseconds
+    {python}           the Python running gyre (a harness written in Python, on this host;
+                       in a container, the image's own python3)
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from typing import Any
 
 APIS = ("openai", "anthropic", "responses", "any")
 PLACEHOLDERS = ("task", "workspace", "execution", "state", "model", "base_url", "openai_base_url", "api_key",
-                "timeout_ms", "idle_timeout_ms")
+                "timeout_ms", "idle_timeout_ms", "python")
 
 
 class HarnessError(ValueError):
@@ -182,7 +184,8 @@ class HarnessPreset:
 
     def expand(self, **values: str) -> tuple[list[str], dict[str, str], dict[str, str]]:
         """argv, extra env and the state folder's files with the placeholders filled in."""
-        values = {"model": self.model, "idle_timeout_ms": str(int(self.idle_timeout_s * 1000)), **values}
+        values = {"model": self.model, "idle_timeout_ms": str(int(self.idle_timeout_s * 1000)),
+                  "python": sys.executable, **values}
         argv = [arg.format_map(values) for arg in self.command]
         env = {k: v.format_map(values) for k, v in self.env.items()}
         files = {path: text.format_map(values) for path, text in self.files.items()}

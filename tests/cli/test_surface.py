@@ -224,3 +224,22 @@ def test_tasks_run_names_its_run_directory_as_its_help_says(tmp_path, monkeypatc
         assert r.exit_code == 0, r.output[-2000:]
     made = sorted(p.name for p in (tmp_path / "runs").iterdir())
     assert len(made) == 2 and all(name.startswith("tasks-") for name in made), made
+
+
+def test_up_ed_sets_the_policys_matched_phi_and_mu(tmp_path, monkeypatch):
+    """`gyre up --ed E` is bench/coordinator.py --ed's setting; with --set phi or mu, or a
+    negative E, one line and no run directory."""
+    from gyre.cli.main import _matched
+
+    monkeypatch.chdir(tmp_path)
+    got = {}
+    for policy in ("elastic", "colocate", "async", "async-streaming"):
+        cfg = _matched(_resolve_config(None, [], policy=policy)[0], 1.5, [])
+        got[policy] = (cfg.phi, cfg.mu)
+    assert got == {"elastic": (0.5, 3), "colocate": (0.0, 4), "async": (1.5, 1), "async-streaming": (1.5, 1)}
+    runner = CliRunner()
+    for args, want in ((["--ed", "1", "--set", "mu=2"], "[error] --ed sets phi and mu; --set mu=... too: give one"),
+                       (["--ed", "-1"], "[error] --ed: ed must be >= 0, got -1.0")):
+        run = tmp_path / "run"
+        assert one_line_error(runner.invoke(app, ["up", "--run-dir", str(run), *args])) == want
+        assert not run.exists()
