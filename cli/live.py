@@ -280,6 +280,8 @@ def fetch(url: str, timeout: float = 5.0) -> dict:
         with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - a URL the user gave
             return json.loads(r.read())
     except (urllib.error.URLError, OSError) as e:
+        if isinstance(e, urllib.error.HTTPError):
+            e.close()  # its response's socket, now, not whenever the collector finds it
         raise ConnectionError(f"no coordinator answering at {url}: {e}") from None
 
 
