@@ -136,6 +136,10 @@ FromOpt = Annotated[list[Path] | None, typer.Option(
     "--from", help="Real runs' directories (bench/coordinator.py --keep DIR writes them; a shell glob such as "
                    "--from DIR/* works): each run's own policy, (phi, mu) and split replayed on their pooled "
                    "workload, the predicted seconds per step and ratios to elastic beside the measured.")]
+HostModelOpt = Annotated[bool, typer.Option(
+    "--host-model", help="With --from: fit and apply the host model (cells sharing one machine's cores: each "
+                         "execution started together with others takes longer to start up). Off: independent "
+                         "cells, as GPU cells are.")]
 MoreRunsArg = Annotated[list[Path] | None, typer.Argument(help="More run directories, after --from.",
                                                           show_default=False)]
 
@@ -146,7 +150,7 @@ def compare_cmd(ctx: typer.Context, runs: MoreRunsArg = None, workload: Annotate
                 cells: CellsOpt = None, cell_nodes: CellNodesOpt = None,
                 standalone: Annotated[int | None, typer.Option("--standalone", help="Standalone pool size.")] = None,
                 ed: EdOpt = 1.5, steps: SimStepsOpt = 20, seeds: SeedsOpt = 3, as_json: SimJsonOpt = False,
-                from_: FromOpt = None) -> None:
+                from_: FromOpt = None, host_model: HostModelOpt = False) -> None:
     """Every policy at matched mean staleness, each at its best (phi, mu) (and split); speedups of elastic.
     With --from: real runs replayed, measured against predicted."""
     from gyre.coordinator.sim import compare
@@ -156,8 +160,10 @@ def compare_cmd(ctx: typer.Context, runs: MoreRunsArg = None, workload: Annotate
         _fail(f"{runs[0]}: run directories are given with --from (gyre sim compare --from DIR/*)")
     if from_:
         _check(seeds=seeds)
-        _replay([*from_, *(runs or [])], seeds=seeds, as_json=as_json)
+        _replay([*from_, *(runs or [])], seeds=seeds, as_json=as_json, host=host_model)
         return
+    if host_model:
+        _fail("--host-model is fitted from real runs: give them with --from")
 
     o = ctx.obj or {}
     cells = cells if cells is not None else o.get("cells")
@@ -190,7 +196,7 @@ def compare_cmd(ctx: typer.Context, runs: MoreRunsArg = None, workload: Annotate
     typer.echo("each policy at its fastest (phi, mu) with phi + (mu-1)/2 = E[d] (t: training cells of a fixed split)")
 
 
-def _replay(paths: list[Path], *, seeds: int, as_json: bool) -> None:
+def _replay(paths: list[Path], *, seeds: int, as_json: bool, host: bool) -> None:
     """`compare --from`: coordinator/replay.py's table."""
     from gyre.coordinator.replay import replay
     from gyre.workerd.wire import GyreError
@@ -200,7 +206,7 @@ def _replay(paths: list[Path], *, seeds: int, as_json: bool) -> None:
     if not dirs:
         _fail(f"--from: no run directory (a folder with metrics.jsonl) among {', '.join(map(str, paths))}")
     try:
-        out = replay(dirs, seeds=list(range(seeds)))
+        out = replay(dirs, seeds=list(range(seeds)), host=host)
     except (ValueError, KeyError, OSError, GyreError) as e:
         _fail(f"--from: {type(e).__name__}: {e}" if not isinstance(e, GyreError) else f"--from: {e}")
     if as_json:
@@ -213,6 +219,8 @@ def _replay(paths: list[Path], *, seeds: int, as_json: bool) -> None:
                f"training {w['train_h_all'] * 3600 * w['cells']:.2f} cell-s a step, switches "
                f"{w['switch_to_train_s']:.3g} s / {w['switch_to_rollout_s']:.3g} s, publication "
                f"{w['publish_s']:.3g} s; seeds {out['seeds']}")
+    typer.echo(f"host model: {w['host_start_s']:.3f} s of start-up per execution started together" if host else
+               "host model off (independent cells; --host-model fits one for cells sharing a machine's cores)")
     for term in w["assumed"]:
         typer.echo(f"assumed, not measured in any run: {term}")
     typer.echo(f"{'run':<28}{'policy':<16}{'phi':>5}{'mu':>4}{'t':>3}{'measured s/step':>17}{'predicted':>11}"

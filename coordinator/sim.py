@@ -25,6 +25,9 @@ Model choices (the ones that move the numbers):
 - Training work of one step is `train_h_all * cells` cell-hours, split evenly over the B
   groups and into `micro_steps_per_group` micro-steps per group; cells claim micro-steps
   as they free up, so k cells finish a step in `train_h_all * cells / k` hours.
+- Off by default, a host model (Workload.host_start_s, fitted by replay.py from real runs on
+  one machine): k executions launched at one instant each take k * host_start_s more, their
+  harnesses starting up on the same cores; independent GPU cells have none.
 - A publication takes `publish_s` (30 s: the core broadcasts over RDMA; rollout engines
   keep serving and swap weights between calls); the next burst's dispatch follows it.
 """
@@ -145,7 +148,7 @@ class _Sim:
             gid = len(self.group_version)
             self.group_version.append(self.version)
             self.group_left.append(self.w.group_size)
-            for work in sample_query(self.w, self.rng):
+            for work in sample_query(self.w, self.rng, gid):
                 eid = len(self.tracked)
                 self.tracked.append((self.wl.dispatch(1)[0], work))
                 self.exec_group.append(gid)
@@ -155,12 +158,17 @@ class _Sim:
         return self.standalone + self.w.exec_slots_per_cell * self.phase.count(ROLLOUT)
 
     def launch(self, n: int) -> None:
+        launched = []
         for _ in range(n):
             eid = self.queue.popleft()
-            tracked, work = self.tracked[eid]
-            self.wl.launch(tracked)
+            self.wl.launch(self.tracked[eid][0])
+            launched.append(eid)
+        # The host model: harnesses started together share its cores while they start up.
+        start_h = self.w.host_start_s * len(launched) / 3600
+        for eid in launched:
+            work = self.tracked[eid][1]
             if math.isfinite(work):
-                heapq.heappush(self.vheap, (self.vclock + work, eid))
+                heapq.heappush(self.vheap, (self.vclock + work + start_h, eid))
             self.push(self.t + self.w.timeout_h, "deadline", eid)
 
     def finish(self, eid: int) -> None:

@@ -29,7 +29,8 @@ class Workload:
     times `hard_mult` for a `hard_frac` of queries (tasks the agent rarely finishes: the
     timeouts bunch there); per execution exec_median_h * scale * lognormal(0, exec_sigma).
     `empirical_groups_h` (from a real run) replaces the model: a recorded group is drawn
-    and its durations resampled (inf = timed out)."""
+    and its durations resampled (inf = timed out), or, with `ordered_groups`, the groups are
+    taken in the order they were dispatched."""
 
     name: str
     cells: int
@@ -50,8 +51,16 @@ class Workload:
     hard_frac: float = 0.0
     hard_mult: float = 1.0
     empirical_groups_h: tuple[tuple[float, ...], ...] = ()
+    # The recorded groups in dispatch order, each its members' in id order: the i-th group
+    # dispatched takes the i-th (cycling) instead of a random one. A recorded run's tasks come
+    # in the same order under every policy, and their durations are the tasks' own.
+    ordered_groups: bool = False
     train_h_by_cells: tuple[tuple[int, float], ...] = ()  # measured (cells, step hours), reference only
     assumed: tuple[str, ...] = ()  # terms a recorded run did not measure, and what stands in for each
+    # A host whose cells share its cores (coordinator/replay.py fits it from recorded runs; 0:
+    # off, independent cells as on GPUs): each execution started together with k-1 others
+    # takes k * host_start_s seconds more (k harnesses starting up on the same cores).
+    host_start_s: float = 0.0
 
 
 PRESETS: dict[str, Workload] = {
@@ -75,8 +84,12 @@ PRESETS: dict[str, Workload] = {
 }
 
 
-def sample_query(w: Workload, rng: random.Random) -> list[float]:
-    """Work hours (at load 1) of one query's N executions; >= timeout_h means a timeout."""
+def sample_query(w: Workload, rng: random.Random, index: int | None = None) -> list[float]:
+    """Work hours (at load 1) of one query's N executions; >= timeout_h means a timeout.
+    `index`: the query's place in dispatch order (used with `ordered_groups`)."""
+    if w.empirical_groups_h and w.ordered_groups and index is not None:
+        g = w.empirical_groups_h[index % len(w.empirical_groups_h)]
+        return [*g, *(rng.choice(g) for _ in range(w.group_size - len(g)))][:w.group_size]
     if w.empirical_groups_h:
         g = rng.choice(w.empirical_groups_h)
         return [rng.choice(g) for _ in range(w.group_size)]
@@ -103,8 +116,9 @@ def duration_stats(w: Workload, *, queries: int, seed: int) -> dict[str, float]:
 
 def workload_from_metrics(path: str | Path) -> Workload:
     """A Workload from a run's metrics.jsonl (and its config.json next to it, if present).
-    Recorded groups' execution durations are resampled (timed_out ones end at the deadline;
-    cancelled ones, which never finished, are left out). A step's cell-hours are its trainers'
+    Recorded groups' execution durations are replayed in the order the groups were dispatched
+    (`ordered_groups`; timed_out ones end at the deadline; cancelled ones, which never
+    finished, are left out, their places drawn from the group's others). A step's cell-hours are its trainers'
     own seconds (`trainer_seconds`; a streaming step's wall time includes its wait for ready
     groups), over the steps that trained; `train_h_by_cells` keeps the steps' wall hours per
     cell count, for reference. Switch and publication times and micro-steps per group are the
@@ -116,12 +130,12 @@ def workload_from_metrics(path: str | Path) -> Workload:
     cfg_path = path.parent / "config.json"
     cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
     assumed: list[str] = []
-    groups: dict[int, list[float]] = {}
+    groups: dict[int, dict[str, float]] = {}
     for e in events:
         if e.get("event") == "execution" and e.get("t_start") is not None and e.get("t_end") is not None \
-                and e.get("status") != "cancelled":
+                and e.get("status") != "cancelled" and e.get("group") is not None:
             hours = math.inf if e.get("status") == "timed_out" else (e["t_end"] - e["t_start"]) / 3600
-            groups.setdefault(e["group"], []).append(hours)
+            groups.setdefault(e["group"], {})[e.get("id", str(len(groups.get(e["group"], {}))))] = hours
     steps = [e for e in events if e.get("event") == "step"]
     roles = [e for e in events if e.get("event") == "role"]
     if not groups or not steps:
@@ -136,8 +150,13 @@ def workload_from_metrics(path: str | Path) -> Workload:
     by_cells: dict[int, list[float]] = {}
     for e in steps:
         by_cells.setdefault(e["cells_training"], []).append(e["seconds"] / 3600)
-    finite = [x for g in groups.values() for x in g if math.isfinite(x)]
+    finite = [x for g in groups.values() for x in g.values() if math.isfinite(x)]
     timeout_h = cfg["execution_timeout_s"] / 3600 if "execution_timeout_s" in cfg else max(finite, default=1.0)
+    # What a timeout costs: the deadline, then stopping the harness and scoring its workspace.
+    ended = [(e["t_end"] - e["t_start"]) / 3600 for e in events if e.get("event") == "execution"
+             and e.get("status") == "timed_out" and e.get("t_start") is not None and e.get("t_end") is not None]
+    if ended:
+        timeout_h = max(timeout_h, sum(ended) / len(ended))
 
     def mean_seconds(kind: str, default: float, what: str, to: str | None = None) -> float:
         xs = [e["seconds"] for e in events if e.get("event") == kind and (to is None or e.get("to") == to)]
@@ -160,7 +179,8 @@ def workload_from_metrics(path: str | Path) -> Workload:
     return replace(base, switch_to_train_s=mean_seconds("role", 8.52, "switch to training", "training"),
                    switch_to_rollout_s=mean_seconds("role", 3.46, "switch to rollout", "rollout"),
                    publish_s=mean_seconds("publish", 30.0, "publication"), micro_steps_per_group=per_group,
-                   empirical_groups_h=tuple(tuple(g) for _, g in sorted(groups.items())),
+                   empirical_groups_h=tuple(tuple(h for _, h in sorted(g.items())) for _, g in sorted(groups.items())),
+                   ordered_groups=True,
                    train_h_by_cells=tuple((k, sum(v) / len(v)) for k, v in sorted(by_cells.items())),
                    assumed=tuple(assumed))
 

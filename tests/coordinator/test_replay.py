@@ -8,31 +8,38 @@ import importlib.util
 import json
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from gyre.cli.main import app
-from gyre.coordinator.replay import pool, read_run, replay, s_per_step
+from gyre.coordinator.replay import fit_host, pool, read_run, replay, s_per_step
+from gyre.coordinator.sim import simulate
 from gyre.coordinator.workloads import SimError
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def write_run(run: Path, policy: str, *, phi: float = 0.0, mu: int = 1, tool_s: float = 20.0, trainer_s: float = 4.0,
-              switch: bool = True, cells: int = 3, step_s: float = 30.0, group_size: int = 2) -> Path:
+              switch: bool = True, cells: int = 3, step_s: float = 30.0, group_size: int = 2,
+              together_s: float = 0.0, apart_s: float = 0.0) -> Path:
     """A run directory whose metrics.jsonl holds what a real run's does: a start-up, dispatches
-    from t = 10, executions, steps, role switches (or none, as async's), a publication."""
+    from t = 10, executions, steps, role switches (or none, as async's), a publication. A
+    group's executions start together, or `apart_s` apart; with `together_s` each takes that
+    much longer per execution started with it, itself included (a host's shared cores)."""
     run.mkdir(parents=True)
     lines = [{"event": "start", "t": 0.0, "t0_wall": 1.0e9, "resumed": False},
              {"event": "ready", "t": 10.0, "startup_s": 10.0},
              {"event": "dispatch", "t": 10.0, "group": 0}]
     for g in range(4):
         for i in range(group_size):
-            start = 10.0 + 5 * g
+            start = 10.0 + 5 * g + apart_s * i
+            own = tool_s * (1 + 0.5 * i) + 3.0 * g
+            together = 1 if apart_s > 1.0 else group_size
             lines.append({"event": "execution", "t": start + tool_s, "id": f"g{g:05d}-{i:02d}", "group": g,
-                          "status": "completed", "t_start": start, "t_end": start + tool_s * (1 + 0.5 * i)})
+                          "status": "completed", "t_start": start, "t_end": start + own + together_s * together})
     if switch:
         lines += [{"event": "role", "t": 40.0, "cell": 0, "from": "rollout", "to": "training", "seconds": 0.02},
                   {"event": "role", "t": 45.0, "cell": 0, "from": "training", "to": "rollout", "seconds": 0.01}]
@@ -59,7 +66,8 @@ def test_a_pool_averages_what_the_runs_measured_and_assumes_only_what_none_did(t
     elastic = read_run(write_run(tmp_path / "e", "elastic", trainer_s=4.0))
     lone = read_run(write_run(tmp_path / "a", "async", trainer_s=8.0, switch=False))
     w = pool([elastic, lone])
-    assert len(w.empirical_groups_h) == 8  # both runs' groups
+    assert len(w.empirical_groups_h) == 4 and w.ordered_groups  # one task each, in dispatch order
+    assert w.empirical_groups_h[1] == (pytest.approx(23 / 3600), pytest.approx(33 / 3600))  # its members by id
     assert w.train_h_all == pytest.approx(6.0 / 3600 / 3)  # the trainers' seconds, averaged
     assert (w.switch_to_train_s, w.switch_to_rollout_s) == (0.02, 0.01)  # elastic measured them; async could not
     assert w.assumed == () and w.micro_steps_per_group == 1
@@ -67,6 +75,23 @@ def test_a_pool_averages_what_the_runs_measured_and_assumes_only_what_none_did(t
     assert [a.split(":")[0] for a in w.assumed] == ["switch to training", "switch to rollout"]
     with pytest.raises(SimError, match="group_size is 4, not 2"):
         pool([elastic, read_run(write_run(tmp_path / "other", "colocate", group_size=4))])
+
+
+def test_the_host_model_is_the_cost_of_starting_together_fitted_across_runs(tmp_path):
+    """The same tasks, their executions starting two at a time in one run and one at a time
+    in another, 1.5 s longer per execution started with it: the fit finds 1.5 s, the pool
+    takes it out of every duration, and the simulator puts it back at each launch."""
+    two = read_run(write_run(tmp_path / "two", "elastic", together_s=1.5))
+    alone = read_run(write_run(tmp_path / "one", "async", together_s=1.5, apart_s=2.0, switch=False))
+    assert fit_host([two, alone]) == pytest.approx(1.5)
+    w = pool([two, alone], host=True)
+    assert w.host_start_s == pytest.approx(1.5)
+    assert w.empirical_groups_h[0] == (pytest.approx(20 / 3600), pytest.approx(30 / 3600))  # the company's cost out
+    assert pool([two, alone]).host_start_s == 0.0  # off unless asked: independent cells
+    assert fit_host([two]) == 0.0  # one run: nothing to compare a task with
+    slow = simulate(replace(w, host_start_s=30.0), policy="colocate", phi=0.0, mu=1, steps=2, seed=0)
+    fast = simulate(replace(w, host_start_s=0.0), policy="colocate", phi=0.0, mu=1, steps=2, seed=0)
+    assert slow.hours > fast.hours
 
 
 def test_replay_sets_each_runs_prediction_beside_its_measurement(tmp_path):
@@ -102,6 +127,10 @@ def test_compare_from_run_directories_on_the_command_line(tmp_path):
     assert r.exit_code == 1 and "run directories are given with --from" in r.output
     r = runner.invoke(app, ["sim", "compare", "--from", str(tmp_path / "01-elastic.log")])
     assert r.exit_code == 1 and r.output.startswith("[error] --from: no run directory")
+    r = runner.invoke(app, ["sim", "compare", "--seeds", "1", "--host-model", "--from", *paths])
+    assert r.exit_code == 0 and "host model: 0.000 s of start-up per execution started together" in r.output
+    r = runner.invoke(app, ["sim", "compare", "--host-model"])
+    assert r.exit_code == 1 and "--host-model is fitted from real runs: give them with --from" in r.output
 
 
 def load_agent():

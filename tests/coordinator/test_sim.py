@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from gyre.coordinator.sim import (
     duration_stats,
     matched_pairs,
     matched_settings,
+    sample_query,
     simulate,
     workload_from_metrics,
 )
@@ -222,6 +224,7 @@ def test_workload_from_metrics(tmp_path):
     assert (w.cells, w.group_size, w.groups_per_step, w.exec_slots_per_cell) == (2, 4, 2, 8)
     assert w.timeout_h == pytest.approx(120 / 3600)
     assert len(w.empirical_groups_h) == 6 and math.isinf(w.empirical_groups_h[2][3])
+    assert w.ordered_groups and sample_query(w, random.Random(0), 8) == list(w.empirical_groups_h[2])  # in order
     assert w.train_h_all == pytest.approx(20.0 / 3600 / 2)  # 20 cell-seconds a step over 2 cells
     assert w.train_h_by_cells == ((1, pytest.approx(20 / 3600)), (2, pytest.approx(10 / 3600)))
     assert (w.switch_to_train_s, w.switch_to_rollout_s, w.publish_s) == (0.5, 0.25, 2.0)
