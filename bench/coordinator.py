@@ -14,7 +14,8 @@ config's. Per run it reads metrics.jsonl:
     s/step     from the first dispatch to the last step, over the steps (worker start-up, which
                the `ready` event times, is not a step's)
     slots      the executions' slots occupied, on average over that window (an execution waiting
-               on its tool holds a slot: it is not idle capacity)
+               on its tool holds a slot: it is not idle capacity); per cell, in --json, the
+               executions homed at its engine over its slots (the `slots` events)
     idle       per cell, time neither serving a call nor training (the summary's idle_frac)
     load       the host's 1-minute load average, sampled while the run ran
 
@@ -106,6 +107,10 @@ def measure(run_dir: Path, load: list[float], wall_s: float) -> dict:
     summary = next((e for e in reversed(events) if e["event"] == "summary"), {})
     ready = next((e for e in events if e["event"] == "ready"), None)
     claimed = [sum(s.get("micro_steps_by_cell", [0] * cfg["cells"])[c] for s in steps) for c in range(cfg["cells"])]
+    slots_ev = [e for e in events if e["event"] == "slots" and first <= e["t"] <= end + e["seconds"]]
+    span = sum(e["seconds"] for e in slots_ev)
+    homed = [round(sum(e["homed"][c] * e["seconds"] for e in slots_ev) / span / cfg["exec_slots_per_cell"], 3)
+             for c in range(cfg["cells"])] if span else None
     return {
         "policy": cfg["policy"], "phi": cfg["phi"], "mu": cfg["mu"], "cells": cfg["cells"],
         "training_cells": cfg.get("async_training_cells") if cfg["policy"].startswith("async") else None,
@@ -116,6 +121,7 @@ def measure(run_dir: Path, load: list[float], wall_s: float) -> dict:
         "slots_occupied": round(held / ((end - first) * slots), 3) if end > first else None,
         "idle_frac": [c["idle_frac"] for c in summary.get("cells", [])],
         "micro_steps_by_cell": claimed,
+        "homed_frac_by_cell": homed,  # executions homed at each cell's engine / its slots (`slots` events)
         "trainer_seconds": round(sum(s.get("trainer_seconds") or 0.0 for s in steps), 2),
         "statuses": summary.get("statuses"),
         "reward_by_step": [s["reward_mean"] for s in steps],

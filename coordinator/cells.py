@@ -24,6 +24,40 @@ from gyre.workerd import wire
 
 log = logging.getLogger("gyre.coordinator")
 
+SLOTS_EVERY_S = 10.0  # seconds between `slots` events
+
+
+class Occupancy:
+    """Executions homed per cell and running in all, time-weighted between two `slots` events
+    (`every_s` apart): what each cell's slots held over time, from the tick's samples."""
+
+    def __init__(self, every_s: float = SLOTS_EVERY_S):
+        self.every_s = every_s
+        self.since: float | None = None  # the current interval's start
+        self.last = 0.0
+        self.held: tuple[list[int], int] = ([], 0)  # the last sample: homed per cell, running
+        self.sums: list[float] = []
+        self.running_sum = 0.0
+
+    def sample(self, t: float, homed: list[int], running: int) -> dict | None:
+        """Take a sample at `t`; an interval's means once it is `every_s` long, else None."""
+        if self.since is None or len(homed) != len(self.sums):
+            self.since, self.last, self.held = t, t, (homed, running)
+            self.sums, self.running_sum = [0.0] * len(homed), 0.0
+            return None
+        dt = t - self.last
+        for i, h in enumerate(self.held[0]):
+            self.sums[i] += h * dt
+        self.running_sum += self.held[1] * dt
+        self.last, self.held = t, (homed, running)
+        span = t - self.since
+        if span < self.every_s:
+            return None
+        out = {"seconds": round(span, 3), "homed": [round(x / span, 3) for x in self.sums],
+               "running": round(self.running_sum / span, 3)}
+        self.since, self.sums, self.running_sum = t, [0.0] * len(homed), 0.0
+        return out
+
 
 class Cells:
     def __init__(self, roles: list[str], now: Callable[[], float]):
@@ -36,6 +70,7 @@ class Cells:
         self.history: list[list[tuple[float, str]]] = [[(0.0, r)] for r in roles]  # per cell: (t, role)
         self.switches: list[dict] = []  # every role change: t, cell, from, to
         self.switch_tasks: dict[int, asyncio.Task] = {}  # per cell: its role change (the last one)
+        self.occupancy = Occupancy()  # what each cell's slots held over time (`slots` events)
         # Set at start-up (main.py): the workers, their routes, the weights and the journal.
         self.link: Any = None
         self.table: Any = None
@@ -47,6 +82,15 @@ class Cells:
         t = self.now()
         self.history[cell].append((t, new))
         self.switches.append({"t": t, "cell": cell, "from": old, "to": new})
+
+    def sample_slots(self, running: int) -> None:
+        """The tick's sample of each cell's homed executions (its engine's) and of the
+        executions running in all; every SLOTS_EVERY_S a `slots` event of their means."""
+        routes = self.table.routes
+        homed = [len(routes[n].homes) if n in routes else 0 for n in self.nodes]
+        event = self.occupancy.sample(self.now(), homed, running)
+        if event is not None:
+            self.metrics.emit("slots", **event)
 
     def settled(self, cell: int) -> bool:
         """The cell holds its role: no switch of it is under way (a batch claims only then)."""

@@ -264,6 +264,7 @@ class Coordinator:
                      *self.executions.runs.values()):
             if task is not None and task.done() and not task.cancelled() and task.exception():
                 raise task.exception()  # a failed step, switch, publication or launch ends the run
+        self.cells.sample_slots(self.wl.c.running)
         routes = self.table.routes.values()
         self.rates.sample(self.metrics.now(), sum(r.tokens for r in routes), self.steps.tokens_trained,
                           prefill_tokens=sum(r.prefilled for r in routes))
