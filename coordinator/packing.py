@@ -276,8 +276,11 @@ def _tree_frames(parts: list[_Part]) -> tuple[list[wire.TensorFrame], Stats]:
     return [wire.TensorFrame(k, str(a.dtype), a.shape, a) for k, a in arrays.items()], stats
 
 
-def pack_tree(parts: list[_Part], budget_tokens: int) -> list[list[_Part]]:
-    """First-fit decreasing by tokens: a micro-step's cost is the tokens it forwards."""
+def pack_tree(parts: list[_Part], budget_tokens: int, min_steps: int = 1) -> list[list[_Part]]:
+    """First-fit decreasing by tokens: a micro-step's cost is the tokens it forwards. Fewer
+    micro-steps than `min_steps` (the training cells' share of the step: a cell with no
+    micro-step to claim idles by construction) are spread over min(min_steps, parts)
+    instead, largest first, each to the lightest, unless one would then pass the budget."""
     bins: list[tuple[int, list[_Part]]] = []
     for part in sorted(parts, key=lambda p: p.forward, reverse=True):
         for i, (used, members) in enumerate(bins):
@@ -287,16 +290,25 @@ def pack_tree(parts: list[_Part], budget_tokens: int) -> list[list[_Part]]:
                 break
         else:
             bins.append((part.forward, [part]))
+    k = min(min_steps, len(parts))
+    if len(bins) < k:
+        spread: list[tuple[int, list[_Part]]] = [(0, []) for _ in range(k)]
+        for part in sorted(parts, key=lambda p: p.forward, reverse=True):
+            i = min(range(k), key=lambda j: spread[j][0])
+            spread[i] = (spread[i][0] + part.forward, [*spread[i][1], part])
+        if all(used <= budget_tokens or len(members) == 1 for used, members in spread):
+            bins = spread
     return [members for _, members in bins]
 
 
 # --- a whole group ---------------------------------------------------------------------------
 
 def pack_group(group: Group, *, j_max: int | None, seed: int, next_exec: int, budget_tokens: int,
-               form: str = "tree") -> tuple[list[MicroStep], int, int]:
+               form: str = "tree", min_steps: int = 1) -> tuple[list[MicroStep], int, int]:
     """A ready group's micro-steps, encoded: (micro-steps, next exec index, executions
-    counted in the batch mean). Pure computation over closed executions' trees (nothing
-    else writes them), so it may run off the event loop."""
+    counted in the batch mean); the tree form makes at least `min_steps` where it has the
+    parts to (pack_tree). Pure computation over closed executions' trees (nothing else
+    writes them), so it may run off the event loop."""
     if form not in PACKINGS:
         raise ValueError(f"packing must be one of {', '.join(PACKINGS)}, got {form!r}")
     if form == "paths":
@@ -325,7 +337,7 @@ def pack_group(group: Group, *, j_max: int | None, seed: int, next_exec: int, bu
                         loss_weight=1.0 / targets, budget=budget_tokens, shared=form == "tree")
         next_exec += 1
     steps = []
-    for members in pack_tree(parts, budget_tokens):
+    for members in pack_tree(parts, budget_tokens, min_steps):
         frames, stats = _tree_frames(members)
         steps.append(MicroStep(encoded=frames, stats=stats))
     return steps, next_exec, len(runs)

@@ -23,8 +23,9 @@ Model choices (the ones that move the numbers):
   in parallel, and a joining satellite's weight pull is inside `switch_to_train_s`. The
   core's parameter broadcast between steps of a burst is taken as free.
 - Training work of one step is `train_h_all * cells` cell-hours, split evenly over the B
-  groups and into `micro_steps_per_group` micro-steps per group; cells claim micro-steps
-  as they free up, so k cells finish a step in `train_h_all * cells / k` hours.
+  groups and into `micro_steps_per_group` micro-steps per group (at least ceil(k / B) with
+  k cells training, as the packer cuts them); cells claim micro-steps as they free up, so
+  k cells finish a step in about `train_h_all * cells / k` hours.
 - Off by default, a host model (Workload.host_start_s, fitted by replay.py from real runs on
   one machine): k executions launched at one instant each take k * host_start_s more, their
   harnesses starting up on the same cores; independent GPU cells have none.
@@ -113,7 +114,8 @@ class _Sim:
         self.decisions: list[tuple[float, State, Decisions]] = []  # kept when `record` is set
         self.record = False
         self.wl_area = 0.0
-        self.ms_h = w.train_h_all * w.cells / (w.groups_per_step * w.micro_steps_per_group)
+        self.group_h = w.train_h_all * w.cells / w.groups_per_step  # one group's training, in cell-hours
+        self.pending_h: deque[float] = deque()  # the unclaimed micro-steps' hours, in order
 
     # --- clock, events ----------------------------------------------------------------
 
@@ -222,13 +224,17 @@ class _Sim:
             version, _ = heapq.heappop(self.ready)
             self.staleness.append(self.v_before - version)
             self.taken += 1
-            self.unclaimed += self.w.micro_steps_per_group
+            # As the packer cuts it (training.Batch): at least a micro-step per training cell over
+            # the step's B groups, so none of them has nothing to claim.
+            m = max(self.w.micro_steps_per_group, -(-len(self.members) // self.w.groups_per_step))
+            self.pending_h.extend([self.group_h / m] * m)
+            self.unclaimed += m
         for c in self.members:
             if self.unclaimed and self.phase[c] == TRAINING and not self.busy[c]:
                 self.unclaimed -= 1
                 self.outstanding += 1
                 self.busy[c] = True
-                self.push(self.t + self.ms_h, "micro", c)
+                self.push(self.t + self.pending_h.popleft(), "micro", c)
         trained = self.taken == self.w.groups_per_step and not self.unclaimed and not self.outstanding
         if trained and all(self.phase[c] == TRAINING for c in self.members):
             # The optimizer update (negligible time) closes the step.

@@ -95,9 +95,12 @@ class Batch:
             self.taken.append(group)
             # Admission, materialisation and encoding on a worker thread: the event loop keeps
             # serving harness calls while a group is packed (the group's trees are closed).
+            # At least a micro-step per training cell over the step's groups: a cell holding the
+            # training role with none to claim would idle by construction.
+            share = -(-len(self.participants) // c.groups_per_step)
             steps, exec_index, counted = await asyncio.to_thread(
                 pack_group, group, j_max=c.j_max, seed=c.seed + group.id, next_exec=exec_index,
-                budget_tokens=c.micro_step_tokens, form=c.packing)
+                budget_tokens=c.micro_step_tokens, form=c.packing, min_steps=share)
             self.executions += counted
             self.groups.append(group)
             for ms in steps:

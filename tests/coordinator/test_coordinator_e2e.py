@@ -127,7 +127,7 @@ async def test_elastic_run_keeps_its_promises(tiny_dir, tmp_path):
 async def test_colocate_switches_its_cells_in_parallel(tiny_dir, tmp_path):
     """Colocate moves the whole pool at once: each cell's switch is its own task, so the
     switches of one transition overlap in time (one after another they would not), and
-    each keeps its own seconds in metrics.jsonl."""
+    each keeps its own seconds in metrics.jsonl; every training cell gets micro-steps."""
     tasks = write_tasks(tmp_path / "tasks.jsonl", 3)
     cfg = CoordinatorConfig(run_dir=tmp_path / "run", model_dir=tiny_dir, steps=1, policy="colocate", cells=3,
                             groups_per_step=2, group_size=2, min_valid=1, phi=0, mu=1, exec_slots_per_cell=2,
@@ -141,6 +141,10 @@ async def test_colocate_switches_its_cells_in_parallel(tiny_dir, tmp_path):
     starts = [x["t"] - x["seconds"] for x in to_training]
     ends = [x["t"] for x in to_training]
     assert max(starts) < min(ends)  # all three were under way at once
+    # Two groups, three training cells: each group is cut into two micro-steps, so no cell
+    # holds the training role with nothing to claim ([1, 1, 0] when a group was one).
+    (step,) = [x for x in lines if x["event"] == "step"]
+    assert len(step["group_ids"]) == 2 and all(n > 0 for n in step["micro_steps_by_cell"]), step
 
 
 @pytest.mark.timeout(300)

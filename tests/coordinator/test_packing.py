@@ -77,12 +77,18 @@ def train(trainer: CpuTrainer, steps) -> tuple[float, dict[str, torch.Tensor]]:
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**16), executions=st.integers(1, 4), calls=st.integers(1, 12),
-       j_max=st.one_of(st.none(), st.integers(1, 5)), budget=st.sampled_from([40, 120, 8192]))
-def test_tree_and_path_micro_steps_train_alike(trainer, seed, executions, calls, j_max, budget):
+       j_max=st.one_of(st.none(), st.integers(1, 5)), budget=st.sampled_from([40, 120, 8192]),
+       min_steps=st.integers(1, 4))
+def test_tree_and_path_micro_steps_train_alike(trainer, seed, executions, calls, j_max, budget, min_steps):
+    """However a group is cut into micro-steps (by the budget, or spread over the training
+    cells: min_steps), the step trains the same loss and gradients."""
     rng = random.Random(seed)
     trees = [random_tree(rng, calls) for _ in range(executions)]
     group = group_of(trees, [rng.randint(0, 4) / 4 for _ in trees])
-    tree_steps, n_tree, counted_tree = pack_group(group, j_max=j_max, seed=1, next_exec=0, budget_tokens=budget)
+    tree_steps, n_tree, counted_tree = pack_group(group, j_max=j_max, seed=1, next_exec=0, budget_tokens=budget,
+                                                  min_steps=min_steps)
+    if budget == 8192:  # each execution whole, one micro-step for all: spread over the cells, where it can
+        assert len(tree_steps) == min(min_steps, n_tree)
     path_steps, n_path, counted_path = pack_group(group, j_max=j_max, seed=1, next_exec=0, budget_tokens=budget,
                                                   form="paths")
     assert (n_tree, counted_tree) == (n_path, counted_path)
