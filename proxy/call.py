@@ -88,6 +88,7 @@ class ProxiedCall:
         except Exception as e:  # noqa: BLE001 - recorded and answered, never a silent drop
             log.exception("call %s failed", self.prep.call_id)
             self._record("error")
+            self._undelivered()  # recorded ok, then a failure before it went out: the harness gets the 500
             self.ex.note_answer(refused=True, why=f"500 internal error: {type(e).__name__}: {e}")
             return api_error(self.api, 500, f"internal error: {type(e).__name__}: {e}")
         finally:
