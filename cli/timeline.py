@@ -227,12 +227,26 @@ def compare_runs_svg(runs: list[tuple[str, SimResult, float]]) -> str:
     parts += _legend(left, y_axis + 36)
     y = y_axis + 60
     top_s = max(s for _, _, s in runs) or 1.0
-    parts.append(f'<text x="4" y="{y}">seconds per step</text>')
+    parts.append(f'<text x="4" y="{y}">seconds per step, each run</text>')
     for label, _, s in runs:
         y += 16
         parts.append(f'<text x="4" y="{y + 9}">{escape(label)}</text>'
                      f'<rect x="{left}" y="{y}" width="{width * s / top_s:.2f}" height="11" fill="#5a5a5a"/>'
                      f'<text x="{left + width * s / top_s + 4:.2f}" y="{y + 9}">{s:.2f} s</text>')
+    by_policy: dict[str, list[float]] = {}
+    for _, result, s in runs:
+        by_policy.setdefault(result.policy, []).append(s)
+    y += 30
+    parts.append(f'<text x="4" y="{y}">seconds per step, each policy: the mean, and the runs\' spread</text>')
+    for policy, xs in by_policy.items():
+        y += 16
+        mean, lo, hi = sum(xs) / len(xs), min(xs), max(xs)
+        parts.append(f'<g class="policy"><text x="4" y="{y + 9}">{escape(policy)} ({len(xs)})</text>'
+                     f'<rect x="{left}" y="{y}" width="{width * mean / top_s:.2f}" height="11" fill="#4c8bd6"/>'
+                     f'<line class="spread" x1="{left + width * lo / top_s:.2f}" y1="{y + 5.5}" '
+                     f'x2="{left + width * hi / top_s:.2f}" y2="{y + 5.5}" stroke="black" stroke-width="2"/>'
+                     f'<text x="{left + width * hi / top_s + 4:.2f}" y="{y + 9}">{mean:.2f} s ({lo:.2f}-{hi:.2f})'
+                     f'</text></g>')
     head = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 60}" height="{y + 24}" '
             f'font-family="sans-serif" font-size="10">')
     return "\n".join([head, *parts, "</svg>"])

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gyre.cli.timeline import role_timeline_svg, role_timeline_text
+from gyre.cli.timeline import compare_runs_svg, role_timeline_svg, role_timeline_text
 from gyre.coordinator.config import CoordinatorConfig
 from gyre.coordinator.sim import (
     PRESETS,
@@ -289,3 +289,17 @@ def test_a_micro_step_shorter_than_a_role_switch():
         assert r.steps == 30
         for _, _, phases in events:
             assert _is_prefix([p == "training" for p in phases])
+
+
+def test_compare_runs_svg_stacks_the_runs_on_one_axis_with_each_policys_spread():
+    runs = [(f"{i:02d}-{p}", simulate(TINY, policy=p, phi=0.5, mu=1, steps=3, seed=i), s)
+            for i, (p, s) in enumerate([("elastic", 20.0), ("colocate", 30.0), ("elastic", 22.0)])]
+    root = ET.fromstring(compare_runs_svg(runs))
+    ns = "{http://www.w3.org/2000/svg}"
+    labels = [t.text for t in root.iter(f"{ns}text")]
+    assert {"00-elastic", "01-colocate", "02-elastic"} <= set(labels)  # a band and a bar per run
+    policies = [g for g in root.iter(f"{ns}g") if g.get("class") == "policy"]
+    assert [g.find(f"{ns}text").text for g in policies] == ["elastic (2)", "colocate (1)"]
+    spread = policies[0].find(f"{ns}line")
+    assert float(spread.get("x1")) < float(spread.get("x2"))  # 20 s to 22 s
+    assert "21.00 s (20.00-22.00)" in [t.text for t in policies[0].iter(f"{ns}text")]
