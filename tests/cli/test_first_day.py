@@ -124,7 +124,7 @@ def test_a_missing_sandbox_backend_is_one_line_before_anything_starts(tmp_path, 
 
 def test_a_moved_run_directory_resumes_with_its_own_model(tmp_path):
     """config.json names the embedded model by its absolute path inside the old run directory."""
-    from gyre.cli.main import _moved_model
+    from gyre.cli.upconfig import moved_model as _moved_model
 
     run = tmp_path / "new"
     run.mkdir()

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from gyre.cli.main import _latest_run, _resolve_config, app
+from gyre.cli.main import _latest_run, app
+from gyre.cli.upconfig import resolve_config as _resolve_config
 from gyre.coordinator.resume import STATE_KEYS, step_dir, write_state
 from gyre.coordinator.rundir import RunDirError, claim, state
 from tests.cli.errors import one_line_error

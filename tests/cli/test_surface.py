@@ -14,7 +14,8 @@ import pytest
 from typer.testing import CliRunner
 
 from gyre.cli.common import sandbox_for
-from gyre.cli.main import _resolve_config, app
+from gyre.cli.main import app
+from gyre.cli.upconfig import resolve_config as _resolve_config
 from gyre.coordinator.sandbox.base import SandboxError
 from gyre.coordinator.sandbox.preflight import default_sandbox
 from gyre.coordinator.taskformats import load_task_source
@@ -229,7 +230,7 @@ def test_tasks_run_names_its_run_directory_as_its_help_says(tmp_path, monkeypatc
 def test_up_ed_sets_the_policys_matched_phi_and_mu(tmp_path, monkeypatch):
     """`gyre up --ed E` is bench/coordinator.py --ed's setting; with --set phi or mu, or a
     negative E, one line and no run directory."""
-    from gyre.cli.main import _matched
+    from gyre.cli.upconfig import matched as _matched
 
     monkeypatch.chdir(tmp_path)
     got = {}

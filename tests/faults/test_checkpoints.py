@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from gyre.cli.main import _resumable
+from gyre.cli.upconfig import resumable as _resumable
 from gyre.coordinator.resume import CHECKPOINTS, ResumeError, latest, step_dir
 from gyre.coordinator.rundir import RunState, state
 from tests.coordinator.scripted import HARNESS, write_tasks
