@@ -131,6 +131,17 @@ def _legend(x0: float, y: float) -> list[str]:
     return parts
 
 
+def _axis_svg(axis: Axis, x, left: float, width: float, y: float) -> list[str]:
+    """The time axis at height `y`: its line and labelled ticks (`x`: hours to the x pixel)."""
+    parts = [f'<line x1="{left}" y1="{y}" x2="{left + width}" y2="{y}" stroke="black"/>']
+    for v in axis.ticks:
+        xt = x(v / axis.per_hour)
+        parts.append(f'<g class="tick"><line x1="{xt:.2f}" y1="{y}" x2="{xt:.2f}" y2="{y + 5}" '
+                     f'stroke="black"/><text x="{xt:.2f}" y="{y + 17}" text-anchor="middle">'
+                     f'{escape(axis.label(v / axis.per_hour))}</text></g>')
+    return parts
+
+
 def role_timeline_svg(result: SimResult) -> str:
     """A standalone SVG: one row per cell colored by role, publications as vertical lines,
     a time axis fitted to the run's length and a legend."""
@@ -156,12 +167,7 @@ def role_timeline_svg(result: SimResult) -> str:
     for t, tip in _publications(result, axis):
         parts.append(f'<line class="publication" x1="{x(t):.2f}" y1="{top - 2}" x2="{x(t):.2f}" y2="{y_axis - 4}" '
                      f'stroke="{_PUBLICATION_COLOR}" stroke-width="1.5"><title>{escape(tip)}</title></line>')
-    parts.append(f'<line x1="{left}" y1="{y_axis}" x2="{left + width}" y2="{y_axis}" stroke="black"/>')
-    for v in axis.ticks:
-        xt = x(v / axis.per_hour)
-        parts.append(f'<g class="tick"><line x1="{xt:.2f}" y1="{y_axis}" x2="{xt:.2f}" y2="{y_axis + 5}" '
-                     f'stroke="black"/><text x="{xt:.2f}" y="{y_axis + 17}" text-anchor="middle">'
-                     f'{escape(axis.label(v / axis.per_hour))}</text></g>')
+    parts += _axis_svg(axis, x, left, width, y_axis)
     parts += _legend(left, y_axis + 40)
     parts.append("</svg>")
     return "\n".join(parts)
@@ -218,12 +224,7 @@ def compare_runs_svg(runs: list[tuple[str, SimResult, float]]) -> str:
                              f'{escape(role)}</title></rect>')
         y += row_h * result.cells + gap
     y_axis = y
-    parts.append(f'<line x1="{left}" y1="{y_axis}" x2="{left + width}" y2="{y_axis}" stroke="black"/>')
-    for v in axis.ticks:
-        xt = x(v / axis.per_hour)
-        parts.append(f'<line x1="{xt:.2f}" y1="{y_axis}" x2="{xt:.2f}" y2="{y_axis + 5}" stroke="black"/>'
-                     f'<text x="{xt:.2f}" y="{y_axis + 17}" text-anchor="middle">'
-                     f'{escape(axis.label(v / axis.per_hour))}</text>')
+    parts += _axis_svg(axis, x, left, width, y_axis)
     parts += _legend(left, y_axis + 36)
     y = y_axis + 60
     top_s = max(s for _, _, s in runs) or 1.0
