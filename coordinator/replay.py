@@ -59,7 +59,7 @@ def read_run(run_dir: Path) -> RecordedRun:
     policy = cfg.get("policy", "elastic")
     split = int(cfg.get("async_training_cells", 1)) if policy.startswith("async") else None
     return RecordedRun(run_dir, policy, float(cfg.get("phi", 0.0)), int(cfg.get("mu", 1)), split, steps, seconds,
-                       workload_from_metrics(metrics), _executions(events))
+                       workload_from_metrics(metrics, events), _executions(events))
 
 
 TOGETHER_S = 1.0  # executions started within this of one another started together

@@ -114,7 +114,7 @@ def duration_stats(w: Workload, *, queries: int, seed: int) -> dict[str, float]:
 # --- a workload from a real run ---------------------------------------------------------------
 
 
-def workload_from_metrics(path: str | Path) -> Workload:
+def workload_from_metrics(path: str | Path, events: list[dict] | None = None) -> Workload:
     """A Workload from a run's metrics.jsonl (and its config.json next to it, if present).
     Recorded groups' execution durations are replayed in the order the groups were dispatched
     (`ordered_groups`; timed_out ones end at the deadline; cancelled ones, which never
@@ -126,7 +126,8 @@ def workload_from_metrics(path: str | Path) -> Workload:
     journal from before `trainer_seconds` or `micro_steps`) keeps a stand-in, named in
     `assumed`. Cluster shape comes from config.json, else from the events."""
     path = Path(path)
-    events = read_events(path, warn=True).events  # a torn line skipped
+    if events is None:  # (a caller that read the journal already passes its events)
+        events = read_events(path, warn=True).events  # a torn line skipped
     cfg_path = path.parent / "config.json"
     cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
     assumed: list[str] = []
